@@ -1,0 +1,37 @@
+"""The contract between data and model: what a batch holds, and the shapes a model is built for.
+
+A collated training batch is a dict:
+
+    images        uint8   [B, n_obs_steps, n_cameras, H, W, 3]  raw RGB, normalised inside the model
+    obs_mask      bool    [B, n_obs_steps]     False for history steps before the episode start
+                                                (those steps repeat the first frame)
+    state         float32 [B, n_obs_steps, state_dim]          normalised with the dataset statistics
+    actions       float32 [B, action_horizon, action_dim]      normalised with the dataset statistics
+    action_mask   bool    [B, action_horizon]  False past the episode end (those steps repeat the last action)
+    instruction   list[str]                    the episode's language instruction
+    episode_index int64   [B]
+    frame_index   int64   [B]
+    sample_id     int64   [B]                  global frame index in the dataset, stable across runs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Shapes a model needs from its data; a data module builds one, the model consumes it."""
+
+    cameras: tuple[str, ...]
+    image_size: tuple[int, int]  # (height, width)
+    state_dim: int
+    action_dim: int
+    n_obs_steps: int
+    action_horizon: int
+    fps: float
+
+    def __post_init__(self) -> None:
+        # YAML and JSON give lists; keep the spec hashable and comparable.
+        object.__setattr__(self, "cameras", tuple(self.cameras))
+        object.__setattr__(self, "image_size", tuple(self.image_size))
