@@ -1,0 +1,166 @@
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import attention
+from uma_lightning.models import (
+    RobotModelConfig,
+    RobotTransformer,
+    count_parameters,
+    load_size,
+    preset_names,
+    training_flops_per_sample,
+)
+from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer
+from uma_lightning.models.transformer import apply_rotary, rotary_tables
+
+SPEC = DataSpec(cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10)
+
+
+def small_config(**overrides) -> RobotModelConfig:
+    backbone = load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128})
+    return RobotModelConfig(backbone=backbone, spec=SPEC, patch_size=8, max_text_len=16, n_action_bins=32, **overrides)
+
+
+def random_inputs(model: RobotTransformer, batch: int = 3, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    spec = model.cfg.spec
+    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
+    text_ids, text_mask = model.text_tokenizer(["reach the red square", "go", "touch blue"][:batch])
+    actions = torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
+    return images, state, text_ids, text_mask, model.action_binner.encode(actions).flatten(1)
+
+
+# ---- attention entry point ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal,prefix_len", [(False, 0), (True, 0), (True, 5)])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_sdpa_matches_reference(causal, prefix_len, kv_heads):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 11, 16)
+    k, v = torch.randn(2, kv_heads, 11, 16), torch.randn(2, kv_heads, 11, 16)
+    padding = torch.ones(2, 11, dtype=torch.bool)
+    padding[1, 2:4] = False
+    for mask in (None, padding):
+        kwargs = dict(causal=causal, prefix_len=prefix_len, key_padding_mask=mask)
+        torch.testing.assert_close(attention(q, k, v, backend="sdpa", **kwargs), attention(q, k, v, backend="reference", **kwargs), atol=1e-5, rtol=1e-5)
+
+
+def test_block_causal_mask_semantics():
+    """Prefix tokens see the whole prefix; later tokens never see the future."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    out = attention(q, k, v, causal=True, prefix_len=4)
+    # Changing key/value 3 (inside the prefix) changes output 0: the prefix is bidirectional.
+    v2 = v.clone()
+    v2[..., 3, :] += 1
+    assert not torch.allclose(attention(q, k, v2, causal=True, prefix_len=4)[..., 0, :], out[..., 0, :])
+    # Changing key/value 6 (an action token) leaves outputs 0..5 untouched: actions are causal.
+    v3 = v.clone()
+    v3[..., 6, :] += 1
+    torch.testing.assert_close(attention(q, k, v3, causal=True, prefix_len=4)[..., :6, :], out[..., :6, :])
+
+
+def test_unknown_attention_backend_is_a_clear_error():
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash3'"):
+        attention(q, q, q, backend="flash3")
+
+
+# ---- building blocks --------------------------------------------------------------------------
+
+
+def test_rotary_scores_depend_only_on_relative_position():
+    cos, sin = rotary_tables(16, 8, 10000.0)
+    q, k = torch.randn(8), torch.randn(8)
+    rotated_q = apply_rotary(q.expand(1, 1, 16, 8), cos, sin)[0, 0]
+    rotated_k = apply_rotary(k.expand(1, 1, 16, 8), cos, sin)[0, 0]
+    assert torch.allclose(rotated_q[3] @ rotated_k[1], rotated_q[10] @ rotated_k[8], atol=1e-5)
+    assert torch.allclose(rotated_q.norm(dim=-1), q.norm().expand(16), atol=1e-5)
+
+
+def test_byte_tokenizer_round_trip_and_padding():
+    tok = ByteTokenizer(max_len=8)
+    ids, mask = tok(["héllo", "a much longer instruction"])
+    assert tok.decode(ids[0]) == "héllo"
+    assert mask[0].tolist() == [True] * 6 + [False] * 2  # "é" is two UTF-8 bytes
+    assert mask[1].all() and tok.decode(ids[1]) == "a much l"
+
+
+def test_action_binner_bins_and_clamps():
+    binner = ActionBinner(8)
+    bins = torch.arange(8)
+    assert torch.equal(binner.encode(binner.decode(bins)), bins)
+    assert binner.encode(torch.tensor([-5.0, -1.0, 1.0, 7.0])).tolist() == [0, 0, 7, 7]
+
+
+# ---- the robot transformer --------------------------------------------------------------------
+
+
+def test_action_logits_are_causal_in_actions():
+    torch.manual_seed(0)
+    model = RobotTransformer(small_config())
+    images, state, text_ids, text_mask, actions = random_inputs(model)
+    logits = model(images, state, text_ids, text_mask, actions)
+    assert logits.shape == (3, SPEC.action_horizon * SPEC.action_dim, 32)
+    changed = actions.clone()
+    changed[:, 5] = (changed[:, 5] + 7) % 32
+    # logits[j] predicts token j from tokens < j: changing token 5 may only move logits 6 onward.
+    new_logits = model(images, state, text_ids, text_mask, changed)
+    torch.testing.assert_close(new_logits[:, :6], logits[:, :6])
+    assert not torch.allclose(new_logits[:, 6:], logits[:, 6:])
+
+
+def test_padding_bytes_do_not_leak_into_outputs():
+    torch.manual_seed(0)
+    model = RobotTransformer(small_config())
+    images, state, text_ids, text_mask, actions = random_inputs(model)
+    garbage = text_ids.masked_fill(~text_mask, 17)
+    torch.testing.assert_close(model(images, state, garbage, text_mask, actions), model(images, state, text_ids, text_mask, actions))
+
+
+def test_parameter_count_matches_the_module():
+    cfg = small_config()
+    assert count_parameters(cfg) == sum(p.numel() for p in RobotTransformer(cfg).parameters())
+
+
+def test_training_flops_match_torch_flop_counter():
+    cfg = small_config()
+    model = RobotTransformer(cfg)
+    # The reference backend is plain matmuls, which the flop counter sees one by one.
+    model.backbone.set_attention_backend("reference")
+    images, state, text_ids, text_mask, actions = random_inputs(model)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(images, state, text_ids, text_mask, actions)
+        F.cross_entropy(logits.flatten(0, 1), actions.flatten()).backward()
+    assert counter.get_total_flops() == 3 * training_flops_per_sample(cfg)
+
+
+def test_size_presets_have_the_advertised_parameter_counts():
+    spec = DataSpec(cameras=("top",), image_size=(64, 64), state_dim=4, action_dim=3, n_obs_steps=1, action_horizon=8, fps=10)
+    counts = {name: count_parameters(RobotModelConfig(backbone=load_size(name), spec=spec)) for name in preset_names()}
+    assert set(counts) >= {"tiny", "small", "1b", "7b"}
+    assert counts["tiny"] <= 5e6
+    assert 80e6 <= counts["small"] <= 130e6
+    assert 0.9e9 <= counts["1b"] <= 1.3e9
+    assert 6.5e9 <= counts["7b"] <= 7.5e9
+
+
+def test_size_resolution_errors_and_overrides(tmp_path):
+    with pytest.raises(ValueError, match="unknown model size 'smal'; did you mean 'small'"):
+        load_size("smal")
+    assert load_size({"name": "small", "n_layers": 6}) == dataclasses.replace(load_size("small"), n_layers=6)
+    custom = tmp_path / "mine.yaml"
+    custom.write_text("dim: 64\nn_layers: 1\nn_heads: 2\nn_kv_heads: 1\nffn_dim: 96\n")
+    assert load_size(str(custom)).ffn_dim == 96
+    custom.write_text("dim: 64\nn_layerz: 1\n")
+    with pytest.raises(ValueError, match=r"unknown model size key\(s\) \['n_layerz'\]"):
+        load_size(str(custom))
+    with pytest.raises(ValueError, match="not divisible by n_kv_heads"):
+        load_size({"dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 3, "ffn_dim": 8})

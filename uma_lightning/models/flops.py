@@ -1,0 +1,46 @@
+"""Parameter count and training FLOPs of the robot transformer, computed from its config.
+
+FLOPs count matrix multiplies only (2 per multiply-add), as ``torch.utils.flop_counter`` does, and
+attention as the dense S x S product that SDPA computes. Training is forward + backward, where a
+backward costs twice its forward, except for layers fed directly by data (patch projection, state
+projection) whose input needs no gradient, so their backward costs once their forward.
+"""
+
+from __future__ import annotations
+
+from uma_lightning.models.robot import RobotModelConfig
+from uma_lightning.models.tokenizers import ByteTokenizer
+
+
+def count_parameters(cfg: RobotModelConfig) -> int:
+    b, spec = cfg.backbone, cfg.spec
+    hd = b.head_dim
+    per_layer = b.dim * (b.n_heads + 2 * b.n_kv_heads) * hd + b.n_heads * hd * b.dim + 3 * b.dim * b.ffn_dim + 2 * b.dim
+    patch = 3 * cfg.patch_size**2 * b.dim + b.dim + cfg.patches_per_image * b.dim
+    embeddings = (ByteTokenizer.vocab_size + len(spec.cameras) + cfg.n_action_bins + spec.action_dim) * b.dim
+    state = spec.state_dim * b.dim + b.dim
+    head = b.dim * cfg.n_action_bins
+    return b.n_layers * per_layer + b.dim + patch + embeddings + state + head
+
+
+def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
+    """Forward FLOPs of one sample, split into the parts whose backward costs differ."""
+    b, spec = cfg.backbone, cfg.spec
+    seq, hd = cfg.seq_len, b.head_dim
+    n_images = spec.n_obs_steps * len(spec.cameras)
+    linear_per_token = b.dim * (b.n_heads + 2 * b.n_kv_heads) * hd + b.n_heads * hd * b.dim + 3 * b.dim * b.ffn_dim
+    return {
+        "data_fed": 2 * (n_images * cfg.patches_per_image * 3 * cfg.patch_size**2 * b.dim + spec.n_obs_steps * spec.state_dim * b.dim),
+        "backbone_linear": 2 * b.n_layers * seq * linear_per_token,
+        "attention": 4 * b.n_layers * b.n_heads * seq * seq * hd,
+        "head": 2 * cfg.n_action_tokens * b.dim * cfg.n_action_bins,
+    }
+
+
+def training_flops_per_sample(cfg: RobotModelConfig) -> int:
+    parts = forward_flops_per_sample(cfg)
+    return 2 * parts["data_fed"] + 3 * (parts["backbone_linear"] + parts["attention"] + parts["head"])
+
+
+def training_flops_per_token(cfg: RobotModelConfig) -> float:
+    return training_flops_per_sample(cfg) / cfg.seq_len

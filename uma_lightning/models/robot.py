@@ -1,0 +1,109 @@
+"""The multimodal robot transformer: modality tokenizers around the backbone, and an action-bin head.
+
+Token layout of one sample (the prefix attends bidirectionally, actions causally):
+
+    [ instruction bytes | obs step 1: camera patches..., state | ... | obs step T | action tokens ]
+    '------------------------------- prefix --------------------------------------'
+
+Actions are flattened to horizon x action_dim tokens (one per dimension per step, as RT-2 and
+pi0-FAST do) and predicted by next-token prediction: the hidden state at position i predicts
+action token i+1, so the last prefix token predicts the first action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from uma_lightning.data.spec import DataSpec
+from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer, ImagePatchTokenizer
+from uma_lightning.models.transformer import Transformer, TransformerConfig
+
+
+@dataclass(frozen=True)
+class RobotModelConfig:
+    backbone: TransformerConfig
+    spec: DataSpec
+    patch_size: int = 8
+    max_text_len: int = 32
+    n_action_bins: int = 256
+
+    @property
+    def patches_per_image(self) -> int:
+        height, width = self.spec.image_size
+        return (height // self.patch_size) * (width // self.patch_size)
+
+    @property
+    def tokens_per_obs_step(self) -> int:
+        return len(self.spec.cameras) * self.patches_per_image + 1  # + the state token
+
+    @property
+    def prefix_len(self) -> int:
+        return self.max_text_len + self.spec.n_obs_steps * self.tokens_per_obs_step
+
+    @property
+    def n_action_tokens(self) -> int:
+        return self.spec.action_horizon * self.spec.action_dim
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens fed to the backbone: the prefix and every action token but the last."""
+        return self.prefix_len + self.n_action_tokens - 1
+
+
+class RobotTransformer(nn.Module):
+    def __init__(self, cfg: RobotModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        dim, spec = cfg.backbone.dim, cfg.spec
+        self.text_tokenizer = ByteTokenizer(cfg.max_text_len)
+        self.action_binner = ActionBinner(cfg.n_action_bins)
+        self.text_embed = nn.Embedding(ByteTokenizer.vocab_size, dim)
+        self.image_tokenizer = ImagePatchTokenizer(spec.image_size, cfg.patch_size, dim)
+        self.camera_embed = nn.Embedding(len(spec.cameras), dim)
+        self.state_proj = nn.Linear(spec.state_dim, dim)
+        self.action_embed = nn.Embedding(cfg.n_action_bins, dim)
+        self.action_dim_embed = nn.Embedding(spec.action_dim, dim)
+        self.backbone = Transformer(cfg.backbone, max_seq_len=cfg.seq_len)
+        self.action_head = nn.Linear(dim, cfg.n_action_bins, bias=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        for embedding in (self.text_embed, self.camera_embed, self.action_embed, self.action_dim_embed):
+            nn.init.normal_(embedding.weight, std=0.02)
+        nn.init.normal_(self.image_tokenizer.position, std=0.02)
+        self.image_tokenizer.proj.reset_parameters()
+        self.state_proj.reset_parameters()
+        nn.init.normal_(self.action_head.weight, std=0.02)
+        self.backbone.init_weights()
+
+    def embed_prefix(self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor) -> torch.Tensor:
+        """[B, prefix_len, dim] from images [B, T, C, H, W, 3] uint8, state [B, T, state_dim], text ids [B, L]."""
+        batch, steps, cameras = images.shape[:3]
+        patches = self.image_tokenizer(images.flatten(0, 2))  # [B*T*C, P, dim]
+        patches = patches.view(batch, steps, cameras, -1, patches.shape[-1])
+        patches = patches + self.camera_embed.weight[None, None, :, None, :]
+        obs = torch.cat((patches.flatten(2, 3), self.state_proj(state).unsqueeze(2)), dim=2)
+        return torch.cat((self.text_embed(text_ids), obs.flatten(1, 2)), dim=1)
+
+    def embed_actions(self, action_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, n, dim] from flattened action-bin ids [B, n]; the dimension index is added per token."""
+        dims = torch.arange(action_tokens.shape[1], device=action_tokens.device) % self.cfg.spec.action_dim
+        return self.action_embed(action_tokens) + self.action_dim_embed(dims)
+
+    def forward(
+        self,
+        images: torch.Tensor,
+        state: torch.Tensor,
+        text_ids: torch.Tensor,
+        text_mask: torch.Tensor,
+        action_tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [B, n_action_tokens, n_bins] for every action token, given all previous ones."""
+        prefix = self.embed_prefix(images, state, text_ids)
+        h = torch.cat((prefix, self.embed_actions(action_tokens[:, :-1])), dim=1)
+        real = torch.ones(h.shape[0], h.shape[1] - text_mask.shape[1], dtype=torch.bool, device=h.device)
+        hidden = self.backbone(h, prefix_len=prefix.shape[1], key_padding_mask=torch.cat((text_mask, real), dim=1))
+        return self.action_head(hidden[:, prefix.shape[1] - 1 :])

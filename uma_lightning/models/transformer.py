@@ -1,0 +1,156 @@
+"""Decoder-only transformer backbone: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+Pure PyTorch, no distributed code: parallel plans in ``uma_lightning.parallel`` wrap it from the
+outside. The backbone maps token embeddings [B, S, dim] to hidden states [B, S, dim]; the
+modality tokenizers and heads around it live in ``robot.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from uma_lightning.kernels import attention
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Backbone dimensions; the size presets in ``configs/model/`` fill these in."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [seq_len, head_dim // 2] for positions 0..seq_len-1."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (x[..., :d/2], x[..., d/2:]) of x [B, H, S, D] by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.backend = "auto"
+
+    def forward(self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 rather than the configured head count: tensor parallelism shards heads across ranks.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.backend)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: TransformerConfig, max_seq_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Not persistent: derived from the config, so checkpoints carry weights only.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_weights()
+
+    def set_attention_backend(self, backend: str) -> None:
+        for layer in self.layers:
+            layer.attn.backend = backend
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer in place; also used after meta-device construction."""
+        cos, sin = rotary_tables(self.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=self.norm.weight.device)
+        self.rope_cos, self.rope_sin = cos, sin
+        # Residual projections are scaled down with depth so the residual stream's variance stays flat.
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for layer in self.layers:
+            for linear in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.ffn.w1, layer.ffn.w3):
+                nn.init.trunc_normal_(linear.weight, std=0.02)
+            for linear in (layer.attn.wo, layer.ffn.w2):
+                nn.init.trunc_normal_(linear.weight, std=out_std)
+            layer.attn_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+
+    def forward(self, h: torch.Tensor, *, prefix_len: int = 0, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if h.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence of {h.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask)
+        return self.norm(h)
