@@ -1,0 +1,18 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_environment(tmp_path_factory):
+    """Generated datasets go to one cache per test session; nothing logs to a real tracking server."""
+    cache = tmp_path_factory.mktemp("uma_cache")
+    saved = {key: os.environ.get(key) for key in ("UMA_CACHE_DIR", "MLFLOW_TRACKING_URI")}
+    os.environ["UMA_CACHE_DIR"] = str(cache)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -1,0 +1,189 @@
+"""The `uma` command: recipe composition, overrides, printing, and clear errors for bad configs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from uma_lightning.cli import UmaCLI, expand_includes, main
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "pretrain.yaml")
+# A few seconds of training: a one-layer backbone on a six-episode dataset.
+QUICK = [
+    "--model.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
+    "--data.n_episodes", "6",
+    "--data.batch_size", "4",
+    "--data.num_workers", "0",
+    "--trainer.max_steps", "4",
+    "--trainer.val_check_interval", "2",
+    "--trainer.limit_val_batches", "1",
+    "--trainer.enable_progress_bar", "false",
+]
+
+
+def run_main(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def resolved_config(args, capsys) -> dict:
+    code, out, err = run_main(["fit", "--config", RECIPE, *args, "--print_config"], capsys)
+    assert code in (0, None), err
+    return yaml.safe_load(out)
+
+
+# ---- composition and overrides ------------------------------------------------------------------
+
+
+def test_recipe_composes_its_fragments_in_order():
+    args = expand_includes(["fit", "--config", RECIPE, "--trainer.max_steps", "5"])
+    configs = [Path(args[i + 1]).resolve() for i, a in enumerate(args) if a == "--config"]
+    assert configs == [
+        REPO / "configs/trainer/default.yaml",
+        REPO / "configs/data/planar_arm.yaml",
+        REPO / "configs/tracking/mlflow.yaml",
+        REPO / "recipes/pretrain.yaml",
+    ]
+    assert args[-2:] == ["--trainer.max_steps", "5"]
+
+
+def test_print_config_is_fully_resolved(capsys):
+    config = resolved_config([], capsys)
+    assert "include" not in config
+    # From the fragments...
+    assert config["trainer"]["gradient_clip_val"] == 1.0
+    assert config["data"]["class_path"] == "uma_lightning.data.RobotDataModule"
+    assert config["trainer"]["logger"]["class_path"] == "uma_lightning.tracking.MLflowLogger"
+    # ...the recipe's own keys on top, merged into the fragment's logger rather than replacing it...
+    assert config["trainer"]["max_steps"] == 300
+    assert config["trainer"]["logger"]["init_args"]["experiment_name"] == "pretrain"
+    # ...and the size preset expanded to its dimensions.
+    assert config["model"]["init_args"]["size"] == {
+        "dim": 192, "n_layers": 4, "n_heads": 6, "n_kv_heads": 2, "ffn_dim": 512,
+        "norm_eps": 1e-5, "rope_theta": 10000.0, "name": "tiny",
+    }
+
+
+def test_any_key_can_be_overridden_on_the_command_line(capsys):
+    config = resolved_config(["--model.size", "small", "--trainer.max_steps", "50", "--data.batch_size", "8"], capsys)
+    assert config["model"]["init_args"]["size"]["dim"] == 768
+    assert config["model"]["init_args"]["size"]["name"] == "small"
+    assert config["trainer"]["max_steps"] == 50
+    assert config["data"]["init_args"]["batch_size"] == 8
+
+
+def test_size_dict_overrides_one_dimension_of_a_preset(capsys):
+    config = resolved_config(["--model.size", '{"name": "small", "n_layers": 6}'], capsys)
+    assert config["model"]["init_args"]["size"]["n_layers"] == 6
+    assert config["model"]["init_args"]["size"]["dim"] == 768
+
+
+# ---- bad configs: exit status 2, one short message naming the key or file -----------------------
+
+
+def write_recipe(tmp_path, body: dict) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"include": [RECIPE], **body}))
+    return str(path)
+
+
+def assert_short_error(code, err, *fragments):
+    assert code == 2
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_unknown_key_in_a_recipe_names_the_file_and_suggests(tmp_path, capsys):
+    recipe = write_recipe(tmp_path, {"trainer": {"max_stepz": 10}})
+    code, _, err = run_main(["fit", "--config", recipe], capsys)
+    assert_short_error(code, err, f"{recipe}: unknown key 'trainer.max_stepz'", "did you mean 'trainer.max_steps'?")
+
+
+def test_unknown_key_on_the_command_line_suggests(capsys):
+    code, _, err = run_main(["fit", "--config", RECIPE, "--data.batch_sise", "3"], capsys)
+    assert_short_error(code, err, "command line: unknown key", "batch_sise", "did you mean", "batch_size")
+
+
+def test_unknown_init_arg_of_the_model_suggests(tmp_path, capsys):
+    recipe = write_recipe(tmp_path, {"model": {"init_args": {"patch_sise": 4}}})
+    code, _, err = run_main(["fit", "--config", recipe], capsys)
+    assert_short_error(code, err, recipe, "takes no argument 'patch_sise'", "did you mean 'patch_size'?")
+
+
+def test_wrong_type_names_key_and_value(capsys):
+    code, _, err = run_main(["fit", "--config", RECIPE, "--trainer.max_steps", "ten"], capsys)
+    assert_short_error(code, err, "trainer.max_steps: expected int, got 'ten'")
+
+
+def test_missing_config_file_suggests_the_close_one(capsys):
+    missing = str(REPO / "recipes" / "pretrian.yaml")
+    code, _, err = run_main(["fit", "--config", missing], capsys)
+    assert_short_error(code, err, "config file not found", "pretrian.yaml", "did you mean", "pretrain.yaml")
+
+
+def test_missing_included_fragment_names_both_files(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("include: [nope/trainer.yaml]\n")
+    code, _, err = run_main(["fit", "--config", str(recipe)], capsys)
+    assert_short_error(code, err, str(recipe), "included file not found: nope/trainer.yaml")
+
+
+def test_unknown_class_suggests_the_close_one(capsys):
+    code, _, err = run_main(["fit", "--config", RECIPE, "--model", "uma_lightning.modules.PretrainModul"], capsys)
+    assert_short_error(code, err, "command line: model: unknown class 'uma_lightning.modules.PretrainModul'", "did you mean 'uma_lightning.modules.PretrainModule'?")
+
+
+def test_unknown_model_size_suggests(capsys):
+    code, _, err = run_main(["fit", "--config", RECIPE, "--model.size", "smal"], capsys)
+    assert_short_error(code, err, "unknown model size 'smal'", "did you mean 'small'?")
+
+
+def test_unknown_subcommand_suggests(capsys):
+    code, _, err = run_main(["fitt"], capsys)
+    assert_short_error(code, err, "unknown command 'fitt'", "did you mean 'fit'?")
+
+
+def test_bad_value_found_while_building_objects_is_a_config_error(tmp_path, capsys):
+    code, _, err = run_main(["fit", "--config", RECIPE, "--data.root", str(tmp_path / "no_such_dataset")], capsys)
+    assert_short_error(code, err, "no_such_dataset")
+
+
+# ---- training through the CLI -------------------------------------------------------------------
+
+
+def test_research_subclass_trains_through_class_path(tmp_path):
+    cli = UmaCLI(
+        [
+            "fit", "--config", RECIPE, *QUICK,
+            "--model", "research_module.LabelSmoothedPretrain",
+            "--model.smoothing", "0.2",
+            "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.logger", "false",
+        ]
+    )
+    from research_module import LabelSmoothedPretrain
+
+    assert type(cli.model) is LabelSmoothedPretrain
+    assert cli.model.loss_calls >= 4  # every training step went through the override
+    assert cli.trainer.global_step == 4
+    metrics = cli.trainer.callback_metrics
+    assert float(metrics["train/plain_loss"]) < float(metrics["train/loss"])  # smoothing adds a penalty
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_console_script_runs(tmp_path):
+    result = subprocess.run(
+        [Path(sys.executable).parent / "uma", "fit", "--config", RECIPE, "--print_config"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["trainer"]["max_steps"] == 300

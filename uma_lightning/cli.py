@@ -1,0 +1,162 @@
+"""The ``uma`` command: LightningCLI subcommands (fit, validate, test, predict) over recipes.
+
+A recipe is a LightningCLI config that may list fragments to compose, first to last, before its
+own keys:
+
+    include:
+      - ../configs/trainer/default.yaml
+      - ../configs/tracking/mlflow.yaml
+    trainer:
+      max_steps: 300
+
+Paths are relative to the file that includes them. ``uma fit --config R`` becomes
+``--config <fragments of R> --config R``, so LightningCLI merges them as it merges repeated
+``--config`` flags, and any key can still be overridden on the command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from argparse import SUPPRESS, ArgumentError
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+from jsonargparse.typing import register_type
+from lightning.pytorch.cli import LightningCLI
+
+from uma_lightning.cli_errors import ConfigError, explain, problem_lines
+from uma_lightning.data import RobotDataModule
+from uma_lightning.models.sizes import ModelSize
+from uma_lightning.modules import PretrainModule
+from uma_lightning.tracking import RecordRunConfig
+
+log = logging.getLogger("uma_lightning")
+
+register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
+
+
+class UmaCLI(LightningCLI):
+    """LightningCLI over ``PretrainModule`` and ``RobotDataModule`` (or any subclass given by class_path)."""
+
+    def __init__(self, args: Optional[list[str]] = None, run: bool = True):
+        self.recipe = _recipe_of(sys.argv[1:] if args is None else args)
+        super().__init__(
+            PretrainModule,
+            RobotDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            save_config_callback=RecordRunConfig,
+            save_config_kwargs={"overwrite": True, "recipe": self.recipe},
+            parser_kwargs={"exit_on_error": False},
+            args=args,
+            run=run,
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        args = expand_includes(sys.argv[1:] if args is None else list(args))
+        try:
+            self.config = parser.parse_args(args)
+        except ArgumentError as err:
+            raise ConfigError(explain(str(err), parser, args)) from None
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            # Raised by the configured classes' constructors: a config problem, not a crash.
+            raise ConfigError(f"bad value in config: {problem_lines(str(err))[0]}") from err
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # Consumed by expand_includes before parsing; hidden so printed configs stay fully resolved.
+        parser.add_argument("--include", type=Optional[list[str]], default=None, help=SUPPRESS)
+        # The model is built for the data's shapes, known once the data module has read its metadata.
+        parser.link_arguments("data", "model.init_args.spec", compute_fn=lambda data: data.spec, apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        trainer = self.config[self.subcommand]["trainer"] if self.subcommand else self.config["trainer"]
+        if trainer.get("precision") is None:
+            trainer["precision"] = _default_precision()
+
+    def before_fit(self) -> None:
+        run_dir = Path(self.trainer.default_root_dir).resolve()
+        for callback in self.trainer.checkpoint_callbacks:
+            if callback.dirpath is None:
+                callback.dirpath = str(run_dir / "checkpoints")
+        log.info("run dir: %s", run_dir)
+
+
+def _default_precision() -> str:
+    """bf16 autocast with fp32 master weights where the device has fast bf16, else full fp32."""
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        choice, why = "bf16-mixed", f"{torch.cuda.get_device_name()} supports bf16"
+    else:
+        choice, why = "32-true", "no bf16-capable GPU; CPU autocast to bf16 is slower than fp32 on most CPUs"
+    log.info("precision: %s (%s)", choice, why)
+    return choice
+
+
+def expand_includes(args: list[str]) -> list[str]:
+    """Replace each ``--config R`` by ``--config F1 ... --config Fn --config R`` for R's fragments."""
+    expanded: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--config" and index + 1 < len(args):
+            expanded += [item for path in _fragments(args[index + 1], chain=()) for item in ("--config", path)]
+            index += 2
+            continue
+        if arg.startswith("--config="):
+            expanded += [item for path in _fragments(arg.split("=", 1)[1], chain=()) for item in ("--config", path)]
+        else:
+            expanded.append(arg)
+        index += 1
+    return expanded
+
+
+def _fragments(config: str, chain: tuple[str, ...]) -> list[str]:
+    """``config`` preceded by everything it includes, depth first, in order."""
+    path = Path(config)
+    if not path.is_file():
+        return [config]  # an inline YAML string, or a missing file that the parser will report
+    resolved = str(path.resolve())
+    if resolved in chain:
+        raise ConfigError(f"{config}: include cycle: {' -> '.join(chain + (resolved,))}")
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{config}: not valid YAML: {err}") from None
+    includes = content.get("include") if isinstance(content, dict) else None
+    if includes is None:
+        return [config]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"{config}: 'include' must be a list of file paths, got {includes!r}")
+    out = []
+    for include in includes:
+        target = path.parent / include
+        if not target.is_file():
+            raise ConfigError(f"{config}: included file not found: {include} (looked for {target})")
+        out += _fragments(str(target), chain + (resolved,))
+    return out + [config]
+
+
+def _recipe_of(args: list[str]) -> Optional[str]:
+    configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+    configs += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    return configs[-1] if configs else None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        UmaCLI(argv)
+    except ConfigError as err:
+        print(f"uma: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

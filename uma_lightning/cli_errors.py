@@ -1,0 +1,169 @@
+"""Short, actionable messages for bad configs: which key or file, what was wrong, the close match.
+
+jsonargparse reports problems as multi-line ``ArgumentError`` texts; this module recognises the
+common ones (unknown key, wrong type, unknown class, missing file, unknown subcommand), locates
+the config file that set the offending key, and suggests the nearest valid name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(Exception):
+    """A configuration problem, reported to the user as one short message (exit status 2)."""
+
+
+def explain(message: str, parser, args: list[str]) -> str:
+    """Rewrite a jsonargparse error message; ``args`` are the (include-expanded) command-line arguments."""
+    located = _Locator(args)
+
+    if match := re.search(r"invalid choice: '([^']+)' \(choose from (.+)\)", message):
+        choices = re.findall(r"'([^']+)'", match.group(2))
+        return f"unknown command {match.group(1)!r}{_did_you_mean(match.group(1), choices)} (commands: {', '.join(choices)})"
+
+    if match := re.search(r"does not accept option '([^']+)'", message) or re.search(
+        r"unrecognized arguments: --([\w.]+)", message
+    ):
+        key = match.group(1)
+        return f"{located.where(key)}unknown key {key!r}{_did_you_mean(key, _known_keys(parser, args))}"
+
+    if match := re.search(r'Parser key "config": File does not exist: \'([^\']+)\'', message):
+        path = Path(match.group(1))
+        siblings = [str(p) for p in path.parent.glob("*.y*ml")] if path.parent.is_dir() else []
+        return f"config file not found: {path}{_did_you_mean(str(path), siblings)}"
+
+    lines = problem_lines(message)
+    key = ".".join(re.findall(r'Parser key "([^"]+)"', message)) or "config"
+    class_match = re.search(r"Problem with given class_path '([^']+)'", message)
+    problem = re.sub(r"^Not of type \w+: ", "", lines[-1]) if lines else message.strip()
+    if class_match:
+        class_path = class_match.group(1)
+        if option := re.search(r"Option '([^']+)' is not accepted", problem):
+            name = option.group(1)
+            full = f"{key}.init_args.{name}"
+            return (
+                f"{located.where(full, name)}unknown key {full!r}: {class_path} takes no argument {name!r}"
+                f"{_did_you_mean(name, _init_params(class_path))}"
+            )
+        if re.search(r"(has no attribute|No module named|Unable to import|does not correspond)", problem):
+            candidates = _class_candidates(class_path)
+            return f"{located.where(key, value=class_path)}{key}: unknown class {class_path!r}{_did_you_mean(class_path, candidates)}"
+    if expected := re.search(r"Expected a <class '([\w.]+)'>\. Got value: (.+)", problem):
+        return f"{located.where(key)}{key}: expected {expected.group(1)}, got {expected.group(2)!r}"
+    return f"{located.where(key)}{key}: {problem}"
+
+
+def problem_lines(message: str) -> list[str]:
+    """The meaningful lines of a jsonargparse message, without its Union boilerplate."""
+    boilerplate = (
+        "Does not validate against any of the Union subtypes",
+        "Subtypes:",
+        "Errors:",
+        "Given value",
+        "- Expected a <class 'NoneType'>",
+        "Parser key",
+        "Problem with given class_path",
+    )
+    stripped = (line.strip() for line in message.splitlines())
+    return [line.removeprefix("- ") for line in stripped if line and not line.startswith(boilerplate)]
+
+
+def _did_you_mean(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _parser_key(message: str) -> str:
+    match = re.search(r'Parser key "([^"]+)"', message)
+    return match.group(1) if match else "config"
+
+
+def _subcommand_parser(parser, args: list[str]):
+    action = getattr(parser, "_subcommands_action", None)
+    if action is None:
+        return parser
+    name = next((a for a in args if a in action.choices), None)
+    return action.choices.get(name, parser)
+
+
+def _known_keys(parser, args: list[str]) -> list[str]:
+    sub = _subcommand_parser(parser, args)
+    keys = [a.dest for a in sub._actions if a.dest not in ("help", "config")]
+    # Subclass-mode groups (model, data) only know their init args once a class is chosen; offer
+    # the arguments of the default classes too.
+    for group, class_path in (("model", "uma_lightning.modules.PretrainModule"), ("data", "uma_lightning.data.RobotDataModule")):
+        keys += [f"{group}.{p}" for p in _init_params(class_path)]
+        keys += [f"{group}.init_args.{p}" for p in _init_params(class_path)]
+    return keys
+
+
+def _init_params(class_path: str) -> list[str]:
+    cls = _import(class_path)
+    if cls is None:
+        return []
+    params = []
+    for klass in inspect.getmro(cls):
+        if "__init__" in vars(klass):
+            params += [p for p in inspect.signature(klass.__init__).parameters if p not in ("self", "args", "kwargs")]
+    return params
+
+
+def _class_candidates(class_path: str) -> list[str]:
+    module_name, _, _ = class_path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return []
+    return [f"{module_name}.{name}" for name, obj in vars(module).items() if inspect.isclass(obj)]
+
+
+def _import(class_path: str):
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+class _Locator:
+    """Finds which config file (or the command line) set a key, to point the user at it."""
+
+    def __init__(self, args: list[str]):
+        self.args = args
+        self.files = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config" and Path(args[i + 1]).is_file()]
+
+    def where(self, key: str, leaf: str | None = None, value: str | None = None) -> str:
+        """"command line: ", "<file>: " or "" for the last place that set ``key`` (or ``leaf``, or ``value``)."""
+        on_command_line = [a for a in self.args if a.startswith("--") and a != "--config"]
+        if (
+            any(a.startswith(f"--{key}") for a in on_command_line)
+            or (leaf and any(a.endswith(f".{leaf}") for a in on_command_line))
+            or (value and value in self.args)
+        ):
+            return "command line: "
+        for path in reversed(self.files):
+            text = Path(path).read_text()
+            keys = _flat_keys(yaml.safe_load(text) or {})
+            if key in keys or (leaf and any(k.endswith(f".{leaf}") for k in keys)) or (value and value in text):
+                return f"{path}: "
+        return ""
+
+
+def _flat_keys(tree, prefix: str = "") -> set[str]:
+    keys = set()
+    if isinstance(tree, dict):
+        for name, value in tree.items():
+            full = f"{prefix}{name}"
+            keys.add(full)
+            keys |= _flat_keys(value, f"{full}.")
+            # "model: {class_path, init_args: {lr}}" is also addressable as "model.lr".
+            if name == "init_args":
+                keys |= _flat_keys(value, prefix)
+    return keys
