@@ -1,5 +1,6 @@
 """Training callbacks, one concern per file; recipes switch them on through config."""
 
+from uma_lightning.callbacks.progress import ProgressLog
 from uma_lightning.callbacks.throughput import ThroughputLogger
 
-__all__ = ["ThroughputLogger"]
+__all__ = ["ProgressLog", "ThroughputLogger"]

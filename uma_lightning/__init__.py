@@ -1,6 +1,6 @@
 """uma-lightning: production training for humanoid-robot foundation models on PyTorch Lightning."""
 
-from importlib import import_module
+from uma_lightning._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -11,12 +11,5 @@ _EXPORTS = {
     "RobotDataModule": "uma_lightning.data",
     "DataSpec": "uma_lightning.data",
 }
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'uma_lightning' has no attribute {name!r}")
-
-
-__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,4 +1,4 @@
-"""The ``uma`` command: LightningCLI subcommands (fit, validate, test, predict) over recipes.
+"""The ``uma`` command: LightningCLI subcommands (fit, validate, test, predict) over recipes, plus tools.
 
 A recipe is a LightningCLI config that may list fragments to compose, first to last, before its
 own keys:
@@ -16,8 +16,10 @@ Paths are relative to the file that includes them. ``uma fit --config R`` become
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
+import warnings
 from argparse import SUPPRESS, ArgumentError
 from pathlib import Path
 from typing import Optional
@@ -36,6 +38,10 @@ from uma_lightning.tracking import RecordRunConfig
 log = logging.getLogger("uma_lightning")
 
 register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
+
+# Subcommands that are tools rather than training runs: name -> "module:function(argv) -> exit code".
+# Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
+TOOLS: dict[str, str] = {}
 
 
 class UmaCLI(LightningCLI):
@@ -61,7 +67,7 @@ class UmaCLI(LightningCLI):
         try:
             self.config = parser.parse_args(args)
         except ArgumentError as err:
-            raise ConfigError(explain(str(err), parser, args)) from None
+            raise ConfigError(explain(str(err), parser, args, tools=tuple(TOOLS))) from None
 
     def instantiate_classes(self) -> None:
         try:
@@ -149,10 +155,21 @@ def _recipe_of(args: list[str]) -> Optional[str]:
     return configs[-1] if configs else None
 
 
+def _quiet_library_noise() -> None:
+    """Drop messages that say nothing about the run: an advert, and a deprecation inside Lightning."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _quiet_library_noise()
+    if args and args[0] in TOOLS:
+        module, function = TOOLS[args[0]].split(":")
+        raise SystemExit(getattr(importlib.import_module(module), function)(args[1:]))
     try:
-        UmaCLI(argv)
+        UmaCLI(args)
     except ConfigError as err:
         print(f"uma: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

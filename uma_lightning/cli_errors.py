@@ -20,12 +20,13 @@ class ConfigError(Exception):
     """A configuration problem, reported to the user as one short message (exit status 2)."""
 
 
-def explain(message: str, parser, args: list[str]) -> str:
-    """Rewrite a jsonargparse error message; ``args`` are the (include-expanded) command-line arguments."""
+def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = ()) -> str:
+    """Rewrite a jsonargparse error message; ``args`` are the (include-expanded) command-line arguments,
+    ``tools`` the subcommands dispatched outside LightningCLI."""
     located = _Locator(args)
 
     if match := re.search(r"invalid choice: '([^']+)' \(choose from (.+)\)", message):
-        choices = re.findall(r"'([^']+)'", match.group(2))
+        choices = re.findall(r"'([^']+)'", match.group(2)) + list(tools)
         return f"unknown command {match.group(1)!r}{_did_you_mean(match.group(1), choices)} (commands: {', '.join(choices)})"
 
     if match := re.search(r"does not accept option '([^']+)'", message) or re.search(

@@ -1,31 +1,35 @@
-"""Robot datasets: the LeRobot v2.1 format, the embedded planar-arm dataset, and the data module."""
+"""Robot datasets: the LeRobot v2.1 format, the embedded planar-arm dataset, and the data module.
 
-from uma_lightning.data.datamodule import RobotDataModule, split_episodes
-from uma_lightning.data.dataset import DecodedVideoCache, FrameDataset, NormMode, Normalizer
-from uma_lightning.data.generate import CAMERA, default_cache_dir, ensure_dataset
-from uma_lightning.data.lerobot import DatasetError, EpisodeData, EpisodeInfo, LeRobotMetadata, LeRobotWriter
-from uma_lightning.data.spec import DataSpec
-from uma_lightning.data.video import DecodedVideo, VideoError, decode_frames_at, decode_video, encode_video
+Names are imported on first use, so that models can import the data contract (``data.spec``)
+without pulling in Lightning.
+"""
 
-__all__ = [
-    "CAMERA",
-    "DataSpec",
-    "DatasetError",
-    "DecodedVideo",
-    "DecodedVideoCache",
-    "EpisodeData",
-    "EpisodeInfo",
-    "FrameDataset",
-    "LeRobotMetadata",
-    "LeRobotWriter",
-    "NormMode",
-    "Normalizer",
-    "RobotDataModule",
-    "VideoError",
-    "decode_frames_at",
-    "decode_video",
-    "default_cache_dir",
-    "encode_video",
-    "ensure_dataset",
-    "split_episodes",
-]
+from uma_lightning._lazy import lazy_exports
+
+_EXPORTS = {
+    "DataSpec": "spec",
+    "RobotDataModule": "datamodule",
+    "split_episodes": "datamodule",
+    "DecodedVideoCache": "dataset",
+    "FrameDataset": "dataset",
+    "NormMode": "dataset",
+    "Normalizer": "dataset",
+    "CAMERA": "generate",
+    "default_cache_dir": "generate",
+    "ensure_dataset": "generate",
+    "DatasetError": "lerobot",
+    "EpisodeData": "lerobot",
+    "EpisodeInfo": "lerobot",
+    "LeRobotMetadata": "lerobot",
+    "LeRobotWriter": "lerobot",
+    "DecodedVideo": "video",
+    "VideoError": "video",
+    "decode_frames_at": "video",
+    "decode_video": "video",
+    "encode_video": "video",
+}
+
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

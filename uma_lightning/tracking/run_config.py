@@ -56,6 +56,13 @@ class RecordRunConfig(SaveConfigCallback):
                 facts[f"model.{name}"] = getattr(pl_module, name)
         logger.log_hyperparams(facts)
 
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        logger = _mlflow_logger(trainer)
+        if logger is not None and trainer.is_global_zero:
+            uri = logger._tracking_uri
+            how = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else f"open {uri}"
+            log.info("MLflow run %s in experiment %r; to browse runs: %s", logger.run_id, logger._experiment_name, how)
+
 
 def _mlflow_logger(trainer: Trainer) -> Optional[MLFlowLogger]:
     return next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)

@@ -1,0 +1,71 @@
+"""One log line every N training steps, and one per validation: readable in a terminal and in a job log.
+
+A progress bar redraws in place, which turns into noise in Slurm or Kubernetes logs; a line per
+interval shows the same things (step, loss, learning rate, throughput, time left) and stays greppable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+
+log = logging.getLogger("uma_lightning")
+
+
+class ProgressLog(Callback):
+    def __init__(self, every_n_steps: int = 10):
+        """
+        Args:
+            every_n_steps: Log a line after every this many optimizer steps (and after the last one).
+        """
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._start: float | None = None
+        self._start_step = 0
+
+    @rank_zero_only
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start, self._start_step = time.monotonic(), trainer.global_step
+        total = trainer.max_steps if trainer.max_steps > 0 else "?"
+        log.info("training: %s steps, %s process(es)", total, trainer.world_size)
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        if step == self._start_step or (step % self.every_n_steps and not last) or self._start is None:
+            return
+        elapsed = time.monotonic() - self._start
+        metrics = trainer.callback_metrics
+        parts = [f"step {step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
+        for name, fmt in (("train/loss", "loss {:.4f}"), ("lr", "lr {:.2e}"), ("grad_norm", "grad_norm {:.3f}"),
+                          ("throughput/samples_per_sec", "{:.1f} samples/s")):
+            if name in metrics:
+                parts.append(fmt.format(float(metrics[name])))
+        if trainer.max_steps > 0:
+            remaining = elapsed / (step - self._start_step) * (trainer.max_steps - step)
+            parts.append(f"eta {_duration(remaining)}")
+        log.info(" | ".join(parts))
+
+    @rank_zero_only
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._start is not None:
+            steps = trainer.global_step - self._start_step
+            log.info("trained %d steps in %s", steps, _duration(time.monotonic() - self._start))
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        values = [f"{name} {float(value):.4f}" for name, value in sorted(trainer.callback_metrics.items()) if name.startswith("val/")]
+        if values:
+            log.info("validation at step %d: %s", trainer.global_step, " | ".join(values))
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"

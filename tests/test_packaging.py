@@ -1,0 +1,79 @@
+"""Packaging: callbacks/ and kernels/ ship inside uma_lightning, from an editable install and a wheel."""
+
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"uma_lightning": "uma_lightning", "uma_lightning.callbacks": "callbacks", "uma_lightning.kernels": "kernels"}
+
+
+def declared_packages() -> list[str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+
+
+def test_every_source_package_is_declared():
+    expected = set()
+    for package, folder in PACKAGE_DIRS.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(REPO / folder).parts
+            expected.add(".".join((package, *relative)))
+    missing = expected - set(declared_packages())
+    assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
+
+
+def test_callbacks_and_kernels_are_not_top_level_modules():
+    code = (
+        "import importlib.util, uma_lightning.callbacks, uma_lightning.kernels;"
+        "assert importlib.util.find_spec('callbacks') is None and importlib.util.find_spec('kernels') is None;"
+        "print(uma_lightning.callbacks.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True).stdout
+    assert Path(out.strip()).parent == REPO / "callbacks"
+
+
+def test_models_import_neither_lightning_nor_distributed():
+    code = "import sys, uma_lightning.models; print(sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning', 'mlflow'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    for source in (REPO / "uma_lightning" / "models").rglob("*.py"):
+        assert "torch.distributed" not in source.read_text(), f"{source} must stay free of distributed code"
+
+
+@pytest.mark.slow
+def test_built_wheel_ships_and_imports_callbacks_kernels_and_configs(tmp_path):
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(REPO)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("uma_lightning-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "uma_lightning/callbacks/throughput.py" in names
+    assert "uma_lightning/kernels/attention.py" in names
+    assert "uma_lightning/configs/model/tiny.yaml" in names
+    assert not any(n.startswith(("callbacks/", "kernels/", "configs/")) for n in names)
+    # Import from the unpacked wheel alone, with the repository out of the way.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = (
+        "import uma_lightning.callbacks as c, uma_lightning.kernels as k, uma_lightning.models as m;"
+        "print(c.__file__); print(k.__file__); print(m.load_size('small').dim)"
+    )
+    # -S skips site-packages' .pth files, so the editable install's path finder is not active;
+    # the dependencies (torch, lightning...) are still importable from site-packages itself.
+    search_path = [str(site)] + [p for p in sys.path if p.endswith("site-packages")]
+    out = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {search_path!r}; {code}"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    callbacks_file, kernels_file, small_dim = out.stdout.split()
+    assert Path(callbacks_file).is_relative_to(site) and Path(kernels_file).is_relative_to(site)
+    assert small_dim == "768"
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (REPO / "README.md").read_text()
+    commands = re.findall(r"^(pip install -e \"\.\[dev[^\n]*pytest[^\n]*)$", readme, flags=re.M)
+    assert len(commands) == 1, "the README shows exactly one test command"
+    assert commands[0] in (REPO / ".ci" / "run").read_text().splitlines()
