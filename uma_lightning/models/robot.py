@@ -102,8 +102,23 @@ class RobotTransformer(nn.Module):
         action_tokens: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [B, n_action_tokens, n_bins] for every action token, given all previous ones."""
+        return self.action_head(self.action_hidden(images, state, text_ids, text_mask, action_tokens))
+
+    def action_hidden(
+        self,
+        images: torch.Tensor,
+        state: torch.Tensor,
+        text_ids: torch.Tensor,
+        text_mask: torch.Tensor,
+        action_tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [B, n_action_tokens, dim] that ``action_head`` maps to each action token's logits.
+
+        A loss can take these and the head's weight to a fused linear + cross-entropy, so the
+        logits are never materialised in full.
+        """
         prefix = self.embed_prefix(images, state, text_ids)
         h = torch.cat((prefix, self.embed_actions(action_tokens[:, :-1])), dim=1)
         real = torch.ones(h.shape[0], h.shape[1] - text_mask.shape[1], dtype=torch.bool, device=h.device)
         hidden = self.backbone(h, prefix_len=prefix.shape[1], key_padding_mask=torch.cat((text_mask, real), dim=1))
-        return self.action_head(hidden[:, prefix.shape[1] - 1 :])
+        return hidden[:, prefix.shape[1] - 1 :]

@@ -1,0 +1,428 @@
+"""Kernels against their references: Triton ops (in Triton's CPU interpreter here), attention backends,
+the model with every backend on ``auto`` or ``triton``, torch.compile, precision, and clear errors.
+
+Tolerances, per dtype, relative to the largest magnitude of the float32 reference (one rounding
+of the output to the dtype, plus accumulation order): see ``TOLERANCE``.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_models import SPEC, random_inputs, small_config
+
+from uma_lightning.kernels import KernelConfig, apply_rotary, attention, convert_to_float8, linear_cross_entropy, rms_norm, swiglu
+from uma_lightning.kernels import cross_entropy as cross_entropy_module
+from uma_lightning.kernels import dispatch
+from uma_lightning.kernels.attention import build_mask, reference_attention
+from uma_lightning.kernels.dispatch import resolve, triton_installed
+from uma_lightning.kernels.flash import FlashFunctions, flash_attention
+from uma_lightning.models import RobotTransformer
+from uma_lightning.models.transformer import rotary_tables
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPES = list(TOLERANCE)
+needs_triton = pytest.mark.skipif(not triton_installed(), reason="triton is not installed (pip install -e '.[dev]')")
+REFERENCE = KernelConfig(attention="reference", rms_norm="torch", swiglu="torch", rotary="torch", cross_entropy="torch")
+TRITON = KernelConfig(attention="sdpa", rms_norm="triton", swiglu="triton", rotary="triton", cross_entropy="triton")
+
+
+def assert_close(actual, expected, dtype, what=""):
+    tol = TOLERANCE[dtype]
+    scale = expected.abs().max().item() or 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def leaves(*tensors, dtype):
+    """Leaf copies in ``dtype`` and in float32 (the reference's inputs)."""
+    low = [t.to(dtype).requires_grad_() for t in tensors]
+    high = [t.detach().float().requires_grad_() for t in low]
+    return low, high
+
+
+# ---- fused ops against their references, in the Triton interpreter on CPU ---------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8), (7, 97), (2, 5, 130), (3, 1000), (300, 40)])  # the last: several programs, ragged
+def test_rms_norm_matches_reference(shape, dtype):
+    gen = torch.Generator().manual_seed(0)
+    (x, w), (xr, wr) = leaves(torch.randn(shape, generator=gen), 1 + 0.1 * torch.randn(shape[-1], generator=gen), dtype=dtype)
+    for backend in ("triton", "torch"):
+        y = rms_norm(x, w, 1e-5, backend=backend)
+        expected = F.rms_norm(xr, (shape[-1],), wr, 1e-5)
+        assert y.dtype == dtype and y.shape == x.shape
+        grad = torch.randn(shape, generator=gen)
+        for got, want, name in zip(torch.autograd.grad(y, (x, w), grad.to(dtype)), torch.autograd.grad(expected, (xr, wr), grad), ("dx", "dw")):
+            assert_close(got, want, dtype, f"{backend} {name}")
+        assert_close(y, expected, dtype, backend)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (3, 77), (2, 3, 513), (41, 500)])
+def test_swiglu_matches_reference(shape, dtype):
+    gen = torch.Generator().manual_seed(1)
+    (a, b), (ar, br) = leaves(torch.randn(shape, generator=gen) * 3, torch.randn(shape, generator=gen), dtype=dtype)
+    for backend in ("triton", "torch"):
+        y = swiglu(a, b, backend=backend)
+        expected = F.silu(ar) * br
+        assert_close(y, expected, dtype, backend)
+        grad = torch.randn(shape, generator=gen)
+        for got, want, name in zip(torch.autograd.grad(y, (a, b), grad.to(dtype)), torch.autograd.grad(expected, (ar, br), grad), ("da", "db")):
+            assert_close(got, want, dtype, f"{backend} {name}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("batch,heads,seq,head_dim", [(1, 1, 1, 2), (2, 3, 11, 12), (1, 2, 37, 34), (2, 4, 101, 64)])
+def test_rotary_matches_reference(batch, heads, seq, head_dim, layout, dtype):
+    gen = torch.Generator().manual_seed(2)
+    cos, sin = rotary_tables(seq + 5, head_dim, 10000.0)  # tables longer than the sequence, as in the model
+    if layout == "bshd":  # projections viewed as heads: [B, S, H, D] memory seen as [B, H, S, D]
+        base = torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2)
+    else:
+        base = torch.randn(batch, heads, seq, head_dim, generator=gen)
+    (x,), (xr,) = leaves(base, dtype=dtype)
+    y = apply_rotary(x, cos, sin, backend="triton")
+    expected = apply_rotary(xr, cos, sin, backend="torch")
+    assert_close(y, expected, dtype)
+    grad = torch.randn(y.shape, generator=gen)
+    assert_close(torch.autograd.grad(y, x, grad.to(dtype))[0], torch.autograd.grad(expected, xr, grad)[0], dtype, "dx")
+
+
+def rotary_by_angle(x, cos, sin):
+    """Rotary as complex multiplication: an independent statement of what the op computes."""
+    half = x.shape[-1] // 2
+    turned = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(torch.ones_like(cos).double(), torch.atan2(sin, cos).double())
+    return torch.cat((turned.real, turned.imag), dim=-1)
+
+
+def test_rotary_reference_is_a_rotation():
+    cos, sin = rotary_tables(9, 8, 10000.0)
+    x = torch.randn(2, 3, 9, 8)
+    torch.testing.assert_close(apply_rotary(x, cos, sin, backend="torch").double(), rotary_by_angle(x, cos, sin), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim,vocab", [(1, 8, 5), (45, 24, 300), (20, 16, 5000)])  # 5000: two column blocks per row
+def test_linear_cross_entropy_matches_unfused_loss(rows, dim, vocab, dtype, backend, monkeypatch):
+    monkeypatch.setattr(cross_entropy_module, "MIN_CHUNK_ROWS", 16)  # several ragged chunks at test sizes
+    gen = torch.Generator().manual_seed(3)
+    (h, w), (hr, wr) = leaves(torch.randn(rows, dim, generator=gen), torch.randn(vocab, dim, generator=gen) / dim**0.5, dtype=dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[1::4] = -100
+    loss, predicted = linear_cross_entropy(h, w, targets, backend=backend)
+    logits = hr @ wr.T
+    expected = F.cross_entropy(logits, targets, ignore_index=-100) if (targets != -100).any() else logits.sum() * 0
+    assert loss.dtype == torch.float32
+    assert_close(loss, expected, dtype, "loss")
+    exact = torch.equal(predicted, (h @ w.T).float().argmax(-1))
+    assert exact or dtype != torch.float32, "predictions must be the logits' argmax"
+    for got, want, name in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(expected, (hr, wr)), ("dhidden", "dweight")):
+        assert got.dtype == dtype
+        assert_close(got, want, dtype, name)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_linear_cross_entropy_edge_cases(backend):
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    # Every target ignored: loss 0 and zero gradients, not NaN.
+    loss, _ = linear_cross_entropy(h, w, torch.full((6,), -100), backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any()
+    # Without autograd no gradient is computed, and the loss is still right.
+    targets = torch.randint(0, 11, (2, 3))
+    with torch.no_grad():
+        loss, predicted = linear_cross_entropy(h.view(2, 3, 8), w, targets, backend=backend)
+    assert predicted.shape == (2, 3)
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.T, targets.flatten()).detach())
+    # Huge logits stay finite (the softmax is shifted by the row maximum).
+    loss, _ = linear_cross_entropy(h.detach() * 1e4, w.detach(), targets.flatten(), backend=backend)
+    assert torch.isfinite(loss)
+
+
+# ---- attention backends ---------------------------------------------------------------------
+
+MASKS = [
+    dict(causal=False),
+    dict(causal=True),
+    dict(causal=True, prefix_len=5),  # block-causal
+    dict(causal=True, prefix_len=11),  # everything is prefix
+]
+
+
+def padding_mask(batch: int, seq: int) -> torch.Tensor:
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    mask[-1, 2:4] = False  # padding inside the prefix, as short instructions leave it
+    return mask
+
+
+def qkv(kv_heads: int, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, 11, 16, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(2, kv_heads, 11, 16, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(2, kv_heads, 11, 16, generator=gen, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+def attention_and_grads(q, k, v, mask, real_rows, **kwargs):
+    out = attention(q, k, v, key_padding_mask=mask, **kwargs)
+    weight = torch.linspace(-1, 1, out.numel()).view_as(out) * real_rows[:, None, :, None]
+    return (out * real_rows[:, None, :, None], *torch.autograd.grad((out * weight).sum(), (q, k, v)))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_flash", "sdpa_math"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("masks", MASKS)
+def test_sdpa_backends_match_reference_with_grads(backend, kv_heads, padded, masks):
+    q, k, v = qkv(kv_heads)
+    mask = padding_mask(2, 11) if padded else None
+    real = mask if padded else torch.ones(2, 11, dtype=torch.bool)
+    got = attention_and_grads(q, k, v, mask, real, backend=backend, **masks)
+    want = attention_and_grads(q, k, v, mask, real, backend="reference", **masks)
+    for g, w, name in zip(got, want, ("out", "dq", "dk", "dv")):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def emulated_flash_functions() -> FlashFunctions:
+    """flash-attn's documented contract in plain PyTorch: [B, S, H, D], GQA, causal aligned bottom-right."""
+
+    def func(q, k, v, *, causal, **_):
+        seq_q, seq_k = q.shape[1], k.shape[1]
+        allowed = torch.arange(seq_k)[None, :] <= torch.arange(seq_q)[:, None] + seq_k - seq_q
+        mask = allowed if causal else None
+        out = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask, causal=False)
+        return out.transpose(1, 2)
+
+    def varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, **_):
+        assert cu_seqlens_q.dtype == torch.int32 and max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        outs = []
+        for i in range(len(cu_seqlens_q) - 1):
+            qs = slice(int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]))
+            ks = slice(int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1]))
+            outs.append(func(q[None, qs], k[None, ks], v[None, ks], causal=causal)[0])
+        return torch.cat(outs), torch.zeros(1)  # (out, lse), as FlashAttention-4 returns
+
+    return FlashFunctions(func=func, varlen_func=varlen_func)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("masks", MASKS + [dict(causal=True, prefix_len=1)])
+def test_flash_attention_masks_match_reference(kv_heads, padded, masks):
+    """Block-causal as two calls and padding through varlen give exactly the reference's attention."""
+    q, k, v = qkv(kv_heads, seed=1)
+    mask = padding_mask(2, 11) if padded else None
+    real = mask if padded else torch.ones(2, 11, dtype=torch.bool)
+    functions = emulated_flash_functions()
+    out = flash_attention(q, k, v, key_padding_mask=mask, functions=functions, prefix_len=masks.get("prefix_len", 0), causal=masks["causal"])
+    expected = attention(q, k, v, key_padding_mask=mask, backend="reference", **masks)
+    keep = real[:, None, :, None]
+    torch.testing.assert_close(out * keep, expected * keep, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad((out * keep).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * keep).sum(), (q, k, v))
+    for g, w in zip(grads, expected_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_block_causal_mask_is_what_the_docstring_says():
+    mask = build_mask(5, causal=True, prefix_len=3, key_padding_mask=None, device=torch.device("cpu"))
+    assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_query_that_sees_no_key_gets_zeros_not_nan():
+    q, k, v = qkv(4)
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[0, 0] = False  # causal: query 0 of sample 0 sees only key 0, which is padding
+    for backend in ("reference", "sdpa"):
+        out = attention(q, k, v, causal=True, key_padding_mask=mask, backend=backend)
+        assert torch.isfinite(out).all() and not out[0, :, 0].any(), backend
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4"])
+def test_unavailable_flash_backend_named_is_one_line_install_error(backend):
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(RuntimeError) as info:
+        attention(q, q, q, backend=backend)
+    message = str(info.value)
+    assert "\n" not in message and "not installed" in message and "pip install 'uma-lightning[flash" in message
+    with pytest.raises(ValueError, match=r"kernels.attention: .* pip install 'uma-lightning\[flash"):
+        KernelConfig(attention=backend)
+
+
+def test_sdpa_kernel_that_cannot_run_here_says_so_in_one_line():
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(RuntimeError) as info:
+        attention(q, q, q, backend="sdpa_cudnn")
+    assert "\n" not in str(info.value) and "'sdpa_cudnn' cannot run torch.float32 head_dim 16 on cpu" in str(info.value)
+
+
+def test_auto_logs_its_choice_once(caplog, monkeypatch):
+    monkeypatch.setattr(dispatch, "_logged", set())  # forget what earlier tests logged
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger="uma_lightning.kernels"):
+        for _ in range(3):
+            attention(q, q, q)
+            rms_norm(q, torch.ones(8, dtype=torch.float64), 1e-5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "attention backend: sdpa (auto on cpu torch.float64 head_dim 8: PyTorch picks its fused kernel per call: "
+        "flash for causal, memory-efficient or cuDNN under a mask)",
+        "kernel rms_norm: torch (auto: Triton kernels need a CUDA device, this tensor is on cpu)",
+    ]
+
+
+# ---- configuration errors -----------------------------------------------------------------
+
+
+def test_kernel_config_names_the_bad_key_and_the_close_match():
+    with pytest.raises(ValueError, match=r"kernels.rms_norm: unknown backend 'trition'; did you mean 'triton'\? \(choose from auto, triton, torch\)"):
+        KernelConfig(rms_norm="trition")
+    with pytest.raises(ValueError, match=r"kernels.attention: unknown backend 'sdpa_flsh'; did you mean 'sdpa_flash'\?"):
+        KernelConfig(attention="sdpa_flsh")
+    with pytest.raises(ValueError, match=r"kernels.linear: unknown backend 'fp8'"):
+        KernelConfig(linear="fp8")
+
+
+@needs_triton
+def test_triton_on_cpu_outside_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="kernels.swiglu=triton needs a CUDA tensor, got cpu; set TRITON_INTERPRET=1"):
+        resolve("swiglu", "triton", "cpu", torch.float32)
+
+
+def test_float8_without_its_requirements_is_a_clear_error():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with pytest.raises(RuntimeError, match=r"kernels.linear=float8 needs (torchao: pip install 'uma-lightning\[float8\]'|a CUDA GPU with compute capability 8.9)"):
+        convert_to_float8(model, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="float8 training needs a CUDA GPU with compute capability 8.9+ (Ada, Hopper)")
+def test_float8_linears_train_close_to_bf16():
+    pytest.importorskip("torchao", reason="float8 training needs torchao: pip install 'uma-lightning[float8]'")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256), torch.nn.Linear(256, 10)).cuda()
+    reference = copy.deepcopy(model)
+    convert_to_float8(model)
+    assert type(model[0]).__name__ == "Float8Linear" and type(model[3]).__name__ == "Linear"  # 10 outputs: not a multiple of 16
+    x = torch.randn(64, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = model(x).float(), reference(x).float()
+    assert (got - want).norm() / want.norm() < 0.1
+
+
+# ---- the model: every backend auto, or every op in Triton, against the reference -------------
+
+
+def model_loss_and_grads(kernels: KernelConfig, autocast: bool = False):
+    torch.manual_seed(0)
+    model = RobotTransformer(small_config())
+    model.backbone.set_kernels(kernels)
+    images, state, text_ids, text_mask, actions = random_inputs(model)
+    real = torch.ones_like(actions, dtype=torch.bool)
+    real[2, -4:] = False  # a chunk running past the episode's end
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if kernels.cross_entropy == "torch" and kernels.attention == "reference":
+            logits = model(images, state, text_ids, text_mask, actions).float()
+            loss = F.cross_entropy(logits.flatten(0, 1), actions.masked_fill(~real, -100).flatten())
+        else:
+            hidden = model.action_hidden(images, state, text_ids, text_mask, actions)
+            loss, _ = linear_cross_entropy(hidden, model.action_head.weight, actions.masked_fill(~real, -100), backend=kernels.cross_entropy)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_same_training_signal(got, want, tol):
+    loss, grads = got
+    want_loss, want_grads = want
+    torch.testing.assert_close(loss, want_loss, atol=tol, rtol=tol)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32, f"{name}: master gradients stay float32"
+        scale = want_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, want_grads[name], atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_model_with_every_backend_auto_matches_reference():
+    assert_same_training_signal(model_loss_and_grads(KernelConfig()), model_loss_and_grads(REFERENCE), tol=1e-4)
+
+
+@needs_triton
+def test_model_with_every_op_in_triton_matches_reference():
+    assert_same_training_signal(model_loss_and_grads(TRITON), model_loss_and_grads(REFERENCE), tol=1e-4)
+
+
+@needs_triton
+def test_bf16_mixed_with_triton_ops_keeps_fp32_master_weights():
+    """bf16 autocast (Lightning's bf16-mixed) with every op in Triton: float32 gradients, bf16-level agreement."""
+    assert_same_training_signal(model_loss_and_grads(TRITON, autocast=True), model_loss_and_grads(REFERENCE, autocast=True), tol=5e-2)
+
+
+def test_pretrain_module_loss_is_the_masked_mean_cross_entropy():
+    from uma_lightning.modules import PretrainModule
+
+    size = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
+    module = PretrainModule(spec=SPEC, size=size, max_text_len=16, n_action_bins=32)
+    module.configure_model()
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "images": torch.randint(0, 256, (3, SPEC.n_obs_steps, len(SPEC.cameras), *SPEC.image_size, 3), dtype=torch.uint8, generator=gen),
+        "state": torch.randn(3, SPEC.n_obs_steps, SPEC.state_dim, generator=gen),
+        "actions": torch.rand(3, SPEC.action_horizon, SPEC.action_dim, generator=gen) * 2 - 1,
+        "action_mask": torch.tensor([[True] * 4, [True] * 4, [True, True, False, False]]),
+        "instruction": ["reach the red square", "go", "touch blue"],
+    }
+    out = module.compute_loss(batch)
+    model = module.model
+    text_ids, text_mask = model.text_tokenizer(batch["instruction"])
+    targets = model.action_binner.encode(batch["actions"]).flatten(1)
+    logits = model(batch["images"], batch["state"], text_ids, text_mask, targets)
+    real = batch["action_mask"].repeat_interleave(SPEC.action_dim, dim=1)
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    torch.testing.assert_close(out["loss"], (losses * real).sum() / real.sum())
+    torch.testing.assert_close(out["token_accuracy"], ((logits.argmax(-1) == targets) & real).sum() / real.sum())
+
+
+# ---- torch.compile ------------------------------------------------------------------------
+
+
+@needs_triton
+def test_triton_ops_compile_without_graph_breaks():
+    """Custom ops with fake tensors and registered backwards: one graph, same values and gradients."""
+    cos, sin = rotary_tables(16, 8, 10000.0)
+
+    def block(x, w, a, b, q, h, head, targets):
+        normed = rms_norm(x, w, 1e-5, backend="triton")
+        gated = swiglu(a, b, backend="triton")
+        turned = apply_rotary(q, cos, sin, backend="triton")
+        loss, predicted = linear_cross_entropy(h, head, targets, backend="triton")
+        return normed.sum() + gated.sum() + turned.square().sum() + loss, predicted
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(*shape, generator=gen).requires_grad_() for shape in ((5, 24), (24,), (5, 40), (5, 40), (2, 2, 9, 8), (30, 8), (50, 8))]
+    targets = torch.randint(0, 50, (30,), generator=gen)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    got, got_pred = compiled(*inputs, targets)
+    got_grads = torch.autograd.grad(got, inputs)
+    want, want_pred = block(*inputs, targets)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_pred, want_pred)
+    for g, w in zip(got_grads, torch.autograd.grad(want, inputs)):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa_math", "reference"])
+def test_attention_backends_compile_without_graph_breaks(backend):
+    q, k, v = qkv(2)
+    mask = padding_mask(2, 11)
+    compiled = torch.compile(lambda *t: attention(*t, causal=True, prefix_len=5, key_padding_mask=mask, backend=backend), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), attention(q, k, v, causal=True, prefix_len=5, key_padding_mask=mask, backend="reference"), atol=1e-5, rtol=1e-5)
