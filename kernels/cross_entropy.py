@@ -70,7 +70,10 @@ def _linear_cross_entropy(
         rows_in_place(logits, targets[rows], scale, losses[rows], predictions[rows], ignore_index)
         if needs_grad:  # logits now hold d loss/d logits
             torch.mm(logits, weight, out=grad_hidden[rows])
-            grad_weight.add_(logits.T @ chunk)
+            if grad_weight.dtype == chunk.dtype:
+                grad_weight.addmm_(logits.T, chunk)  # in place: no vocabulary-sized temporary
+            else:
+                grad_weight.add_(logits.T @ chunk)  # half precision products, float32 sum over chunks
     return losses.sum() * scale, predictions, grad_hidden, grad_weight.to(weight.dtype) if needs_grad else grad_weight
 
 
@@ -89,7 +92,8 @@ def _backward(ctx, grad_loss, _predictions, _grad_hidden, _grad_weight):
     grad_hidden, grad_weight = ctx.saved_tensors
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError("linear_cross_entropy ran without gradients (grad mode was off or no input required grad)")
-    return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None, None, None
+    # Scaled in place: a second backward through the same graph then fails loudly (saved tensor modified).
+    return grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)), grad_weight.mul_(grad_loss.to(grad_weight.dtype)), None, None, None, None
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save)

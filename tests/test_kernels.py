@@ -6,7 +6,11 @@ Tolerances per dtype are in ``uma_lightning.kernels.checks.TOLERANCE``: max |act
 """
 
 import copy
+import importlib.util
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,3 +366,40 @@ def test_attention_backends_compile_without_graph_breaks(backend):
     mask = padding_mask(2, 11)
     compiled = torch.compile(lambda *t: attention(*t, causal=True, prefix_len=5, key_padding_mask=mask, backend=backend), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v), attention(q, k, v, causal=True, prefix_len=5, key_padding_mask=mask, backend="reference"), atol=1e-5, rtol=1e-5)
+
+
+# ---- the GPU script -----------------------------------------------------------------------
+
+GPU_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "kernels.py"
+
+
+@pytest.mark.slow
+@needs_triton
+def test_gpu_script_cpu_smoke_runs_cleanly_without_the_package_installed(tmp_path):
+    """As on the GPU machine: no uma-lightning install, only torch and friends; the script maps the checkout itself."""
+    site_packages = [p for p in sys.path if p.endswith("site-packages")]
+    code = f"import sys, runpy; sys.path[:0] = {site_packages!r}; sys.argv = ['kernels.py', '--cpu-smoke']; runpy.run_path({str(GPU_SCRIPT)!r}, run_name='__main__')"
+    # -S: no site hooks, so the editable install's import hook is not there.
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    for heading in ("correctness on cpu", "attention backends against the reference", "model with every backend auto", "Triton ops under torch.compile", "ops:", "attention:", "tiny model training step"):
+        assert f"=== {heading}" in out.stdout, heading
+    assert "all checks passed" in out.stdout and "FAILED" not in out.stdout
+    assert "uma_lightning: this checkout, not installed" in out.stdout
+
+
+def test_gpu_script_names_each_failed_check(capsys):
+    spec = importlib.util.spec_from_file_location("gpu_kernels_script", GPU_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    report = script.Report()
+
+    def broken():
+        raise ValueError("boom")
+
+    assert report.attempt("benchmark rms_norm triton", broken) is None
+    script._print_checks(report, [checks.Check("swiglu triton bfloat16 (3, 77)", error=0.5, allowed=0.01), checks.Check("fine", 0.0, 1.0)])
+    printed = capsys.readouterr().out
+    assert "FAILED benchmark rms_norm triton: ValueError: boom (at test_kernels.py:" in printed
+    assert "FAILED correctness swiglu triton bfloat16 (3, 77): max error 0.5 > allowed 0.01" in printed
+    assert report.failures == ["benchmark rms_norm triton", "correctness swiglu triton bfloat16 (3, 77)"]
