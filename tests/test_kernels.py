@@ -267,7 +267,7 @@ def test_float8_linears_train_close_to_bf16():
 def model_loss_and_grads(kernels: KernelConfig, autocast: bool = False):
     torch.manual_seed(0)
     model = RobotTransformer(small_config())
-    model.backbone.set_kernels(kernels)
+    model.set_kernels(kernels)
     images, state, text_ids, text_mask, actions = random_inputs(model)
     real = torch.ones_like(actions, dtype=torch.bool)
     real[2, -4:] = False  # a chunk running past the episode's end
@@ -276,8 +276,7 @@ def model_loss_and_grads(kernels: KernelConfig, autocast: bool = False):
             logits = model(images, state, text_ids, text_mask, actions).float()
             loss = F.cross_entropy(logits.flatten(0, 1), actions.masked_fill(~real, -100).flatten())
         else:
-            hidden = model.action_hidden(images, state, text_ids, text_mask, actions)
-            loss, _ = linear_cross_entropy(hidden, model.action_head.weight, actions.masked_fill(~real, -100), backend=kernels.cross_entropy)
+            loss, _ = model(images, state, text_ids, text_mask, actions, loss_targets=actions.masked_fill(~real, -100))
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
@@ -311,8 +310,11 @@ def test_pretrain_module_loss_is_the_masked_mean_cross_entropy():
     from uma_lightning.modules import PretrainModule
 
     size = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
-    module = PretrainModule(spec=SPEC, size=size, max_text_len=16, n_action_bins=32)
+    # kernels as a checkpoint's hyperparameters give it back: a plain dict
+    module = PretrainModule(spec=SPEC, size=size, max_text_len=16, n_action_bins=32, kernels={"attention": "sdpa_math", "rms_norm": "torch"})
     module.configure_model()
+    assert module.hparams["kernels"]["attention"] == "sdpa_math"
+    assert {m.kernels.attention for m in module.model.modules() if hasattr(m, "kernels")} == {"sdpa_math"}
     gen = torch.Generator().manual_seed(0)
     batch = {
         "images": torch.randint(0, 256, (3, SPEC.n_obs_steps, len(SPEC.cameras), *SPEC.image_size, 3), dtype=torch.uint8, generator=gen),

@@ -217,7 +217,7 @@ def small_model_and_batch(device, kernels):
     torch.manual_seed(0)
     with torch.device(device):
         model = RobotTransformer(RobotModelConfig(backbone=backbone, spec=spec, patch_size=8, max_text_len=16, n_action_bins=64))
-    model.backbone.set_kernels(kernels)
+    model.set_kernels(kernels)
     return model, random_batch(model, batch=3, device=device)
 
 
@@ -231,10 +231,11 @@ def random_batch(model, batch: int, device) -> dict:
     return {k: v.to(device) for k, v in dict(images=images, state=state, text_ids=text_ids, text_mask=text_mask, actions=actions).items()}
 
 
-def training_loss(model, batch, *, fused: bool, backend: str):
+def training_loss(model, batch, *, fused: bool):
+    """The fused linear + cross-entropy of the model's kernel config, or the plain logits-then-loss path."""
     args = (batch["images"], batch["state"], batch["text_ids"], batch["text_mask"], batch["actions"])
     if fused:
-        return linear_cross_entropy(model.action_hidden(*args), model.action_head.weight, batch["actions"], backend=backend)[0]
+        return model(*args, loss_targets=batch["actions"])[0]
     return F.cross_entropy(model(*args).float().flatten(0, 1), batch["actions"].flatten())
 
 
@@ -244,7 +245,7 @@ def model_agreement(report: Report, device, smoke: bool) -> None:
     for name, kernels in (("auto", KernelConfig()), ("reference", REFERENCE)):
         model, batch = small_model_and_batch(device, kernels)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = training_loss(model, batch, fused=name == "auto", backend=kernels.cross_entropy)
+            loss = training_loss(model, batch, fused=name == "auto")
         loss.backward()
         signals[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     dtype = torch.bfloat16 if autocast else torch.float32
@@ -259,7 +260,7 @@ def compiled_ops_agree(report: Report, device, smoke: bool) -> None:
     compile_backend = "aot_eager" if smoke else "inductor"
 
     def loss_fn(batch):
-        return training_loss(model, batch, fused=True, backend="triton")
+        return training_loss(model, batch, fused=True)
 
     results = []
     for name, fn in (("eager", loss_fn), ("compiled", torch.compile(loss_fn, backend=compile_backend, fullgraph=True))):
@@ -441,14 +442,14 @@ def _time_training(cfg, kernels, fused: bool, device, batch_size: int, warmup: i
     torch.manual_seed(0)
     with torch.device(device):
         model = RobotTransformer(cfg)
-    model.backbone.set_kernels(kernels)
+    model.set_kernels(kernels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = random_batch(model, batch_size, device)
     bench = Bench(device, repeats=1)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = training_loss(model, batch, fused=fused, backend=kernels.cross_entropy)
+            loss = training_loss(model, batch, fused=fused)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
-from uma_lightning.kernels import KernelConfig, convert_to_float8, linear_cross_entropy
+from uma_lightning.kernels import KernelConfig, convert_to_float8
 from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size, training_flops_per_sample
 from uma_lightning.models.sizes import ModelSize
 
@@ -69,7 +69,7 @@ class PretrainModule(L.LightningModule):
             max_text_len=max_text_len,
             n_action_bins=n_action_bins,
         )
-        self.kernels = kernels or KernelConfig()
+        self.kernels = KernelConfig(**kernels) if isinstance(kernels, dict) else kernels or KernelConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
         # Plain types only, so checkpoints load with weights_only=True and the resolved size is recorded.
         self.save_hyperparameters(
@@ -90,7 +90,7 @@ class PretrainModule(L.LightningModule):
 
     def build_model(self) -> nn.Module:
         model = RobotTransformer(self.model_config)
-        model.backbone.set_kernels(self.kernels)
+        model.set_kernels(self.kernels)
         if self.kernels.linear == "float8":
             convert_to_float8(model.backbone)  # the action head stays in higher precision
         return model
@@ -100,11 +100,8 @@ class PretrainModule(L.LightningModule):
         model = self.model
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
         targets = model.action_binner.encode(batch["actions"]).flatten(1)  # [B, horizon * action_dim]
-        hidden = model.action_hidden(batch["images"], batch["state"], text_ids, text_mask, targets)
         real = batch["action_mask"].repeat_interleave(self.spec.action_dim, dim=1)
-        loss, predicted = linear_cross_entropy(
-            hidden, model.action_head.weight, targets.masked_fill(~real, -100), ignore_index=-100, backend=self.kernels.cross_entropy
-        )
+        loss, predicted = model(batch["images"], batch["state"], text_ids, text_mask, targets, loss_targets=targets.masked_fill(~real, -100))
         accuracy = ((predicted == targets) & real).sum() / real.sum().clamp(min=1)
         return {"loss": loss, "token_accuracy": accuracy}
 
