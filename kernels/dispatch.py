@@ -21,6 +21,7 @@ log = logging.getLogger("uma_lightning.kernels")
 
 OP_BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INSTALL_TRITON = "pip install triton (CUDA builds of torch ship it)"
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class KernelConfig:
             raise ValueError(f"kernels.attention: {flash.install_hint(self.attention)}")
         for field in ("rms_norm", "swiglu", "rotary", "cross_entropy"):
             if getattr(self, field) == "triton" and not triton_installed():
-                raise ValueError(f"kernels.{field}=triton needs Triton: pip install triton (CUDA builds of torch ship it)")
+                raise ValueError(f"kernels.{field}=triton needs Triton: {INSTALL_TRITON}")
         if self.linear == "float8" and importlib.util.find_spec("torchao") is None:
             raise ValueError("kernels.linear=float8 needs torchao: pip install 'uma-lightning[float8]'")
 
@@ -84,7 +85,7 @@ def resolve(op: str, backend: str, device_type: str, dtype: torch.dtype) -> str:
         return "torch"
     if backend == "triton":
         if not triton_installed():
-            raise RuntimeError(f"kernels.{op}=triton needs Triton: pip install triton (CUDA builds of torch ship it)")
+            raise RuntimeError(f"kernels.{op}=triton needs Triton: {INSTALL_TRITON}")
         if device_type != "cuda" and not triton_interpreting():
             raise RuntimeError(
                 f"kernels.{op}=triton needs a CUDA tensor, got {device_type}; "
