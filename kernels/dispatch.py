@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import logging
 import os
@@ -79,6 +80,11 @@ def resolve(op: str, backend: str, device_type: str, dtype: torch.dtype) -> str:
     Runs eagerly even under torch.compile (its result is a constant of the graph), so the choice
     is logged once and an unavailable backend fails with its message rather than a graph break.
     """
+    return _resolve(op, backend, device_type, dtype, triton_interpreting())
+
+
+@functools.lru_cache(maxsize=None)  # called for every op of every forward: decide once per case
+def _resolve(op: str, backend: str, device_type: str, dtype: torch.dtype, interpreting: bool) -> str:
     if backend not in OP_BACKENDS:
         raise ValueError(f"kernels.{op}: unknown backend {backend!r}{did_you_mean(backend, OP_BACKENDS)} (choose from {', '.join(OP_BACKENDS)})")
     if backend == "torch":
@@ -86,7 +92,7 @@ def resolve(op: str, backend: str, device_type: str, dtype: torch.dtype) -> str:
     if backend == "triton":
         if not triton_installed():
             raise RuntimeError(f"kernels.{op}=triton needs Triton: {INSTALL_TRITON}")
-        if device_type != "cuda" and not triton_interpreting():
+        if device_type != "cuda" and not interpreting:
             raise RuntimeError(
                 f"kernels.{op}=triton needs a CUDA tensor, got {device_type}; "
                 "set TRITON_INTERPRET=1 to run Triton kernels on CPU in Triton's interpreter (slow, for tests)"

@@ -17,7 +17,7 @@ from uma_lightning.kernels.dispatch import resolve
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
     if resolve("rms_norm", backend, x.device.type, x.dtype) == "triton":
         return torch.ops.uma.rms_norm(x, weight, eps)[0]
-    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+    return F.rms_norm(x, (x.shape[-1],), weight if weight.dtype == x.dtype else weight.to(x.dtype), eps)
 
 
 @torch.library.custom_op("uma::rms_norm", mutates_args=())
