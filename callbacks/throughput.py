@@ -45,7 +45,9 @@ class ThroughputLogger(Callback):
             log.info("MFU peak: %.3g TFLOP/s per device (%s)", self._peak, source)
         logger = find_mlflow_logger(trainer)
         if logger is not None:
-            logger.log_hyperparams({"throughput.peak_tflops_per_device": self._peak, "throughput.peak_source": source})
+            # Tags, not params: a probe measures a slightly different peak when a run is resumed.
+            logger.experiment.set_tag(logger.run_id, "throughput.peak_tflops_per_device", f"{self._peak:.6g}")
+            logger.experiment.set_tag(logger.run_id, "throughput.peak_source", source)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         now = time.perf_counter()

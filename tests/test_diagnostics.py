@@ -60,9 +60,9 @@ def artifact_names(run, folder: str) -> list[str]:
 
 
 def test_mfu_is_model_flops_over_the_logged_peak(run):
-    params = run.run.data.params
-    peak = float(params["throughput.peak_tflops_per_device"])
-    assert peak > 0 and params["throughput.peak_source"].startswith("matmul probe on cpu")
+    tags = run.run.data.tags
+    peak = float(tags["throughput.peak_tflops_per_device"])
+    assert peak > 0 and tags["throughput.peak_source"].startswith("matmul probe on cpu")
     samples = history(run, "throughput/samples_per_sec")
     tflops = history(run, "throughput/tflops_per_device")
     mfu = history(run, "throughput/mfu_percent")
@@ -70,7 +70,7 @@ def test_mfu_is_model_flops_over_the_logged_peak(run):
     flops_per_sample = run.cli.model.flops_per_sample
     for step in samples:
         assert tflops[step] == pytest.approx(samples[step] * flops_per_sample / 1e12, rel=1e-5)
-        assert mfu[step] == pytest.approx(100 * tflops[step] / peak, rel=1e-5)
+        assert mfu[step] == pytest.approx(100 * tflops[step] / peak, rel=1e-4)
 
 
 @pytest.mark.parametrize(
