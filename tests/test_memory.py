@@ -41,7 +41,8 @@ def test_injected_leak_is_reported_with_its_growth_per_step(tmp_path, mlflow_sto
     rates = client.get_metric_history(cli.trainer.logger.run_id, "memory/cpu_rss_leak_mib_per_step")
     assert [m.step for m in rates][0] == first_step - 1  # Lightning's axis: step k is logged at k - 1
     # The rate reported is the injected one; the window that fires may still hold a clean step or two.
-    assert all(0.6 * LEAK_MIB < m.value < 1.3 * LEAK_MIB for m in rates), [m.value for m in rates]
+    assert all(0.5 * LEAK_MIB < m.value < 1.25 * LEAK_MIB for m in rates), [m.value for m in rates]
+    assert rates[-1].value == pytest.approx(LEAK_MIB, rel=0.1)  # a window all inside the leak
     assert warnings[0].args[1] == pytest.approx(rates[0].value)
 
 

@@ -34,7 +34,10 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
     run_dir, marker = tmp_path / "run", tmp_path / "hang_started.json"
     callbacks = [
         {"class_path": "uma_lightning.callbacks.HangWatchdog", "init_args": {"timeout_s": TIMEOUT_S}},
+        # The other per-step diagnostics come along, so their collectives run across two real ranks.
         {"class_path": "uma_lightning.callbacks.StepTimeBreakdown"},
+        {"class_path": "uma_lightning.callbacks.GradientAnomalies"},
+        {"class_path": "uma_lightning.callbacks.MemoryMonitor"},
     ]
     command = [
         str(Path(sys.executable).parent / "uma"), "fit", "--config", RECIPE, *QUICK,
@@ -93,6 +96,7 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
     assert run.info.status == "FAILED"
     assert json.loads(run.data.tags["watchdog.hang"])["rank"] == 0
     assert "stacks_rank0.txt" in [Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hang")]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "time/comm_ms")] == list(range(HANG_STEP))
+    for metric in ("time/comm_ms", "memory/cpu_rss_mib", "grad_norm"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == list(range(HANG_STEP)), metric
     world = json.loads((run_dir / "provenance" / "world.json").read_text())
     assert world["world_size"] == 2 and [r["rank"] for r in world["ranks"]] == [0, 1]
