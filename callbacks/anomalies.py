@@ -241,10 +241,10 @@ class GradientAnomalies(Callback):
             "time": time.time(),
         }
         culprit_names = ", ".join(c["parameter"] for c in event["culprits"])
-        log.warning("anomaly at step %d: %s (loss %s, grad_norm %s); action %s; culprits: %s",
-                    step, " + ".join(kinds), event["loss"], event["grad_norm"], action, culprit_names)
         log_step_metrics(trainer, {f"anomaly/{kind}": 1.0 for kind in kinds})
-        if trainer.is_global_zero:
+        if trainer.is_global_zero:  # every rank reached the same decision; one reports it
+            log.warning("anomaly at step %d: %s (loss %s, grad_norm %s); action %s; culprits: %s",
+                        step, " + ".join(kinds), event["loss"], event["grad_norm"], action, culprit_names)
             self._record(trainer, event)
         if action in ("skip", "rollback"):
             self._skip = True
