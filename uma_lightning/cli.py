@@ -29,6 +29,7 @@ import yaml
 from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
 
+from uma_lightning.callbacks import TrainingHalted
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
@@ -173,6 +174,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as err:
         print(f"uma: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingHalted as err:
+        print(f"uma: training halted: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":
