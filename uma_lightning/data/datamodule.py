@@ -5,6 +5,7 @@
 import logging
 import math
 import multiprocessing
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -20,6 +21,9 @@ from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
 
 logger = logging.getLogger(__name__)
+# Lightning warns that an IterableDataset's length may be off with several workers; here each worker
+# builds only its own share of the batches, so the length is exact.
+warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined")
 
 
 @dataclass

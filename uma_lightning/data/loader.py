@@ -24,7 +24,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from uma_lightning.data.dataset import BAD_DATA_ERRORS, FrameDataset
-from uma_lightning.data.lerobot import DatasetError
 from uma_lightning.data.order import EpochOrder, OrderConfig, SourceLayout
 from uma_lightning.data.prefetch import DevicePrefetcher
 
@@ -87,8 +86,8 @@ class BatchStream(IterableDataset):
                 if self.on_bad_data == "error":
                     raise
                 bad.append(f"{self.sources[d].metadata.root}: {error}")
-        if not samples:
-            raise DatasetError(f"every sample of batch {global_batch} (epoch {order.epoch}) is bad; the first: {bad[0]}")
+        if not samples:  # the loader counts these and moves on, keeping its position in step
+            return {BAD_SAMPLES_KEY: bad}
         batch = collate(samples)
         if bad:
             batch[BAD_SAMPLES_KEY] = bad
@@ -162,7 +161,8 @@ class RobotDataLoader(DataLoader):
             self.batches += 1
             if self.batches >= length:
                 self.epoch, self.batches = self.epoch + 1, 0
-            yield batch
+            if batch:  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
+                yield batch
 
     def state_dict(self) -> dict[str, Any]:
         # Positions are stored in global batches (all ranks), so a run can resume on another number of ranks.
