@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -122,40 +123,42 @@ class ShardCache:
                 f"{url} is {size / 2**20:.1f} MiB, larger than the whole shard cache "
                 f"({self.max_bytes / 2**20:.1f} MiB in {self.directory}); raise the cache size"
             )
-        self._make_room(size)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        reservation = partial.with_name(partial.name[: -len(".partial")] + ".reserve.json")
+        self._make_room(size, reservation)
         sha256, md5, written = hashlib.sha256(), hashlib.md5(), 0
         start = time.perf_counter()
         try:
-            with self.fs.open(url, "rb") as source, open(partial, "wb") as target:
-                while chunk := source.read(CHUNK_BYTES):
-                    target.write(chunk)
-                    sha256.update(chunk)
-                    md5.update(chunk)
-                    written += len(chunk)
-        except OSError as error:
+            try:
+                with self.fs.open(url, "rb") as source, open(partial, "wb") as target:
+                    while chunk := source.read(CHUNK_BYTES):
+                        target.write(chunk)
+                        sha256.update(chunk)
+                        md5.update(chunk)
+                        written += len(chunk)
+            except OSError as error:
+                raise StorageError(f"cannot download {url}: {error}") from error
+            etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+            if written != size:
+                raise StorageError(f"download of {url} is corrupt: got {written} bytes, the server lists {size}")
+            if len(etag) == 32 and "-" not in etag and md5.hexdigest() != etag:  # a plain MD5 ETag (single-part upload)
+                raise StorageError(f"download of {url} is corrupt: MD5 {md5.hexdigest()} differs from the ETag {etag}")
+            os.replace(partial, path)
+            _sidecar(path).write_text(json.dumps({"url": url, "size": size, "sha256": sha256.hexdigest(), "etag": etag}))
+        finally:
             partial.unlink(missing_ok=True)
-            raise StorageError(f"cannot download {url}: {error}") from error
-        etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-        problem = None
-        if written != size:
-            problem = f"got {written} bytes, the server lists {size}"
-        elif len(etag) == 32 and "-" not in etag and md5.hexdigest() != etag:  # a plain MD5 ETag (single-part upload)
-            problem = f"MD5 {md5.hexdigest()} differs from the ETag {etag}"
-        if problem:
-            partial.unlink(missing_ok=True)
-            raise StorageError(f"download of {url} is corrupt: {problem}")
-        os.replace(partial, path)
-        _sidecar(path).write_text(json.dumps({"url": url, "size": size, "sha256": sha256.hexdigest(), "etag": etag}))
+            reservation.unlink(missing_ok=True)
         self._verified.add(url)
         self.downloads += 1
         logger.debug("downloaded %s (%.1f MiB) in %.2fs", url, size / 2**20, time.perf_counter() - start)
         return path
 
-    def _make_room(self, incoming: int) -> None:
+    def _make_room(self, incoming: int, reservation: Path) -> None:
+        """Evict least recently used files until the cached files, the downloads in flight (of every
+        process sharing the cache) and `incoming` fit; then reserve `incoming` for this download."""
         with _locked(self.directory / ".evict.lock"):
             entries = sorted(self._entries(), key=lambda item: item[0].stat().st_mtime if item[0].exists() else 0)
-            total = sum(entry["size"] for _, entry in entries)
+            total = sum(entry["size"] for _, entry in entries) + self._reserved()
             for path, entry in entries:
                 if total + incoming <= self.max_bytes:
                     break
@@ -164,6 +167,20 @@ class ShardCache:
                 _sidecar(path).unlink(missing_ok=True)
                 total -= entry["size"]
                 logger.debug("evicted %s from the shard cache", entry.get("url"))
+            reservation.write_text(json.dumps({"size": incoming, "pid": os.getpid()}))
+
+    def _reserved(self) -> int:
+        """Bytes of downloads in flight, skipping reservations left by processes that died."""
+        total = 0
+        for path in self.directory.glob("*/*.reserve.json"):
+            try:
+                entry = json.loads(path.read_text())
+                os.kill(entry["pid"], 0)
+            except (OSError, ValueError, KeyError):
+                path.unlink(missing_ok=True)
+                continue
+            total += entry["size"]
+        return total
 
     def _entries(self) -> Iterator[tuple[Path, dict]]:
         for sidecar in self.directory.glob("*/*.meta.json"):
