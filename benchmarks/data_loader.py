@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,8 +23,6 @@ import numpy as np
 import torch
 
 from harness import median, print_table
-from uma_lightning.callbacks import DataWaitLogger
-from uma_lightning.cli import UmaCLI
 from uma_lightning.data import RobotDataModule, VideoReader
 from uma_lightning.data.order import EpochOrder
 
@@ -72,17 +71,21 @@ def loader_seconds(dm: RobotDataModule, n_batches: int) -> float:
 
 
 def recipe_wait_fraction(steps: int) -> tuple[float, float, float]:
-    with tempfile.TemporaryDirectory() as workdir:
-        cli = UmaCLI(
-            [
-                "fit", "--config", RECIPE,
-                "--trainer.max_steps", str(steps),
-                "--trainer.default_root_dir", f"{workdir}/run",
-                "--trainer.logger.init_args.store_dir", f"{workdir}/mlruns",
-            ]
-        )
-    wait = next(c for c in cli.trainer.callbacks if isinstance(c, DataWaitLogger))
-    return wait.total_wait / wait.total_step, wait.total_wait, wait.total_step
+    """Run the recipe as `uma fit` does, in a fresh process (its own thread settings), and read the
+    totals of its DataWaitLogger."""
+    script = (
+        "import sys, tempfile\n"
+        "from uma_lightning.callbacks import DataWaitLogger\n"
+        "from uma_lightning.cli import UmaCLI\n"
+        "with tempfile.TemporaryDirectory() as workdir:\n"
+        "    cli = UmaCLI(['fit', '--config', sys.argv[1], '--trainer.max_steps', sys.argv[2],\n"
+        "                  '--trainer.default_root_dir', workdir + '/run', '--trainer.logger.init_args.store_dir', workdir + '/mlruns'])\n"
+        "wait = next(c for c in cli.trainer.callbacks if isinstance(c, DataWaitLogger))\n"
+        "print('DATA_WAIT', wait.total_wait, wait.total_step)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, RECIPE, str(steps)], capture_output=True, text=True, check=True)
+    waited, total = (float(v) for v in done.stdout.split("DATA_WAIT")[-1].split())
+    return waited / total, waited, total
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 # No `from __future__ import annotations`: LightningCLI (jsonargparse) reads the real annotations of
 # `RobotDataModule.__init__` to build the command line.
+import dataclasses
 import logging
 import math
 import multiprocessing
@@ -125,7 +126,8 @@ class RobotDataModule(L.LightningDataModule):
             on_bad_data: A sample whose files are missing, corrupt or disagree with meta/info.json:
                 error stops with a message naming the episode and file; skip leaves it out of its
                 batch (which gets smaller), counts it and logs it.
-            storage_options: fsspec options for remote roots (credentials, endpoint_url, ...).
+            storage_options: fsspec options for remote roots (endpoint_url, ...). Not saved in checkpoints;
+                prefer the usual environment variables or credential files for secrets.
             shard_cache_dir: Local cache of remote files; None uses <cache dir>/shards.
             shard_cache_gb: Size limit of the local cache of remote files, in GiB.
             prefetch_batches: Batches ahead whose remote files each worker downloads in the background.
@@ -145,9 +147,11 @@ class RobotDataModule(L.LightningDataModule):
             )
         if datasets is not None and root is not None:
             raise ValueError("give either root or datasets (a mixture), not both")
-        self.save_hyperparameters()
+        # Plain types only, so checkpoints load with weights_only=True; storage options may hold credentials.
+        self.save_hyperparameters(ignore=["datasets", "storage_options"])
         if datasets:
             sources = [s if isinstance(s, DatasetSource) else DatasetSource(**s) for s in datasets]
+            self.hparams["datasets"] = [dataclasses.asdict(s) for s in sources]
         elif root is not None:
             sources = [DatasetSource(root)]
         else:
