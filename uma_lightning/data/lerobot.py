@@ -244,13 +244,15 @@ class LeRobotMetadata:
     # ---- internals ---------------------------------------------------------------------------
 
     def _local(self, episode_index: int, relative: str, kind: str) -> Path:
-        try:
-            path = self.storage.path(relative)
-        except StorageError as error:
-            raise DatasetError(f"episode {episode_index}: {kind} file {self.storage.url(relative)}: {error}") from error
-        if not path.is_file():
-            raise DatasetError(f"episode {episode_index}: {kind} file {path} is missing")
-        return path
+        # A remote file's cached copy can be evicted by another process between download and use: fetch it again once.
+        for attempt in range(2 if self.storage.remote else 1):
+            try:
+                path = self.storage.path(relative)
+            except StorageError as error:
+                raise DatasetError(f"episode {episode_index}: {kind} file {self.storage.url(relative)}: {error}") from error
+            if path.is_file():
+                return path
+        raise DatasetError(f"episode {episode_index}: {kind} file {path} is missing")
 
     def _read(
         self,

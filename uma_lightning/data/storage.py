@@ -27,6 +27,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 * 2**20
+RECENT_S = 10.0
 
 
 class StorageError(RuntimeError):
@@ -157,11 +158,17 @@ class ShardCache:
         """Evict least recently used files until the cached files, the downloads in flight (of every
         process sharing the cache) and `incoming` fit; then reserve `incoming` for this download."""
         with _locked(self.directory / ".evict.lock"):
-            entries = sorted(self._entries(), key=lambda item: item[0].stat().st_mtime if item[0].exists() else 0)
+            entries = sorted(self._entries(), key=lambda item: _mtime(item[0]))
             total = sum(entry["size"] for _, entry in entries) + self._reserved()
+            # Files used in the last RECENT_S seconds were just handed to a reader that may not have
+            # opened them yet: they go last, and only when nothing else frees enough room.
+            recent = time.time() - RECENT_S
+            entries = [e for e in entries if _mtime(e[0]) < recent] + [e for e in entries if _mtime(e[0]) >= recent]
             for path, entry in entries:
                 if total + incoming <= self.max_bytes:
                     break
+                if _mtime(path) >= recent:
+                    logger.warning("shard cache %s is smaller than the files in use; evicting recently used %s", self.directory, entry.get("url"))
                 # Unlinking a file another process has open is safe on POSIX: its reads go on.
                 path.unlink(missing_ok=True)
                 _sidecar(path).unlink(missing_ok=True)
@@ -271,6 +278,13 @@ class Storage:
                 raise StorageError(f"{self.root}: remote data needs a local shard cache directory")
             self._cache = ShardCache(self.cache_dir, self.cache_bytes, self.fs, self.prefetch_threads)
         return self._cache
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _sidecar(path: Path) -> Path:
