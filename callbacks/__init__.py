@@ -1,6 +1,7 @@
 """Training callbacks, one concern per file; recipes switch them on through config."""
 
 from uma_lightning.callbacks.anomalies import GradientAnomalies, TrainingHalted
+from uma_lightning.callbacks.bad_data import BadDataCounter
 from uma_lightning.callbacks.memory import MemoryMonitor
 from uma_lightning.callbacks.profiler import ProfilerTraces
 from uma_lightning.callbacks.progress import ProgressLog
@@ -9,6 +10,7 @@ from uma_lightning.callbacks.throughput import ThroughputLogger
 from uma_lightning.callbacks.watchdog import HangWatchdog
 
 __all__ = [
+    "BadDataCounter",
     "GradientAnomalies",
     "HangWatchdog",
     "MemoryMonitor",

@@ -2,7 +2,8 @@
 
 Phases are cut at Lightning's hooks:
 
-    data_wait   end of the previous batch -> on_train_batch_start (fetching the batch, moving it to the device)
+    data_wait   end of the previous batch -> on_train_batch_start (fetching the batch, moving it to the device);
+                also logged as a fraction of the whole step, the number to watch for input-bound training
     forward     on_train_batch_start -> on_before_backward (training_step, zero_grad)
     backward    on_before_backward -> on_after_backward (DDP's gradient all-reduce overlaps it)
     optimizer   on_after_backward -> on_train_batch_end (clipping, optimizer and scheduler step)
@@ -93,6 +94,9 @@ class StepTimeBreakdown(Callback):
         self._marks: dict = {}
         self._data_wait: Optional[float] = None
         self._pending: Optional[_Step] = None
+        # Running totals over the steps whose data wait is known, for the whole run's wait share.
+        self.total_data_wait = 0.0
+        self.total_step = 0.0
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._on_cuda = pl_module.device.type == "cuda"
@@ -145,6 +149,10 @@ class StepTimeBreakdown(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._interrupted = True
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A new epoch restarts the loader (worker start-up): not steady-state data wait.
+        self._previous_end = None
+
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         self._interrupted = True
 
@@ -161,7 +169,11 @@ class StepTimeBreakdown(Callback):
             "time/optimizer_ms": 1e3 * _seconds(marks["backward_end"], marks["end"]),
         }
         if step.data_wait is not None:
+            compute = _seconds(marks["start"], marks["end"])
+            self.total_data_wait += step.data_wait
+            self.total_step += step.data_wait + compute
             metrics["time/data_wait_ms"] = 1e3 * step.data_wait
+            metrics["time/data_wait_fraction"] = step.data_wait / (step.data_wait + compute)
         if self._comm is not None:
             metrics["time/comm_ms"] = 1e3 * sum(_seconds(start, end) for start, end in step.comm)
         log_step_metrics(trainer, metrics, step.log_step)

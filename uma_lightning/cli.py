@@ -42,7 +42,9 @@ register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 
 # Subcommands that are tools rather than training runs: name -> "module:function(argv) -> exit code".
 # Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
-TOOLS: dict[str, str] = {}
+TOOLS: dict[str, str] = {
+    "data": "uma_lightning.data.tools:main",
+}
 
 
 class UmaCLI(LightningCLI):
