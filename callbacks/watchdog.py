@@ -13,7 +13,9 @@ logs the event (an error line; on global rank zero also an MLflow tag ``watchdog
 as artifacts under ``hang/``, and the run marked FAILED), and exits with status ``exit_code`` so a
 scheduler restarts the job rather than letting it hang until its wall time. Training runs in
 lockstep, so a rank that hangs soon stalls all others in their next collective, and each rank's
-own watchdog dumps its stacks in turn.
+own watchdog dumps its stacks in turn. A rank whose collective fails first, because the hung rank
+has exited and closed its connections, is part of the same incident: it dumps and exits with the
+same status instead of a plain crash.
 
 If the monitor thread itself cannot run (a native call that holds the GIL), faulthandler's own
 timer dumps the stacks to stderr and exits with status 1 a little later.
@@ -33,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -97,7 +100,10 @@ class HangWatchdog(Callback):
         faulthandler.cancel_dump_traceback_later()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        watching = self._thread is not None
         self.on_train_end(trainer, pl_module)
+        if watching and _is_lost_peer(exception):
+            self._report_and_exit(time.monotonic() - self._last_beat, cause=exception)
 
     # Progress: any of these means the rank is not stuck.
     def on_train_batch_start(self, *args) -> None:
@@ -131,7 +137,7 @@ class HangWatchdog(Callback):
                 faulthandler.dump_traceback_later(self.timeout_s + 2 * self.poll_s + 5, exit=True, file=sys.__stderr__)
                 armed_for = beat
 
-    def _report_and_exit(self, idle: float) -> None:
+    def _report_and_exit(self, idle: float, cause: Optional[BaseException] = None) -> None:
         trainer = self._trainer
         rank = trainer.global_rank
         out = self._dump_dir
@@ -143,6 +149,8 @@ class HangWatchdog(Callback):
             f.write(f"rank {rank} on {event['host']} (pid {event['pid']}): no progress for {idle:.1f} s "
                     f"after step {event['step']}\n\n")
             f.flush()
+            if cause is not None:
+                f.write("".join(traceback.format_exception(cause)) + "\n")
             faulthandler.dump_traceback(file=f, all_threads=True)
         files = [stacks]
         if dist.is_available() and dist.is_initialized():
@@ -154,9 +162,14 @@ class HangWatchdog(Callback):
                 files.append(out / f"flight_recorder_rank{rank}.pkl")
                 files[-1].write_bytes(trace)
         event["files"] = [f.name for f in files]
+        if cause is None:
+            what = f"made no progress for {idle:.0f} s (timeout {self.timeout_s:g} s)"
+        else:
+            event["lost_peer"] = str(cause).splitlines()[0][:500]
+            what = f"lost a peer in a collective ({type(cause).__name__})"
         (out / f"event_rank{rank}.json").write_text(json.dumps(event, indent=2) + "\n")
-        log.error("hang: rank %d made no progress for %.0f s (timeout %g s) after step %d; stacks and collectives "
-                  "in %s; exiting with status %d", rank, idle, self.timeout_s, event["step"], out, self.exit_code)
+        log.error("hang: rank %d %s after step %d; stacks and collectives in %s; exiting with status %d",
+                  rank, what, event["step"], out, self.exit_code)
         reporter = threading.Thread(target=self._report_to_mlflow, args=(event,), daemon=True)
         reporter.start()
         reporter.join(MLFLOW_REPORT_TIMEOUT_S)  # a tracking server that hangs too must not keep the job alive
@@ -177,3 +190,11 @@ class HangWatchdog(Callback):
             client.set_terminated(run_id, "FAILED")
         except Exception as err:  # reporting is best effort; exiting is what matters
             log.error("hang: could not report to MLflow: %s", err)
+
+
+_PEER_LOSS_MARKERS = ("closed by peer", "reset by peer", "Broken pipe")
+
+
+def _is_lost_peer(exception: BaseException) -> bool:
+    """A collective failed because another rank went away (gloo reports it as a plain RuntimeError)."""
+    return isinstance(exception, dist.DistError) or any(m in str(exception) for m in _PEER_LOSS_MARKERS)
