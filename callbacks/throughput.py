@@ -20,7 +20,7 @@ class ThroughputLogger(Callback):
         last, self._last = self._last, now
         if last is None:
             return
-        samples = len(batch["sample_id"]) * trainer.world_size
+        samples = len(batch["sample_id"]) * _data_parallel_size(trainer)
         rates = {"throughput/samples_per_sec": samples / (now - last)}
         tokens_per_sample = getattr(pl_module, "tokens_per_sample", None)
         if tokens_per_sample:
@@ -30,3 +30,9 @@ class ThroughputLogger(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A new epoch restarts the loader (worker start-up); that gap is not steady-state throughput.
         self._last = None
+
+
+def _data_parallel_size(trainer: Trainer) -> int:
+    """Processes that see different samples: tensor-parallel ranks share their batch."""
+    sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return sampler.get("num_replicas", trainer.world_size)

@@ -202,7 +202,7 @@ def _train(job: Path, strategy, out: Path, micro_batches: int = 1) -> dict:
         callbacks=[_Recorder(out, micro_batches)],
         **spec["trainer_args"],
     )
-    trainer.fit(spec["module"], datamodule=_GlobalBatches(spec["batches"], micro_batches))
+    trainer.fit(spec["module"], datamodule=GlobalBatches(spec["batches"], micro_batches))
     return torch.load(out, weights_only=False) if trainer.is_global_zero else {}
 
 
@@ -216,7 +216,7 @@ def _worker(spec_path: str) -> None:
         _train(Path(spec["job"]), MeshStrategy(**run["sizes"], **spec["strategy_args"]), Path(run["out"]))
 
 
-class _GlobalBatches(L.LightningDataModule):
+class GlobalBatches(L.LightningDataModule):
     """Each data-parallel rank's equal slice of every global batch, in order; or, on one process,
     all ``micro_batches`` slices of each global batch one after the other."""
 
