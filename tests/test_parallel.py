@@ -305,3 +305,12 @@ def test_launch_templates_are_valid():
         assert command[:4] == ["torchrun", "-m", "uma_lightning.cli", "fit"]
         for config in (command[i + 1] for i, a in enumerate(command) if a == "--config"):
             assert (REPO / config).is_file(), config
+
+
+def test_throughput_counts_each_sample_once_under_tensor_parallel():
+    from uma_lightning.callbacks.throughput import _data_parallel_size
+
+    # Tensor-parallel ranks share a batch: two TP ranks process one batch, two DDP ranks two.
+    assert _data_parallel_size(Trainer(strategy="tp", accelerator="cpu", devices=2, logger=False)) == 1
+    assert _data_parallel_size(Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)) == 2
+    assert _data_parallel_size(Trainer(accelerator="cpu", devices=1, logger=False)) == 1

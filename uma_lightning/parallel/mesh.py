@@ -45,7 +45,7 @@ def resolve_mesh_shape(sizes: dict[str, MeshSize], world_size: int, processes_pe
     resolved: dict[str, int] = {}
     auto = [name for name in MESH_DIMS if sizes[name] == "auto"]
     if len(auto) > 1:
-        raise ValueError(f"mesh: at most one of dp_replicate, dp_shard, tp may be 'auto', got {_describe(sizes)}")
+        raise ValueError(f"mesh: at most one of dp_replicate, dp_shard, tp may be 'auto', got {describe_sizes(sizes)}")
     for name in MESH_DIMS:
         value = sizes[name]
         if value == "node":
@@ -59,7 +59,7 @@ def resolve_mesh_shape(sizes: dict[str, MeshSize], world_size: int, processes_pe
     if auto:
         if world_size % fixed:
             raise ValueError(
-                f"mesh {_describe(sizes)}: {world_size} processes do not divide by {fixed}, so {auto[0]} 'auto' has no size"
+                f"mesh {describe_sizes(sizes)}: {world_size} processes do not divide by {fixed}, so {auto[0]} 'auto' has no size"
             )
         resolved[auto[0]] = world_size // fixed
     shape = MeshShape(**resolved)
@@ -77,10 +77,5 @@ def build_mesh(shape: MeshShape, device_type: str):
     return init_device_mesh(device_type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=MESH_DIMS)
 
 
-def data_parallel_rank(mesh) -> int:
-    """This process's index among the data-parallel slices of the global batch (the same across its tp group)."""
-    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
-
-
-def _describe(sizes: dict[str, MeshSize]) -> str:
+def describe_sizes(sizes: dict[str, MeshSize]) -> str:
     return " x ".join(f"{name} {sizes[name]}" for name in MESH_DIMS)

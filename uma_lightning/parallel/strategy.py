@@ -19,6 +19,7 @@ Other layouts take explicit sizes (``configs/strategy/*.yaml``). Lightning's own
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import timedelta
 from typing import Optional
@@ -31,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from uma_lightning.parallel.apply import ActivationCheckpointing, Compile, ParallelConfig
-from uma_lightning.parallel.mesh import MESH_DIMS, MeshShape, MeshSize, build_mesh, data_parallel_rank, resolve_mesh_shape
+from uma_lightning.parallel.mesh import MeshShape, MeshSize, build_mesh, describe_sizes, resolve_mesh_shape
 from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
 
 log = logging.getLogger("uma_lightning")
@@ -100,13 +101,14 @@ class MeshStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh  # Lightning's convention: module.device_mesh
         self._log(
             f"strategy: {describe(self.shape)} on mesh {self.shape} ({self.world_size} processes, "
-            f"{self._get_process_group_backend()} backend; sizes asked: {_asked(self.mesh_sizes)})"
+            f"{self._get_process_group_backend()} backend; sizes asked: {describe_sizes(self.mesh_sizes)})"
         )
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
         # Tensor-parallel ranks see the same batch; only data-parallel ranks get different samples.
-        return {"num_replicas": self.shape.dp, "rank": data_parallel_rank(self.device_mesh)}
+        # tp is the innermost mesh dimension, so the ranks of one tp group are consecutive.
+        return {"num_replicas": self.shape.dp, "rank": self.global_rank // self.shape.tp}
 
     # ---- the plan ------------------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class MeshStrategy(ModelParallelStrategy):
         targets = _planned_submodules(module)
         if not targets:
             raise ValueError(_no_plan_message(module))
-        config = ParallelConfig(**{**vars(self.plan_config), "bf16_params": bf16_params})
+        config = dataclasses.replace(self.plan_config, bf16_params=bf16_params)
         for model, plan in targets:
             plan.check(model, self.shape, config)
             model_class = type(model).__name__  # before data parallelism renames the class (FSDPRobotTransformer...)
@@ -171,10 +173,6 @@ def describe(shape: MeshShape) -> str:
         data = ""
     parts = [p for p in (data, "TP" if shape.tp > 1 else "") if p]
     return " x ".join(parts) or "one process"
-
-
-def _asked(sizes: dict[str, MeshSize]) -> str:
-    return ", ".join(f"{name} {sizes[name]}" for name in MESH_DIMS)
 
 
 def _planned_submodules(module: nn.Module) -> list[tuple[nn.Module, Plan]]:
