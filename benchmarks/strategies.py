@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback
 
 from harness import median, print_table
 
@@ -29,7 +28,7 @@ from uma_lightning.data import RobotDataModule
 from uma_lightning.modules import OptimizerConfig, PretrainModule
 from uma_lightning.parallel import MeshStrategy
 from uma_lightning.parallel.launch import run_local_group
-from uma_lightning.parallel.parity import GlobalBatches
+from uma_lightning.parallel.fixed_batches import fit_on_batches
 
 STRATEGIES = {
     "one process": None,
@@ -69,21 +68,7 @@ def train(job: str, sizes: dict | None, out: str) -> None:
     """One rank: train the job's module on its batches and write the measurements of this rank."""
     spec = torch.load(job, weights_only=False)
     meter = StepMeter()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        strategy=MeshStrategy(**sizes) if sizes else "auto",
-        max_steps=len(spec["batches"]),
-        precision="32-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=[meter],
-    )
-    trainer.fit(spec["module"], datamodule=GlobalBatches(spec["batches"]))
+    trainer = fit_on_batches(spec["module"], spec["batches"], MeshStrategy(**sizes) if sizes else "auto", [meter], precision="32-true")
     record = {"step_s": median(meter.step_times[1:]), "peak_mib": (meter.peak_rss - meter.start_rss) / 2**20}
     Path(f"{out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -72,11 +72,11 @@ def batches_for(size: str, steps: int):
 
 
 def run_variant(spec, batches, size: str, strategy_args, device: str, compile_backend: str) -> dict:
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback
 
     from uma_lightning.modules import OptimizerConfig, PretrainModule
     from uma_lightning.parallel import MeshStrategy
-    from uma_lightning.parallel.parity import GlobalBatches
+    from uma_lightning.parallel.fixed_batches import fit_on_batches
 
     class StepTimer(Callback):
         def __init__(self):
@@ -98,22 +98,16 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
     module = PretrainModule(spec=spec, size=size, optimizer=OptimizerConfig(warmup_steps=1))
     timer = StepTimer()
     strategy = "auto" if strategy_args is None else MeshStrategy(**strategy_args, compile_backend=compile_backend)
-    trainer = Trainer(
+    fit_on_batches(
+        module,
+        batches,
+        strategy,
+        [timer],
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
-        strategy=strategy,
         precision="bf16-mixed" if device == "cuda" else "32-true",
-        max_steps=len(batches),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
         gradient_clip_val=1.0,
-        callbacks=[timer],
     )
-    trainer.fit(module, datamodule=GlobalBatches(batches))
     warmup = min(5, len(timer.times) - 1)  # compile and allocator warm-up
     step = statistics.median(timer.times[warmup:])
     samples_per_s = len(batches[0]["sample_id"]) / step

@@ -25,18 +25,16 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.pytorch import Callback
-from torch.utils.data import DataLoader
 
 from uma_lightning.cli_errors import ConfigError
+from uma_lightning.parallel.fixed_batches import fit_on_batches
 from uma_lightning.parallel.launch import run_local_group
 
 log = logging.getLogger("uma_lightning")
@@ -186,23 +184,8 @@ def _train(job: Path, strategy, out: Path, micro_batches: int = 1) -> dict:
     """Train the job's module under ``strategy`` (None: one process, accumulating gradients over
     ``micro_batches`` slices of each global batch); rank 0 saves the record to ``out``."""
     spec = torch.load(job, weights_only=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        strategy=strategy or "auto",
-        max_steps=len(spec["batches"]),
-        accumulate_grad_batches=micro_batches,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=[_Recorder(out, micro_batches)],
-        **spec["trainer_args"],
-    )
-    trainer.fit(spec["module"], datamodule=GlobalBatches(spec["batches"], micro_batches))
+    recorder = _Recorder(out, micro_batches)
+    trainer = fit_on_batches(spec["module"], spec["batches"], strategy or "auto", [recorder], micro_batches, **spec["trainer_args"])
     return torch.load(out, weights_only=False) if trainer.is_global_zero else {}
 
 
@@ -214,31 +197,6 @@ def _worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
         _train(Path(spec["job"]), MeshStrategy(**run["sizes"], **spec["strategy_args"]), Path(run["out"]))
-
-
-class GlobalBatches(L.LightningDataModule):
-    """Each data-parallel rank's equal slice of every global batch, in order; or, on one process,
-    all ``micro_batches`` slices of each global batch one after the other."""
-
-    def __init__(self, batches: list[dict], micro_batches: int = 1):
-        super().__init__()
-        self.batches, self.micro_batches = batches, micro_batches
-
-    def train_dataloader(self) -> DataLoader:
-        sampler = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-        parts = sampler["num_replicas"] * self.micro_batches
-        size = len(self.batches[0]["sample_id"]) // parts
-        first = sampler["rank"] * self.micro_batches
-        slices = [_rows(b, part * size, (part + 1) * size) for b in self.batches for part in range(first, first + self.micro_batches)]
-        return DataLoader(slices, batch_size=None, collate_fn=_identity)
-
-
-def _rows(batch: dict, start: int, stop: int) -> dict:
-    return {key: value[start:stop] for key, value in batch.items()}
-
-
-def _identity(batch):
-    return batch
 
 
 class _Recorder(Callback):
