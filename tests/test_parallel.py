@@ -174,6 +174,14 @@ def run_parity(tmp_path, strategies, *extra, module=None):
     return code, json.loads(report.read_text())
 
 
+def test_parity_refuses_bad_arguments_before_training(capsys):
+    assert parity_main(["--config", RECIPE, "--strategies", "ddp,zero"]) == 2
+    assert "--strategies: unknown strategy zero; choose from ddp, fsdp, tp, hsdp, fsdp_tp" in capsys.readouterr().err
+    args = ["--config", RECIPE, "--strategies", "hsdp", "--trainer.logger", "false", *DATA, "--data.batch_size", "6"]
+    assert parity_main(args) == 2
+    assert "hsdp: global batch 6 (data.batch_size) does not split over 4 data-parallel ranks" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_ddp_fsdp_tp_match_one_process(tmp_path):
     # One launch of two processes trains all three strategies; every second block is checkpointed.
@@ -190,11 +198,14 @@ def test_ddp_fsdp_tp_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_hsdp_and_fsdp_tp_match_one_process_with_compiled_checkpointed_blocks(tmp_path):
-    # aot_eager traces and runs the compiled graph without generating kernels (minutes on a CPU).
+def test_hsdp_and_fsdp_tp_match_one_process_with_the_other_switches(tmp_path):
+    # Compiled, checkpointed blocks; FSDP keeping gathered blocks until backward, state offloaded
+    # to the CPU. aot_eager traces and runs the compiled graph like inductor, without generating
+    # kernels, which takes minutes on a CPU.
     code, results = run_parity(
-        tmp_path, "hsdp,fsdp_tp", "--activation-checkpointing", "full", "--compile", "blocks", "--compile-backend", "aot_eager"
-    )
+        tmp_path, "hsdp,fsdp_tp", "--activation-checkpointing", "full", "--compile", "blocks", "--compile-backend", "aot_eager",
+        "--no-reshard-after-forward", "--cpu-offload",
+    )  # fmt: skip
     assert code == 0, results
     for name, result in results.items():
         assert result["ok"] and result["initial_param_diff"] == 0.0, (name, result)

@@ -97,7 +97,11 @@ def data_parallel_size(name: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="uma parity", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="uma parity",
+        description="Does a recipe train the same under each strategy as on one process?",
+        epilog="Other arguments override recipe keys, as in uma fit (e.g. --model.size tiny --data.batch_size 8).",
+    )
     parser.add_argument("--config", required=True, help="recipe YAML")
     parser.add_argument("--strategies", default="ddp,fsdp,tp", help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=4, help="training steps, one global batch (data.batch_size samples) each")
@@ -105,6 +109,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ac-every-n-blocks", type=int, default=1)
     parser.add_argument("--compile", default="none", choices=("none", "blocks"), help="in the strategy runs")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP, in the strategy runs")
+    parser.add_argument("--cpu-offload", action="store_true", help="FSDP, in the strategy runs")
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
     args, overrides = parser.parse_known_args(argv)
@@ -131,6 +137,8 @@ def main(argv: list[str]) -> int:
         "ac_every_n_blocks": args.ac_every_n_blocks,
         "compile": args.compile,
         "compile_backend": args.compile_backend,
+        "reshard_after_forward": args.reshard_after_forward,
+        "cpu_offload": args.cpu_offload,
     }
     with tempfile.TemporaryDirectory(prefix="uma-parity-") as tmp:
         work = Path(tmp)

@@ -144,7 +144,8 @@ class MeshStrategy(ModelParallelStrategy):
 
     def _parallelize(self, module: nn.Module, bf16_params: bool) -> None:
         if _is_parallelized(module):
-            self._log(f"parallel plan: none applied, {type(module).__name__}.configure_model() already parallelized the model")
+            # configure_model() parallelized it itself (Lightning's convention), or an earlier stage did.
+            self._log(f"parallel plan: none applied, {type(module).__name__}'s model is already parallelized")
             return
         targets = _planned_submodules(module)
         if not targets:
