@@ -18,6 +18,7 @@ from typing import Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from uma_lightning.callbacks.peak_flops import resolve_peak
+from uma_lightning.parallel.mesh import data_parallel_rank
 from uma_lightning.tracking import find_mlflow_logger
 
 log = logging.getLogger("uma_lightning")
@@ -55,12 +56,13 @@ class ThroughputLogger(Callback):
         if last is None:
             return
         batch_size = len(batch["sample_id"])
-        samples_per_sec = batch_size * trainer.world_size / (now - last)
+        samples_per_sec = batch_size * data_parallel_rank(trainer)[1] / (now - last)
         rates = {"throughput/samples_per_sec": samples_per_sec}
         tokens_per_sample = getattr(pl_module, "tokens_per_sample", None)
         if tokens_per_sample:
             rates["throughput/tokens_per_sec"] = samples_per_sec * tokens_per_sample
         if self._peak:
+            # Every device shares the work, tensor-parallel ones included.
             tflops = samples_per_sec / trainer.world_size * pl_module.flops_per_sample / 1e12
             rates["throughput/tflops_per_device"] = tflops
             rates["throughput/mfu_percent"] = 100 * tflops / self._peak
@@ -77,3 +79,4 @@ class ThroughputLogger(Callback):
         if self._last is not None and self._validation_start is not None:
             self._last += time.perf_counter() - self._validation_start
         self._validation_start = None
+

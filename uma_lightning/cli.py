@@ -34,6 +34,7 @@ from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import PretrainModule
+from uma_lightning.parallel import MeshStrategy  # also registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp
 from uma_lightning.tracking import RecordRunConfig
 
 log = logging.getLogger("uma_lightning")
@@ -44,6 +45,7 @@ register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 # Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
 TOOLS: dict[str, str] = {
     "data": "uma_lightning.data.tools:main",
+    "parity": "uma_lightning.parallel.parity:main",
 }
 
 
@@ -91,6 +93,11 @@ class UmaCLI(LightningCLI):
             trainer["precision"] = _default_precision()
 
     def before_fit(self) -> None:
+        if isinstance(self.trainer.strategy, MeshStrategy):
+            try:
+                self.trainer.strategy.check_module(self.model)
+            except ValueError as err:
+                raise ConfigError(f"trainer.strategy: {err}") from None
         run_dir = Path(self.trainer.default_root_dir).resolve()
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:

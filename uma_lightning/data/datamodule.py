@@ -20,6 +20,7 @@ from uma_lightning.data.loader import BadDataPolicy, BatchStream, RobotDataLoade
 from uma_lightning.data.order import OrderConfig
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
+from uma_lightning.parallel.mesh import data_parallel_rank
 
 logger = logging.getLogger(__name__)
 # Lightning warns that an IterableDataset's length may be off with several workers; here each worker
@@ -251,7 +252,7 @@ class RobotDataModule(L.LightningDataModule):
             raise RuntimeError("call setup() before requesting dataloaders")
         hp = self.hparams
         trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world = data_parallel_rank(trainer)
         device = trainer.strategy.root_device if trainer is not None else None
         stream = BatchStream(sets, config, rank, world, hp.on_bad_data, hp.prefetch_batches)
         return RobotDataLoader(

@@ -96,13 +96,19 @@ class PretrainModule(L.LightningModule):
         return model
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
-        """Cross-entropy of every real action token given the observation prefix and earlier actions."""
+        """Cross-entropy of every real action token given the observation prefix and earlier actions.
+
+        Averaged over each sample's real tokens, then over samples. Averaging per sample first
+        makes the loss of a batch the mean of the losses of its equal parts, so data-parallel
+        ranks, which average their gradients, train exactly as one process on the whole batch
+        even when their samples have different numbers of real tokens.
+        """
         model = self.model
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
         targets = model.action_binner.encode(batch["actions"]).flatten(1)  # [B, horizon * action_dim]
         real = batch["action_mask"].repeat_interleave(self.spec.action_dim, dim=1)
         loss, predicted = model(batch["images"], batch["state"], text_ids, text_mask, targets, loss_targets=targets.masked_fill(~real, -100))
-        accuracy = ((predicted == targets) & real).sum() / real.sum().clamp(min=1)
+        accuracy = (((predicted == targets) & real).sum(1) / real.sum(1).clamp(min=1)).mean()
         return {"loss": loss, "token_accuracy": accuracy}
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
@@ -140,14 +146,15 @@ class PretrainModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out = self.compute_loss(batch)
         batch_size = len(batch["instruction"])
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=batch_size)
+        # Averaged over data-parallel ranks, so the logged loss is that of the global batch, comparable across strategies.
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=batch_size, sync_dist=True)
         self.log_dict({f"train/{k}": v for k, v in out.items() if k != "loss"}, batch_size=batch_size)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
         return out["loss"]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         out = self.compute_loss(batch)
-        self.log_dict({f"val/{k}": v for k, v in out.items()}, prog_bar=True, batch_size=len(batch["instruction"]))
+        self.log_dict({f"val/{k}": v for k, v in out.items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Always measure the norm (the first sign of divergence); clip only when the trainer asks to.
