@@ -95,7 +95,7 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
     assert tags["version.torch"].startswith("2.")
     assert tags["git.dirty"] in ("true", "false") and len(tags["git.commit"]) == 40
     assert Path(tags["checkpoint_dir"]) == (run_dir / "checkpoints").resolve()
-    assert (Path(tags["checkpoint_dir"]) / "last.ckpt").is_file()
+    assert (Path(tags["checkpoint_dir"]) / "step-000000004" / "manifest.json").is_file()
 
     # The config artifact is the run directory's config.yaml, byte for byte.
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]

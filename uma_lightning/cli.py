@@ -29,6 +29,7 @@ import yaml
 from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
 
+from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
@@ -41,7 +42,9 @@ register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 
 # Subcommands that are tools rather than training runs: name -> "module:function(argv) -> exit code".
 # Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
-TOOLS: dict[str, str] = {}
+TOOLS: dict[str, str] = {
+    "ckpt": "uma_lightning.checkpoint.tools:main",
+}
 
 
 class UmaCLI(LightningCLI):
@@ -92,6 +95,9 @@ class UmaCLI(LightningCLI):
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:
                 callback.dirpath = str(run_dir / "checkpoints")
+            if isinstance(callback, ShardedCheckpoint):
+                # Before RecordRunConfig's setup hook opens a new MLflow run.
+                callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
 
 

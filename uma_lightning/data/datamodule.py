@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from uma_lightning.data.dataset import FrameDataset, NormMode, Normalizer
 from uma_lightning.data.generate import ensure_dataset
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
+from uma_lightning.data.resumable import EpochShuffle, ResumableDataLoader
 from uma_lightning.data.spec import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -122,15 +123,18 @@ class RobotDataModule(L.LightningDataModule):
             self.val_dataset = self._dataset(self.val_episodes)
 
     def train_dataloader(self) -> DataLoader:
-        # A seeded generator makes the shuffle order reproducible; dropping the last partial batch
-        # keeps batch shapes static (compiled models, per-batch metrics).
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        return self._loader(self.train_dataset, shuffle=True, drop_last=True, generator=generator)
+        # The shuffle order is a function of (seed, epoch) and the loader's position is checkpointed,
+        # so a resumed run sees the same batches; dropping the last partial batch keeps batch shapes
+        # static (compiled models, per-batch metrics).
+        if self.train_dataset is None:
+            raise RuntimeError("call setup() before requesting dataloaders")
+        sampler = EpochShuffle(self.train_dataset, seed=self.hparams.seed)
+        return self._loader(self.train_dataset, sampler=sampler, drop_last=True, loader_class=ResumableDataLoader)
 
     def val_dataloader(self) -> Union[DataLoader, list]:
         if self.val_dataset is None:
             return []  # no validation episodes: Lightning skips validation
-        return self._loader(self.val_dataset, shuffle=False, drop_last=False, generator=None)
+        return self._loader(self.val_dataset, sampler=None, drop_last=False)
 
     def normalize_state(self, state: torch.Tensor) -> torch.Tensor:
         """Raw robot state -> the normalised state a model trained on this data expects."""
@@ -152,18 +156,18 @@ class RobotDataModule(L.LightningDataModule):
             decode_cache_mb=hp.decode_cache_mb,
         )
 
-    def _loader(
-        self, dataset: Optional[FrameDataset], shuffle: bool, drop_last: bool, generator: Optional[torch.Generator]
-    ) -> DataLoader:
+    def _loader(self, dataset: Optional[FrameDataset], sampler, drop_last: bool, loader_class=DataLoader) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before requesting dataloaders")
         workers = self.hparams.num_workers
-        return DataLoader(
+        return loader_class(
             dataset,
             batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
             drop_last=drop_last,
-            generator=generator,
+            # Worker seeds are drawn from this generator rather than from the training process's
+            # random state, so loading data never shifts the random numbers training sees.
+            generator=torch.Generator().manual_seed(self.hparams.seed),
             num_workers=workers,
             persistent_workers=self.hparams.persistent_workers and workers > 0,
             prefetch_factor=self.hparams.prefetch_factor if workers > 0 else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -9,6 +10,9 @@ from typing import Optional
 import mlflow
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
+from mlflow.exceptions import MlflowException
+
+log = logging.getLogger(__name__)
 
 
 def local_store_uri(store_dir: str | Path) -> str:
@@ -49,6 +53,23 @@ class MLflowLogger(LightningMLFlowLogger):
             run_id=run_id,
             synchronous=synchronous,
         )
+
+    @rank_zero_only
+    def continue_run(self, run_id: str) -> None:
+        """Log into the existing run ``run_id`` instead of opening a new one: a job resumed from a
+        checkpoint continues its run, and the run's step axis. Call before anything is logged."""
+        if self._initialized:
+            if self._run_id != run_id:
+                log.warning("MLflow run %s is already open; cannot continue run %s in it", self._run_id, run_id)
+            return
+        try:
+            self._mlflow_client.get_run(run_id)
+        except MlflowException as err:
+            log.warning("cannot continue MLflow run %s (%s); a new run is opened", run_id, err)
+            return
+        self._run_id = run_id
+        self._mlflow_client.update_run(run_id, status="RUNNING")
+        log.info("continuing MLflow run %s", run_id)
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
