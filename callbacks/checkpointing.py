@@ -98,7 +98,8 @@ class ShardedCheckpoint(Checkpoint):
         trainer_state, self._saved_rng = load(trainer, pl_module, self.resumed_from, self._group)
         apply_trainer_state(trainer, pl_module, trainer_state)
         self._last_saved_step = trainer.global_step
-        log.info("resumed from %s: step %d, epoch %d", self.resumed_from, trainer.global_step, trainer.current_epoch)
+        if trainer.is_global_zero:
+            log.info("resumed from %s: step %d, epoch %d", self.resumed_from, trainer.global_step, trainer.current_epoch)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Training's random stream starts here: restored on resume, else seeded per rank.

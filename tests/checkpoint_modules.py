@@ -51,3 +51,16 @@ class CrashAt(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             raise RuntimeError(f"injected crash after step {self.step} (pid {os.getpid()})")
+
+
+class StallAfter(Callback):
+    """Makes the step after ``step`` take ``seconds`` (a hung collective, a stuck filesystem)."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            import time
+
+            time.sleep(self.seconds)

@@ -8,8 +8,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import forked_cli
 from checkpoint_modules import recorded_steps
 from test_cli import RECIPE
+from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
 from uma_lightning.cli import UmaCLI, main
 from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size
 from uma_lightning.data.spec import DataSpec
@@ -126,3 +128,37 @@ def test_exported_weights_load_into_a_plain_model_with_the_same_outputs(referenc
         expected = trained(batch["images"], batch["state"], text_ids, text_mask, targets)
         actual = plain(batch["images"], batch["state"], text_ids, text_mask, targets)
     assert torch.equal(actual, expected)
+
+
+def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    entries = tensor_metadata(checkpoint)
+    tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(("model/", "optimizer/"))}
+    load_tensors(tensors, checkpoint, None)
+    return tensors
+
+
+@pytest.mark.slow
+def test_two_process_ddp_resumes_bit_for_bit(tmp_path):
+    """Two gloo ranks with Lightning's DDP (processes forked by Lightning), a loader worker each, a crash
+    mid-epoch, a rerun of the same command."""
+    ddp = {"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2, "max_steps": 14}
+    args = ["--data.num_workers", "1"]
+    runs = {}
+    for name, callbacks in (("reference", []), ("interrupted", [crash_at(11)]), ("resumed", [])):
+        record = tmp_path / ("reference" if name == "reference" else "interrupted") / "record"
+        recipe = write_recipe(tmp_path / f"{name}.yaml", record, callbacks, every_n_steps=3, strategy=ddp)
+        run_dir = tmp_path / ("reference" if name == "reference" else "interrupted") / "run"
+        argv = ["fit", "--config", recipe, *DATA, *args, "--trainer.default_root_dir", str(run_dir)]
+        runs[name] = forked_cli.run(argv, tmp_path / f"{name}.log", tmp_path, timeout=300)
+    assert runs["reference"] == 0 and runs["resumed"] == 0 and runs["interrupted"] != 0
+    log = (tmp_path / "resumed.log").read_text()
+    assert f"resumed from {tmp_path / 'interrupted' / 'run' / 'checkpoints' / 'step-000000009'}: step 9" in log
+
+    for rank in (0, 1):
+        expected = {r["step"]: r for r in recorded_steps(tmp_path / "reference" / "record", rank)}
+        seen = recorded_steps(tmp_path / "interrupted" / "record", rank)
+        assert [r["step"] for r in seen] == list(range(1, 12)) + list(range(10, 15))
+        for record in seen:
+            assert record["samples"] == expected[record["step"]]["samples"] and record["loss"] == expected[record["step"]]["loss"], (rank, record["step"])
+    final = "run/checkpoints/step-000000014"
+    assert_bitwise_equal(checkpoint_tensors(tmp_path / "interrupted" / final), checkpoint_tensors(tmp_path / "reference" / final))
