@@ -91,6 +91,10 @@ class ShardedCheckpoint(Checkpoint):
         if self.resume:
             self.resumed_from = choose_checkpoint(root, self._group)
             self.continue_tracked_run(trainer)
+        if trainer.is_global_zero:
+            retention = f"keeping the newest {self.keep_last}" + (f" and every {self.keep_every_n_steps}th step" if self.keep_every_n_steps else "")
+            log.info("checkpoints: %s every %d steps to %s, %s; %s", "async" if self.async_save else "synchronous",
+                     self.every_n_steps, root, retention, f"resuming from {self.resumed_from.name}" if self.resumed_from else "starting fresh")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.resumed_from is None:
@@ -140,6 +144,21 @@ class ShardedCheckpoint(Checkpoint):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def rollback(self, trainer: Trainer, pl_module: LightningModule) -> Optional[int]:
+        """Put the model, optimizer and LR schedulers back to the newest valid checkpoint, mid-training
+        (e.g. after a loss spike); the loops and the data go on, so the batches since then are skipped.
+        Call on every rank. Returns the checkpoint's step, or None when there is no checkpoint yet."""
+        self._writer.wait()
+        path = choose_checkpoint(Path(self.dirpath), self._group)
+        if path is None:
+            return None
+        trainer_state, _ = load(trainer, pl_module, path, self._group)
+        for config, scheduler_state in zip(trainer.lr_scheduler_configs, trainer_state["lr_schedulers"]):
+            config.scheduler.load_state_dict(scheduler_state)
+        if trainer.is_global_zero:
+            log.warning("rolled model, optimizer and LR schedule back to %s at step %d", path, trainer.global_step)
+        return trainer_state["global_step"]
 
     def save(self, trainer: Trainer, pl_module: LightningModule, wait: bool = False) -> None:
         """Save the current step (once), then return when staged, or, with ``wait``, when committed."""

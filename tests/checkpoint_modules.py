@@ -64,3 +64,33 @@ class StallAfter(Callback):
             import time
 
             time.sleep(self.seconds)
+
+
+class RollbackAt(Callback):
+    """Rolls back to the newest checkpoint after optimizer step ``step`` and keeps what it saw."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.rolled_back_to = None
+        self.weights_after = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.rolled_back_to = trainer.checkpoint_callback.rollback(trainer, pl_module)
+            self.weights_after = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+class ShardedNoisyPretrain(NoisyPretrain):
+    """FSDP2 over the data-parallel dimension of ModelParallelStrategy's mesh, applied in
+    ``configure_model`` the way a parallel plan does: each block, then the whole network."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        if self.model is not None:
+            return
+        super().configure_model()
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.backbone.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)

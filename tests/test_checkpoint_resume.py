@@ -1,6 +1,7 @@
 """Resume is exact: a run interrupted and continued matches the uninterrupted run bit for bit."""
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,12 @@ def write_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps
     }
     path.write_text(yaml.safe_dump(recipe))
     return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def crash_at(step: int) -> dict:
@@ -137,20 +144,42 @@ def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def launch_two_ranks(argv: list[str], log: Path, cwd: Path) -> int:
+    """Two processes started the way torchrun starts them (Lightning joins them instead of launching its own)."""
+    port = str(free_port())
+    ranks = [forked_cli.start(argv, log.with_suffix(f".rank{rank}.log"), cwd, {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank)})
+        for rank in range(2)]
+    for process in ranks:
+        process.join(300)
+    log.write_text("".join(log.with_suffix(f".rank{rank}.log").read_text() for rank in range(2)))
+    return max(abs(process.exitcode) for process in ranks)
+
+
+PARALLEL = {
+    # Lightning's DDP, its two processes forked by Lightning.
+    "ddp": ({"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2}, "checkpoint_modules.NoisyPretrain",
+            lambda argv, log, cwd: forked_cli.run(argv, log, cwd, timeout=300)),
+    # FSDP2 through Lightning's ModelParallelStrategy, the module sharding itself in configure_model.
+    "fsdp": ({"strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                           "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}},
+              "accelerator": "cpu", "devices": 2}, "checkpoint_modules.ShardedNoisyPretrain", launch_two_ranks),
+}
+
+
 @pytest.mark.slow
-def test_two_process_ddp_resumes_bit_for_bit(tmp_path):
-    """Two gloo ranks with Lightning's DDP (processes forked by Lightning), a loader worker each, a crash
-    mid-epoch, a rerun of the same command."""
-    ddp = {"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2, "max_steps": 14}
-    args = ["--data.num_workers", "1"]
-    runs = {}
+@pytest.mark.parametrize("parallel", sorted(PARALLEL))
+def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
+    """Two gloo ranks, a loader worker each, a crash mid-epoch, a rerun of the same command."""
+    trainer, module, launch = PARALLEL[parallel]
+    status = {}
     for name, callbacks in (("reference", []), ("interrupted", [crash_at(11)]), ("resumed", [])):
-        record = tmp_path / ("reference" if name == "reference" else "interrupted") / "record"
-        recipe = write_recipe(tmp_path / f"{name}.yaml", record, callbacks, every_n_steps=3, strategy=ddp)
-        run_dir = tmp_path / ("reference" if name == "reference" else "interrupted") / "run"
-        argv = ["fit", "--config", recipe, *DATA, *args, "--trainer.default_root_dir", str(run_dir)]
-        runs[name] = forked_cli.run(argv, tmp_path / f"{name}.log", tmp_path, timeout=300)
-    assert runs["reference"] == 0 and runs["resumed"] == 0 and runs["interrupted"] != 0
+        job = tmp_path / ("reference" if name == "reference" else "interrupted")
+        recipe = write_recipe(tmp_path / f"{name}.yaml", job / "record", callbacks, every_n_steps=3, strategy={**trainer, "max_steps": 14})
+        argv = ["fit", "--config", recipe, *DATA, "--data.num_workers", "1", "--model", module,
+                "--trainer.default_root_dir", str(job / "run")]
+        status[name] = launch(argv, tmp_path / f"{name}.log", tmp_path)
+    assert status["reference"] == 0 and status["resumed"] == 0 and status["interrupted"] != 0
     log = (tmp_path / "resumed.log").read_text()
     assert f"resumed from {tmp_path / 'interrupted' / 'run' / 'checkpoints' / 'step-000000009'}: step 9" in log
 
@@ -162,3 +191,13 @@ def test_two_process_ddp_resumes_bit_for_bit(tmp_path):
             assert record["samples"] == expected[record["step"]]["samples"] and record["loss"] == expected[record["step"]]["loss"], (rank, record["step"])
     final = "run/checkpoints/step-000000014"
     assert_bitwise_equal(checkpoint_tensors(tmp_path / "interrupted" / final), checkpoint_tensors(tmp_path / "reference" / final))
+
+
+def test_rollback_mid_training_restores_the_newest_checkpoint(tmp_path):
+    rollback = {"class_path": "checkpoint_modules.RollbackAt", "init_args": {"step": 10}}
+    cli = fit(write_recipe(tmp_path / "recipe.yaml", tmp_path / "record", [rollback]), tmp_path / "run", "--trainer.max_steps", "12")
+    callback = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RollbackAt")
+    assert callback.rolled_back_to == 8  # checkpoints every 4 steps
+    saved = checkpoint_tensors(tmp_path / "run" / "checkpoints" / "step-000000008")
+    assert_bitwise_equal({f"model/{k}": v for k, v in callback.weights_after.items()}, {k: v for k, v in saved.items() if k.startswith("model/")})
+    assert cli.trainer.global_step == 12  # training went on

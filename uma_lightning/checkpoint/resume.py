@@ -38,7 +38,8 @@ def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = N
             dist.all_gather_object(problems, _problems_in_my_share(path, rank, world), group=process_group)
         found = [problem for share in problems for problem in share]
         if not found:
-            log.info("checkpoint %s verified in %.2f s", path, time.monotonic() - started)
+            if rank == 0:
+                log.info("checkpoint %s verified in %.2f s", path, time.monotonic() - started)
             return path
         if rank == 0:
             log.warning("skipping checkpoint %s, it is incomplete or corrupt: %s", path, "; ".join(sorted(set(found))))
