@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from mlflow import MlflowClient
 
 import forked_cli
-from test_checkpoint_resume import TINY
-from test_cli import RECIPE
+from test_checkpoint_resume import write_recipe as resume_recipe
 from uma_lightning.checkpoint import committed, read_manifest, verify
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
 from uma_lightning.cli import UmaCLI
@@ -25,23 +23,9 @@ ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers
 
 
 def write_recipe(path: Path) -> str:
-    recipe = {
-        "include": [RECIPE],
-        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"size": TINY}},
-        "trainer": {
-            "deterministic": True,
-            "max_steps": MAX_STEPS,
-            "val_check_interval": 7,
-            "limit_val_batches": 1,
-            "logger": {"init_args": {"experiment_name": "faults"}},
-            "callbacks": [
-                {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}},
-                {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": 2, "keep_last": 3}},
-            ],
-        },
-    }
-    path.write_text(yaml.safe_dump(recipe))
-    return str(path)
+    progress = {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}}
+    trainer = {"max_steps": MAX_STEPS, "val_check_interval": 7, "limit_val_batches": 1, "logger": {"init_args": {"experiment_name": "faults"}}}
+    return resume_recipe(path, path.parent / "record", [progress], every_n_steps=2, trainer=trainer)
 
 
 def saved_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:

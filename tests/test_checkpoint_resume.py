@@ -23,7 +23,9 @@ DATA = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers
 MAX_STEPS = 22
 
 
-def write_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps: int = 4, strategy: dict | None = None) -> str:
+def write_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps: int = 4, trainer: dict | None = None) -> str:
+    """A recipe for these tests: NoisyPretrain, deterministic, checkpoints every ``every_n_steps``, each step
+    recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
     recipe = {
         "include": [RECIPE],
         "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"size": TINY}},
@@ -41,7 +43,7 @@ def write_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps
                 {"class_path": "checkpoint_modules.RecordSteps", "init_args": {"dir": str(record_dir)}},
                 *extra_callbacks,
             ],
-            **(strategy or {}),
+            **(trainer or {}),
         },
     }
     path.write_text(yaml.safe_dump(recipe))
@@ -175,7 +177,7 @@ def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
     status = {}
     for name, callbacks in (("reference", []), ("interrupted", [crash_at(11)]), ("resumed", [])):
         job = tmp_path / ("reference" if name == "reference" else "interrupted")
-        recipe = write_recipe(tmp_path / f"{name}.yaml", job / "record", callbacks, every_n_steps=3, strategy={**trainer, "max_steps": 14})
+        recipe = write_recipe(tmp_path / f"{name}.yaml", job / "record", callbacks, every_n_steps=3, trainer={**trainer, "max_steps": 14})
         argv = ["fit", "--config", recipe, *DATA, "--data.num_workers", "1", "--model", module,
                 "--trainer.default_root_dir", str(job / "run")]
         status[name] = launch(argv, tmp_path / f"{name}.log", tmp_path)
