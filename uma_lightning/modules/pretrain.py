@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig, convert_to_float8
 from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size, training_flops_per_sample
 from uma_lightning.models.sizes import ModelSize
 
@@ -43,7 +43,7 @@ class PretrainModule(L.LightningModule):
         patch_size: int = 8,
         max_text_len: int = 32,
         n_action_bins: int = 256,
-        attention: str = "auto",
+        kernels: KernelConfig | None = None,
         optimizer: OptimizerConfig | None = None,
     ):
         """
@@ -53,7 +53,9 @@ class PretrainModule(L.LightningModule):
             patch_size: Camera frames are cut into square patches of this many pixels.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
             n_action_bins: Each normalised action dimension is discretised into this many uniform bins.
-            attention: Attention backend: auto, sdpa or reference.
+            kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
+                sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu,
+                rotary, cross_entropy: auto, triton or torch; linear: torch or float8 (torchao).
             optimizer: AdamW and learning-rate schedule settings.
         """
         super().__init__()
@@ -67,7 +69,7 @@ class PretrainModule(L.LightningModule):
             max_text_len=max_text_len,
             n_action_bins=n_action_bins,
         )
-        self.attention = attention
+        self.kernels = KernelConfig(**kernels) if isinstance(kernels, dict) else kernels or KernelConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
         # Plain types only, so checkpoints load with weights_only=True and the resolved size is recorded.
         self.save_hyperparameters(
@@ -77,7 +79,7 @@ class PretrainModule(L.LightningModule):
                 "patch_size": patch_size,
                 "max_text_len": max_text_len,
                 "n_action_bins": n_action_bins,
-                "attention": attention,
+                "kernels": dataclasses.asdict(self.kernels),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
             },
             logger=False,
@@ -88,7 +90,9 @@ class PretrainModule(L.LightningModule):
 
     def build_model(self) -> nn.Module:
         model = RobotTransformer(self.model_config)
-        model.backbone.set_attention_backend(self.attention)
+        model.set_kernels(self.kernels)
+        if self.kernels.linear == "float8":
+            convert_to_float8(model.backbone)  # the action head stays in higher precision
         return model
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
@@ -96,11 +100,9 @@ class PretrainModule(L.LightningModule):
         model = self.model
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
         targets = model.action_binner.encode(batch["actions"]).flatten(1)  # [B, horizon * action_dim]
-        logits = model(batch["images"], batch["state"], text_ids, text_mask, targets)
         real = batch["action_mask"].repeat_interleave(self.spec.action_dim, dim=1)
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(targets)
-        loss = (losses * real).sum() / real.sum().clamp(min=1)
-        accuracy = ((logits.argmax(-1) == targets) & real).sum() / real.sum().clamp(min=1)
+        loss, predicted = model(batch["images"], batch["state"], text_ids, text_mask, targets, loss_targets=targets.masked_fill(~real, -100))
+        accuracy = ((predicted == targets) & real).sum() / real.sum().clamp(min=1)
         return {"loss": loss, "token_accuracy": accuracy}
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
