@@ -1,5 +1,6 @@
 """MLflow tracking against a real `mlflow server` on 127.0.0.1, read back through the MLflow client."""
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import yaml
 from mlflow import MlflowClient
 
 from uma_lightning.cli import UmaCLI
+from uma_lightning.tracking import MLflowLogger
 from test_cli import QUICK, RECIPE
 
 
@@ -117,3 +119,23 @@ def test_default_store_is_embedded_sqlite_without_a_server(tmp_path, monkeypatch
     assert (tmp_path / "runs" / "pretrain" / "config.yaml").is_file()
     artifact_dir = Path(run.info.artifact_uri.removeprefix("file://"))
     assert (artifact_dir / "config.yaml").is_file() and artifact_dir.is_relative_to(tmp_path / "mlruns")
+
+
+def test_a_continued_run_keeps_its_params_when_the_resumed_config_changed(tmp_path, caplog):
+    first = MLflowLogger(experiment_name="resume", store_dir=str(tmp_path / "mlruns"), synchronous=True)
+    first.log_hyperparams({"trainer": {"max_steps": 100, "precision": "32-true"}})
+    first.log_metrics({"train/loss": 1.0}, step=99)
+    first.finalize("failed")  # a preempted job
+    again = MLflowLogger(experiment_name="resume", store_dir=str(tmp_path / "mlruns"), synchronous=True)
+    again.continue_run(first.run_id)
+    with caplog.at_level(logging.WARNING):
+        again.log_hyperparams({"trainer": {"max_steps": 200, "precision": "32-true"}, "model.n_parameters": 5})
+    again.log_metrics({"train/loss": 0.5}, step=100)
+    again.finalize("success")
+    client = MlflowClient(again._tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert run.info.run_id == first.run_id and run.info.status == "FINISHED"
+    assert run.data.params == {"trainer/max_steps": "100", "trainer/precision": "32-true", "model.n_parameters": "5"}
+    assert run.data.tags["params_changed_on_resume"] == "trainer/max_steps"
+    assert "keeps its original values of changed params: trainer/max_steps" in caplog.text
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [99, 100]

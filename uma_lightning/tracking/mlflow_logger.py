@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import mlflow
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from mlflow.exceptions import MlflowException
@@ -53,6 +54,7 @@ class MLflowLogger(LightningMLFlowLogger):
             run_id=run_id,
             synchronous=synchronous,
         )
+        self._continued = False
 
     @rank_zero_only
     def continue_run(self, run_id: str) -> None:
@@ -68,8 +70,23 @@ class MLflowLogger(LightningMLFlowLogger):
             log.warning("cannot continue MLflow run %s (%s); a new run is opened", run_id, err)
             return
         self._run_id = run_id
+        self._continued = True
         self._mlflow_client.update_run(run_id, status="RUNNING")
         log.info("continuing MLflow run %s", run_id)
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        if not self._continued:
+            return super().log_hyperparams(params)
+        # MLflow refuses to change a param of an existing run: a resumed job whose config changed
+        # (say, more steps) keeps the original values and says which ones changed.
+        flat = _flatten_dict(_convert_params(params))
+        existing = self.experiment.get_run(self.run_id).data.params
+        changed = sorted(key for key, value in flat.items() if key in existing and existing[key] != str(value)[:250])
+        if changed:
+            log.warning("the continued MLflow run keeps its original values of changed params: %s", ", ".join(changed))
+            self.experiment.set_tag(self.run_id, "params_changed_on_resume", ", ".join(changed)[:5000])
+        super().log_hyperparams({key: value for key, value in flat.items() if key not in changed})
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
