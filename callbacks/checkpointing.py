@@ -131,7 +131,7 @@ class ShardedCheckpoint(Checkpoint):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.save_last:
             self.save(trainer, pl_module)
-        self._writer.wait()
+        self._wait_until_committed()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._writer is not None:
@@ -174,4 +174,11 @@ class ShardedCheckpoint(Checkpoint):
             self._writer.save(trainer.global_step, state, tensors, summary)
             self._last_saved_step = trainer.global_step
         if wait:
-            self._writer.wait()
+            self._wait_until_committed()
+
+    def _wait_until_committed(self) -> None:
+        self._writer.wait()
+        if self._group is not None:
+            # Rank 0 commits after the others have written; hold every rank until then, so that a
+            # launcher which stops the job when one rank exits cannot cut the commit short.
+            dist.barrier(group=self._group)
