@@ -112,7 +112,8 @@ class ShardedCheckpoint(Checkpoint):
             self._saved_rng = None
         else:
             if self.resumed_from is not None:
-                log.warning("random state not restored: the checkpoint was saved by a different number of processes")
+                log.warning("%s was saved by a different number of processes: the weights and optimizer state are "
+                            "resharded exactly, but random state is seeded afresh and the data order differs", self.resumed_from)
             seed = os.environ.get("PL_GLOBAL_SEED")
             if seed is not None:
                 rng.seed_process(int(seed), trainer.global_rank)
