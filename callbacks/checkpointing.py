@@ -111,7 +111,7 @@ class ShardedCheckpoint(Checkpoint):
             rng.restore(self._saved_rng)
             self._saved_rng = None
         else:
-            if self.resumed_from is not None:
+            if self.resumed_from is not None and trainer.is_global_zero:
                 log.warning("%s was saved by a different number of processes: the weights and optimizer state are "
                             "resharded exactly, but random state is seeded afresh and the data order differs", self.resumed_from)
             seed = os.environ.get("PL_GLOBAL_SEED")
