@@ -2,7 +2,9 @@
 
 from uma_lightning.callbacks.anomalies import GradientAnomalies, TrainingHalted
 from uma_lightning.callbacks.bad_data import BadDataCounter
+from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.callbacks.memory import MemoryMonitor
+from uma_lightning.callbacks.preemption import Preemption
 from uma_lightning.callbacks.profiler import ProfilerTraces
 from uma_lightning.callbacks.progress import ProgressLog
 from uma_lightning.callbacks.step_time import StepTimeBreakdown
@@ -14,8 +16,10 @@ __all__ = [
     "GradientAnomalies",
     "HangWatchdog",
     "MemoryMonitor",
+    "Preemption",
     "ProfilerTraces",
     "ProgressLog",
+    "ShardedCheckpoint",
     "StepTimeBreakdown",
     "ThroughputLogger",
     "TrainingHalted",
