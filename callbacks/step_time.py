@@ -12,8 +12,9 @@ Phases are cut at Lightning's hooks:
 On a GPU the compute phases are CUDA events, so they measure the device, not the host's kernel
 launches; they are read one batch later, when they have completed, so the callback never stalls
 the host. A gap that contains validation or a checkpoint save reports no data wait. Communication
-is separated only under DDP (through a comm hook); with another strategy, or when DDP already has
-a comm hook, the log says so once and it stays inside the phases above.
+is separated only under Lightning's DDPStrategy (through a comm hook on DistributedDataParallel);
+with another strategy (the mesh strategies' per-block replicate or FSDP included), or when DDP
+already has a comm hook, the log says so once and it stays inside the phases above.
 """
 
 from __future__ import annotations

@@ -61,8 +61,10 @@ class StallAfter(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
+            import sys
             import time
 
+            print(f"stalling after step {self.step}", file=sys.stderr, flush=True)  # a test may wait for this line
             time.sleep(self.seconds)
 
 

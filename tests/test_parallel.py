@@ -319,9 +319,10 @@ def test_launch_templates_are_valid():
 
 
 def test_throughput_counts_each_sample_once_under_tensor_parallel():
-    from uma_lightning.callbacks.throughput import _data_parallel_size
+    from uma_lightning.parallel.mesh import data_parallel_rank
 
     # Tensor-parallel ranks share a batch: two TP ranks process one batch, two DDP ranks two.
-    assert _data_parallel_size(Trainer(strategy="tp", accelerator="cpu", devices=2, logger=False)) == 1
-    assert _data_parallel_size(Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)) == 2
-    assert _data_parallel_size(Trainer(accelerator="cpu", devices=1, logger=False)) == 1
+    assert data_parallel_rank(Trainer(strategy="tp", accelerator="cpu", devices=2, logger=False)) == (0, 1)
+    assert data_parallel_rank(Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)) == (0, 2)
+    assert data_parallel_rank(Trainer(accelerator="cpu", devices=1, logger=False)) == (0, 1)
+    assert data_parallel_rank(None) == (0, 1)

@@ -39,13 +39,14 @@ def write_recipe(path: Path, max_steps: int, grace_period_s: float, extra_callba
     return str(path)
 
 
-def start_and_signal(tmp_path: Path, recipe: str, name: str, signum: int, after_step: int, env=None):
-    """Start a run, send ``signum`` once it logged step ``after_step``; returns (exit status, seconds from signal to exit, log)."""
+def start_and_signal(tmp_path: Path, recipe: str, name: str, signum: int, after_step: int, env=None, wait_for=None):
+    """Start a run, send ``signum`` once it logged step ``after_step`` (or the line ``wait_for``);
+    returns (exit status, seconds from signal to exit, log)."""
     log = tmp_path / f"{name}.log"
     argv = ["fit", "--config", recipe, *ARGS, "--trainer.default_root_dir", str(tmp_path / "run")]
     process = forked_cli.start(argv, log, tmp_path, env)
     deadline = time.monotonic() + 180
-    while f"step {after_step}/" not in (log.read_text() if log.exists() else ""):
+    while (wait_for or f"step {after_step}/") not in (log.read_text() if log.exists() else ""):
         assert process.is_alive() and time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
         time.sleep(0.01)
     sent = time.monotonic()
@@ -90,7 +91,7 @@ def test_sigusr1_under_slurm_saves_and_requeues_the_job(tmp_path):
 def test_a_step_that_outlasts_the_grace_period_exits_without_saving(tmp_path):
     stall = {"class_path": "checkpoint_modules.StallAfter", "init_args": {"step": 3, "seconds": 60}}
     recipe = write_recipe(tmp_path / "recipe.yaml", max_steps=200, grace_period_s=1.0, extra_callbacks=[stall])
-    status, seconds, log = start_and_signal(tmp_path, recipe, "stalled", signal.SIGTERM, after_step=3)
+    status, seconds, log = start_and_signal(tmp_path, recipe, "stalled", signal.SIGTERM, after_step=3, wait_for="stalling after step 3")
     assert status == 128 + signal.SIGTERM, log[-3000:]
     assert seconds < 30  # the grace period (1 s), not the 60 s stall
     assert "SIGTERM: no step boundary within the 1 s grace period; exiting without a new checkpoint" in log
