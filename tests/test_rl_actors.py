@@ -33,38 +33,46 @@ def new_weights(policy: torch.nn.Module, seed: int) -> None:
                 tensor.copy_(torch.rand(tensor.shape, generator=g, dtype=tensor.dtype) + 0.5)
 
 
+def check_versions(chunks, snapshots: dict, newest_seen: dict) -> None:
+    """Every step was computed by exactly the weights its version tag names, and by no other version;
+    a worker's tags never go back in time."""
+    for chunk in chunks:
+        tags = chunk.data["version"]
+        assert int(tags.min()) >= newest_seen.get(chunk.worker, -1)
+        newest_seen[chunk.worker] = int(tags.max())
+        for tag in tags.unique().tolist():
+            steps = tags == tag
+            obs, action = chunk.data["obs"][steps], chunk.data["action"][steps]
+            with torch.no_grad():
+                out = snapshots[tag](obs)
+                assert torch.allclose(out.value, chunk.data["value"][steps], atol=1e-5)
+                assert torch.allclose(out.distribution.log_prob(action), chunk.data["log_prob"][steps], atol=1e-4)
+                for other, snapshot in snapshots.items():
+                    if other != tag:
+                        assert not torch.allclose(snapshot(obs).value, chunk.data["value"][steps], atol=1e-3)
+
+
+def collect_until_version(actors, version: int) -> list:
+    chunks = []
+    while not any(int(c.data["version"].min()) == version for c in chunks):
+        chunks.append(actors.next_chunk(timeout=120))
+    return chunks
+
+
 @pytest.mark.parametrize("inference", ["local", "server"])
 def test_actors_act_with_the_newest_weights_after_every_sync_without_stopping(spec, inference):
     policy = GaussianMLPPolicy(spec, hidden=(16,))
     actors = LocalActors(ActorSetup(spec, n_envs=3, steps=8, seed=0), policy, n_workers=2,
                          server=SERVER if inference == "server" else None, heartbeat_timeout=60)
     try:
-        snapshots, newest_seen = {}, {0: -1, 1: -1}
+        snapshots, newest_seen = {}, {}
         for version in range(4):
             new_weights(policy, seed=version)
             snapshots[version] = copy.deepcopy(policy)
             actors.publish(policy.state_dict(), version)
             if version == 0:
                 pids = actors.pids
-            chunks = []
-            while not any(int(c.data["version"].min()) == version for c in chunks):
-                chunks.append(actors.next_chunk(timeout=120))
-            for chunk in chunks:
-                tags = chunk.data["version"]
-                # Tags never go back in time for a worker.
-                assert int(tags.min()) >= newest_seen[chunk.worker]
-                newest_seen[chunk.worker] = int(tags.max())
-                # Every step was computed by exactly the weights its tag names, and not by any other version.
-                for tag in tags.unique().tolist():
-                    steps = tags == tag
-                    obs, action = chunk.data["obs"][steps], chunk.data["action"][steps]
-                    with torch.no_grad():
-                        out = snapshots[tag](obs)
-                        assert torch.allclose(out.value, chunk.data["value"][steps], atol=1e-5)
-                        assert torch.allclose(out.distribution.log_prob(action), chunk.data["log_prob"][steps], atol=1e-4)
-                        for other, snapshot in snapshots.items():
-                            if other != tag:
-                                assert not torch.allclose(snapshot(obs).value, chunk.data["value"][steps], atol=1e-3)
+            check_versions(collect_until_version(actors, version), snapshots, newest_seen)
         assert actors.pids == pids and actors.restarts == 0  # picked up while running, no restart
     finally:
         actors.close()

@@ -84,7 +84,10 @@ class RolloutDataModule(L.LightningDataModule):
         if chunks_per_batch is not None and chunks_per_batch < 1:
             raise ValueError(f"data.chunks_per_batch must be >= 1, got {chunks_per_batch}")
         self.save_hyperparameters()
-        self.env_spec: EnvSpec = probe_env(env, env_kwargs)
+        try:
+            self.env_spec: EnvSpec = probe_env(env, env_kwargs)
+        except (ValueError, TypeError, ImportError) as err:
+            raise ValueError(f"data.env: {err}") from None
         self.chunks_per_batch = chunks_per_batch or n_workers
         self.actors = None
         self.version = -1
@@ -127,7 +130,7 @@ class RolloutDataModule(L.LightningDataModule):
             from uma_lightning.rl.ray_backend import RayActors
 
             self.actors = RayActors(setup, policy, hp.n_workers, server=server, heartbeat_timeout=hp.heartbeat_timeout,
-                                    address=hp.ray_address)
+                                    startup_timeout=hp.startup_timeout, address=hp.ray_address)
         else:
             from uma_lightning.rl.local import LocalActors
 

@@ -5,8 +5,10 @@ The interface is ``LocalActors``': ``publish(state, version)``, ``next_chunk()``
 one ``rollout`` call in flight per worker and takes whichever chunk finishes first. Weights are put
 into the object store once per version and every call carries a reference to them, which a worker
 resolves only when the version is newer than its own. Ray restarts a worker whose process died
-(``max_restarts``); a call that does not finish within ``heartbeat_timeout`` marks the worker hung
-and it is killed for Ray to restart. Either way the unfinished chunk is discarded.
+(``max_restarts``); a call that does not finish within ``heartbeat_timeout`` (``startup_timeout``
+for a worker's first call) marks the worker hung, and it is killed for Ray to restart. Either way
+the unfinished chunk is discarded, and the learner counts a restart when the worker answers from
+a new process.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ log = logging.getLogger("uma_lightning")
 
 class RayActors:
     def __init__(self, setup: ActorSetup, policy: torch.nn.Module, n_workers: int, server: Optional[dict[str, Any]] = None,
-                 heartbeat_timeout: float = 60.0, address: Optional[str] = None):
+                 heartbeat_timeout: float = 60.0, startup_timeout: float = 300.0, address: Optional[str] = None):
         try:
             import ray
         except ImportError:
@@ -38,7 +40,7 @@ class RayActors:
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
-        self.setup, self.heartbeat_timeout = setup, heartbeat_timeout
+        self.setup, self.heartbeat_timeout, self.startup_timeout = setup, heartbeat_timeout, startup_timeout
         policy = copy.deepcopy(policy).cpu()
         self.server = None
         if server is not None:
@@ -48,7 +50,9 @@ class RayActors:
         self.workers = [worker_cls.remote(index, setup, None if self.server else policy, self.server) for index in range(n_workers)]
         self.pending: dict[Any, tuple[int, float]] = {}  # in-flight rollout call -> (worker, submitted at)
         self.last_version = [-1] * n_workers  # per worker: newest version in its last chunk
-        self.incarnations = [0] * n_workers
+        self.incarnations = [0] * n_workers  # restarts are counted when a worker answers from a new process
+        self.pids: list[Optional[int]] = [None] * n_workers
+        self.started = [False] * n_workers  # a worker's first call also pays for its start-up
         self.sequences = [0] * n_workers
         self.weights_ref = None
         self.version = -1
@@ -65,26 +69,31 @@ class RayActors:
         ray = self.ray
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._kill_hung()
             self._submit_idle()
             ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=0.5)
             if ready:
                 index, _ = self.pending.pop(ready[0])
                 try:
-                    data = ray.get(ready[0])
+                    data, pid = ray.get(ready[0])
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
-                    self._count_restart(index, f"died ({type(err).__name__})")
+                    # The call is lost with the process; Ray restarts the actor and the call is made again.
+                    log.warning("ray actor %d lost its call (%s); its unfinished chunk is discarded", index, type(err).__name__)
+                    self.started[index] = False
+                    self.last_version[index] = -1
                     continue
+                if self.pids[index] is not None and pid != self.pids[index]:
+                    self.restarts += 1
+                    self.incarnations[index] += 1
+                    self.sequences[index] = 0
+                    log.warning("ray actor %d was restarted (pid %d -> %d)", index, self.pids[index], pid)
+                self.pids[index] = pid
                 self.last_version[index] = int(data["version"].max())
+                self.started[index] = True
                 self.sequences[index] += 1
                 return Chunk({name: torch.from_numpy(array.copy()) for name, array in data.items()},
                              index, self.incarnations[index], self.sequences[index])
-            now = time.monotonic()
-            for ref, (index, submitted) in list(self.pending.items()):
-                if now - submitted > self.heartbeat_timeout:
-                    del self.pending[ref]
-                    ray.kill(self.workers[index], no_restart=False)  # Ray starts it again
-                    self._count_restart(index, f"did not finish a chunk within {self.heartbeat_timeout:.0f} s (hung)")
-            if deadline is not None and now > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"no trajectory chunk within {timeout} s")
 
     def close(self) -> None:
@@ -94,9 +103,19 @@ class RayActors:
         if self.started_ray:
             self.ray.shutdown()
 
-    @property
-    def pids(self) -> list[int]:
+    def worker_pids(self) -> list[int]:
         return self.ray.get([worker.pid.remote() for worker in self.workers])
+
+    def _kill_hung(self) -> None:
+        now = time.monotonic()
+        for ref, (index, submitted) in list(self.pending.items()):
+            limit = self.heartbeat_timeout if self.started[index] else self.startup_timeout
+            if now - submitted > limit:
+                del self.pending[ref]
+                log.warning("ray actor %d did not finish a chunk within %.0f s (hung); killing it for Ray to restart", index, limit)
+                self.ray.kill(self.workers[index], no_restart=False)
+                self.started[index] = False
+                self.last_version[index] = -1
 
     def _submit_idle(self) -> None:
         if self.weights_ref is None:
@@ -108,13 +127,6 @@ class RayActors:
                 continue
             ref = worker.rollout.remote([self.weights_ref], self.version)
             self.pending[ref] = (index, time.monotonic())
-
-    def _count_restart(self, index: int, reason: str) -> None:
-        log.warning("ray actor %d (incarnation %d) %s; Ray restarts it, its unfinished chunk is discarded",
-                    index, self.incarnations[index], reason)
-        self.incarnations[index] += 1
-        self.last_version[index] = -1
-        self.restarts += 1
 
 
 class RayRolloutWorker:
@@ -135,7 +147,9 @@ class RayRolloutWorker:
         self.local = policy is not None
         self.act = PolicyActor(policy) if self.local else _ServerClient(server)
 
-    def rollout(self, weights: list, version: int) -> dict[str, np.ndarray]:
+    def rollout(self, weights: list, version: int) -> tuple[dict[str, np.ndarray], int]:
+        import os
+
         import ray
 
         if self.local and version > self.act.version:
@@ -144,7 +158,7 @@ class RayRolloutWorker:
             self.act.version = version
         chunk = {name: torch.empty(shape, dtype=dtype).numpy() for name, (shape, dtype) in self.layout.items()}
         self.runner.fill(chunk, self.act)
-        return chunk
+        return chunk, os.getpid()
 
     def pid(self) -> int:
         import os
