@@ -49,6 +49,11 @@ def test_prioritized_sampling_follows_priorities_and_weights_correct_for_it():
     # New transitions enter with the highest priority seen so far.
     buffer.add(rows(6, 1))
     assert buffer.tree[buffer.leaves + 6] == 10.0
+    # An index drawn several times in one batch keeps its last priority, and the sums stay exact.
+    buffer.update_priorities(torch.tensor([2, 5, 2, 2, 5]), torch.tensor([7.0, 1.0, 9.0, 0.5, 3.0]))
+    assert buffer.tree[buffer.leaves + 2] == 0.5 and buffer.tree[buffer.leaves + 5] == 3.0
+    assert torch.equal(buffer.tree[inner], buffer.tree[2 * inner] + buffer.tree[2 * inner + 1])
+    assert buffer.tree[1] == 1.0 + 2.0 + 0.5 + 4.0 + 0.0 + 3.0 + 10.0
 
 
 def test_alpha_zero_samples_uniformly_whatever_the_priorities():

@@ -109,12 +109,12 @@ class ReplayBuffer:
 
     def _set_priorities(self, slots: torch.Tensor, priorities: torch.Tensor) -> None:
         # Keep the last value of repeated slots, so the result does not depend on scatter order.
-        reversed_slots = slots.flip(0)
-        unique, first = _first_occurrence(reversed_slots)
+        unique, last = _last_occurrence(slots)
         nodes = unique + self.leaves
-        self.tree[nodes] = priorities.flip(0)[first].double() ** self.alpha
+        self.tree[nodes] = priorities[last].double() ** self.alpha
         while nodes[0] > 1:
-            nodes = torch.unique(nodes // 2)
+            # Repeated parents get the same sum written twice, so no de-duplication is needed.
+            nodes = nodes // 2
             self.tree[nodes] = self.tree[2 * nodes] + self.tree[2 * nodes + 1]
 
     def _sample_proportional(self, batch_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,9 +168,8 @@ class ReplayBuffer:
             self.generator.set_state(state["generator"])
 
 
-def _first_occurrence(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique values and the position of each one's first occurrence in ``values``."""
+def _last_occurrence(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique values and the position of each one's last occurrence in ``values``."""
     unique, inverse = torch.unique(values, return_inverse=True)
     positions = torch.arange(len(values))
-    first = torch.full((len(unique),), len(values), dtype=torch.int64).scatter_reduce(0, inverse, positions, reduce="amin")
-    return unique, first
+    return unique, torch.full((len(unique),), -1, dtype=torch.int64).scatter_reduce(0, inverse, positions, reduce="amax")
