@@ -44,7 +44,7 @@ class RolloutDataModule(L.LightningDataModule):
         server_device: str = "auto",
         backend: Literal["local", "ray"] = "local",
         ray_address: Optional[str] = None,
-        slots_per_worker: int = 2,
+        slots_per_worker: Optional[int] = None,
         heartbeat_timeout: float = 60.0,
         startup_timeout: float = 300.0,
         return_window: int = 20,
@@ -68,7 +68,9 @@ class RolloutDataModule(L.LightningDataModule):
             server_device: Device of the inference server; ``auto`` uses CUDA when available.
             backend: ``local`` processes on this machine, or ``ray`` actors (needs the ``ray`` extra).
             ray_address: Ray cluster to join; None starts or joins a local one.
-            slots_per_worker: Chunks a worker may have finished before the learner takes them.
+            slots_per_worker: Chunks a worker may have finished before the learner takes them; None means
+                ``max(1, max_policy_lag)``, as deep as the lag allows (the learner takes one chunk per
+                worker per iteration, so a deeper queue would only fill with chunks it drops).
             heartbeat_timeout: Seconds without a heartbeat after which an actor is restarted.
             startup_timeout: Seconds an actor may take to start.
             return_window: Episodes averaged in ``rollout/return_window``.
@@ -76,13 +78,14 @@ class RolloutDataModule(L.LightningDataModule):
         """
         super().__init__()
         for name, value in (("total_env_steps", total_env_steps), ("n_workers", n_workers), ("envs_per_worker", envs_per_worker),
-                            ("steps_per_chunk", steps_per_chunk), ("slots_per_worker", slots_per_worker), ("return_window", return_window)):
+                            ("steps_per_chunk", steps_per_chunk), ("return_window", return_window)):
             if value < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
         if max_policy_lag < 0:
             raise ValueError(f"data.max_policy_lag must be >= 0, got {max_policy_lag}")
-        if chunks_per_batch is not None and chunks_per_batch < 1:
-            raise ValueError(f"data.chunks_per_batch must be >= 1, got {chunks_per_batch}")
+        for name, value in (("chunks_per_batch", chunks_per_batch), ("slots_per_worker", slots_per_worker)):
+            if value is not None and value < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {value}")
         self.save_hyperparameters()
         try:
             self.env_spec: EnvSpec = probe_env(env, env_kwargs)
@@ -134,7 +137,8 @@ class RolloutDataModule(L.LightningDataModule):
         else:
             from uma_lightning.rl.local import LocalActors
 
-            self.actors = LocalActors(setup, policy, hp.n_workers, slots_per_worker=hp.slots_per_worker, server=server,
+            slots = hp.slots_per_worker or max(1, hp.max_policy_lag)
+            self.actors = LocalActors(setup, policy, hp.n_workers, slots_per_worker=slots, server=server,
                                       heartbeat_timeout=hp.heartbeat_timeout, startup_timeout=hp.startup_timeout)
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:
