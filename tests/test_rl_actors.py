@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from uma_lightning.rl.data import RolloutDataModule
 from uma_lightning.rl.env import probe_env
 from uma_lightning.rl.local import ActorSetup, LocalActors
 from uma_lightning.rl.policy import GaussianMLPPolicy
@@ -117,6 +118,28 @@ def test_a_crashed_or_hung_actor_is_restarted_and_its_unfinished_chunk_discarded
         assert all(bool((c.data["version"] == 0).all()) for c in received)
     finally:
         actors.close()
+
+
+def test_chunks_staler_than_the_max_policy_lag_are_dropped_and_counted():
+    data = RolloutDataModule("Pendulum-v1", n_workers=1, envs_per_worker=2, steps_per_chunk=4, max_policy_lag=1,
+                             slots_per_worker=3, seed=0)
+    policy = GaussianMLPPolicy(data.env_spec, hidden=(16,))
+    data.start(policy, return_discount=0.99)
+    try:
+        data.publish(policy, 0)
+        assert data.actors.workers[0].ready.poll(120)  # a chunk acted by version 0 waits in its slot
+        data.publish(policy, 1)
+        data.publish(policy, 2)  # version 0 is now 2 behind
+        batch = data.next_batch()
+        stats, versions = batch["stats"], batch["trajectories"]["version"]
+        dropped = stats["policy_lag/dropped_chunks"]
+        assert dropped >= 1 and data.dropped_chunks == dropped
+        assert int(versions.min()) >= 1 and stats["policy_lag/max"] <= 1
+        assert data.env_steps == (1 + dropped) * 2 * 4  # dropped chunks count as collected, not as trained on
+        # The histogram counts the dropped chunk too: kept lags share what is left.
+        assert stats["policy_lag/lag_0"] + stats["policy_lag/lag_1"] == pytest.approx(1 / (1 + dropped))
+    finally:
+        data.teardown("fit")
 
 
 LEAK_SCRIPT = """
