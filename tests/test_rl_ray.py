@@ -35,7 +35,7 @@ def test_ray_actors_sync_weights_restart_crashed_and_hung_workers_and_batch_on_a
     spec = probe_env("rl_envs:hanging_pendulum", kwargs)
     policy = GaussianMLPPolicy(spec, hidden=(16,))
     setup = ActorSetup(spec, env_kwargs=kwargs, n_envs=2, steps=8, seed=0)
-    actors = RayActors(setup, policy, n_workers=2, heartbeat_timeout=10.0)
+    actors = RayActors(setup, policy, n_workers=2, heartbeat_timeout=4.0)
     try:
         snapshots, newest_seen = {}, {}
         for version in range(3):
@@ -43,6 +43,10 @@ def test_ray_actors_sync_weights_restart_crashed_and_hung_workers_and_batch_on_a
             snapshots[version] = copy.deepcopy(policy)
             actors.publish(policy.state_dict(), version)
             check_versions(collect_until_version(actors, version), snapshots, newest_seen)
+        # A learner busy for longer than the timeout (a long update) finds finished calls, not hung workers.
+        time.sleep(5.0)
+        actors.next_chunk(timeout=60)
+        actors.next_chunk(timeout=60)
         assert actors.restarts == 0
         # Crash: Ray restarts the worker; the learner discards the lost call and keeps receiving chunks.
         os.kill(actors.worker_pids()[0], signal.SIGKILL)

@@ -108,14 +108,22 @@ class RayActors:
 
     def _kill_hung(self) -> None:
         now = time.monotonic()
-        for ref, (index, submitted) in list(self.pending.items()):
-            limit = self.heartbeat_timeout if self.started[index] else self.startup_timeout
-            if now - submitted > limit:
-                del self.pending[ref]
-                log.warning("ray actor %d did not finish a chunk within %.0f s (hung); killing it for Ray to restart", index, limit)
-                self.ray.kill(self.workers[index], no_restart=False)
-                self.started[index] = False
-                self.last_version[index] = -1
+        overdue = {ref: (index, self._call_limit(index)) for ref, (index, submitted) in self.pending.items()
+                   if now - submitted > self._call_limit(index)}
+        if not overdue:
+            return
+        # A call that finished while the learner was busy elsewhere (a long update) is not hung.
+        finished, _ = self.ray.wait(list(overdue), num_returns=len(overdue), timeout=0)
+        for ref in set(overdue) - set(finished):
+            index, limit = overdue[ref]
+            del self.pending[ref]
+            log.warning("ray actor %d did not finish a chunk within %.0f s (hung); killing it for Ray to restart", index, limit)
+            self.ray.kill(self.workers[index], no_restart=False)
+            self.started[index] = False
+            self.last_version[index] = -1
+
+    def _call_limit(self, index: int) -> float:
+        return self.heartbeat_timeout if self.started[index] else self.startup_timeout
 
     def _submit_idle(self) -> None:
         if self.weights_ref is None:
