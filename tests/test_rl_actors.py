@@ -150,9 +150,14 @@ from uma_lightning.rl.local import ActorSetup, LocalActors
 from uma_lightning.rl.policy import GaussianMLPPolicy
 from uma_lightning.rl.replay import ReplayBuffer
 
+
+class ScriptPolicy(GaussianMLPPolicy):  # defined here: the actors must import this script to unpickle it
+    pass
+
+
 if __name__ == "__main__":
     spec = probe_env("Pendulum-v1")
-    policy = GaussianMLPPolicy(spec, hidden=(16,))
+    policy = ScriptPolicy(spec, hidden=(16,))
     buffer = ReplayBuffer(100, {"x": ((), torch.float32)})  # holds a named semaphore (its lock)
     actors = LocalActors(ActorSetup(spec, n_envs=2, steps=8), policy, 2, server=%r, heartbeat_timeout=30)
     actors.publish(policy.state_dict(), 0)

@@ -4,8 +4,11 @@ Each worker steps a vector of environments and writes trajectory chunks into its
 shared-memory slots; the learner is told which slot is ready through a pipe, copies it out with one
 memcpy and hands the slot back. Nothing is pickled per step.
 
-Workers start from a forkserver, so, as with any spawned process, a script that starts actors must
-guard its entry point with ``if __name__ == "__main__":``. Supervision happens while the learner asks for data: a worker that exited, or whose heartbeat (a
+Workers start from a forkserver and skip importing the learner's main module, unless the policy's
+class is defined there; then, as with any spawned process, the script must guard its entry point
+with ``if __name__ == "__main__":``.
+
+Supervision happens while the learner asks for data: a worker that exited, or whose heartbeat (a
 timestamp it writes into shared memory every step and while it waits) is older than
 ``heartbeat_timeout``, is killed and started again with fresh environments. The chunk it was
 filling is discarded: only slots it announced as complete are ever read. The same holds for the
@@ -14,11 +17,14 @@ inference server, whose waiting workers re-send their requests to its new incarn
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import signal
+import sys
 import time
+import types
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Optional
@@ -221,7 +227,8 @@ class LocalActors:
             name=f"uma-actor-{index}",
             daemon=True,
         )
-        process.start()
+        with _main_module_left_out(self.policy):
+            process.start()
         # Keep only the learner's ends open here, so the worker's death shows as end-of-file.
         ready_writer.close()
         free_reader.close()
@@ -241,7 +248,8 @@ class LocalActors:
             name="uma-inference-server",
             daemon=True,
         )
-        process.start()
+        with _main_module_left_out(self.policy):
+            process.start()
         return _Process(self.n_workers, incarnation, process, time.monotonic())
 
 
@@ -254,6 +262,23 @@ def process_context():
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["uma_lightning.rl.local", "gymnasium"])
     return context
+
+
+@contextlib.contextmanager
+def _main_module_left_out(policy: torch.nn.Module):
+    """Start a child without importing the learner's main module into it, as multiprocessing otherwise
+    does: under ``uma`` that is the CLI, and importing Lightning would cost every worker start, and
+    restart, seconds of CPU. Children need only ``_worker_main`` and importable env factories; a policy
+    with a class defined in the main script still needs the script, so then it is imported as usual."""
+    if any(type(module).__module__ == "__main__" for module in policy.modules()):
+        yield
+        return
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __spec__, no __file__: nothing to import
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _exitcode(process) -> str:
