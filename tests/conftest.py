@@ -1,6 +1,12 @@
 import os
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter, so the kernel tests check the kernels
+# themselves on any machine. Read when a kernel is defined, so it is set before any is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -16,3 +22,17 @@ def isolated_environment(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def no_tracking_uri_left_behind():
+    """``mlflow.set_tracking_uri`` exports $MLFLOW_TRACKING_URI: a test that calls it (a server
+    test) must not send the runs of later tests' child processes to its store."""
+    yield
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory):
+    """One embedded MLflow store for the session's training runs: creating its tables takes seconds."""
+    return tmp_path_factory.mktemp("mlruns")

@@ -46,6 +46,7 @@ def test_recipe_composes_its_fragments_in_order():
     configs = [Path(args[i + 1]).resolve() for i, a in enumerate(args) if a == "--config"]
     assert configs == [
         REPO / "configs/trainer/default.yaml",
+        REPO / "configs/trainer/diagnostics.yaml",
         REPO / "configs/data/planar_arm.yaml",
         REPO / "configs/tracking/mlflow.yaml",
         REPO / "recipes/pretrain.yaml",
@@ -177,7 +178,7 @@ def test_research_subclass_trains_through_class_path(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert float(metrics["train/plain_loss"]) < float(metrics["train/loss"])  # smoothing adds a penalty
     assert (tmp_path / "run" / "config.yaml").is_file()
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-000000004" / "manifest.json").is_file()  # saved when training ended
 
 
 def test_console_script_runs(tmp_path):

@@ -125,7 +125,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_command(tmp_path
 def test_ddp_learner_keeps_ranks_identical_while_each_collects_its_own_data(tmp_path):
     digests = tmp_path / "digests"
     proc = uma_rl(["--config", PPO, "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false",
-                   "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                   "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy.class_path", "lightning.pytorch.strategies.DDPStrategy",
                    "--data.n_workers", "1", "--data.total_env_steps", "2048",
                    "--trainer.callbacks+=rl_checks.PolicyDigest", f"--trainer.callbacks.out_dir={digests}"])
     out, _ = proc.communicate(timeout=600)

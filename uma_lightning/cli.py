@@ -29,10 +29,13 @@ import yaml
 from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
 
+from uma_lightning.callbacks import TrainingHalted
+from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import PretrainModule
+from uma_lightning.parallel import MeshStrategy  # also registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp
 from uma_lightning.tracking import RecordRunConfig
 
 log = logging.getLogger("uma_lightning")
@@ -42,6 +45,9 @@ register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 # Subcommands that are tools rather than training runs: name -> "module:function(argv) -> exit code".
 # Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
 TOOLS: dict[str, str] = {
+    "data": "uma_lightning.data.tools:main",
+    "parity": "uma_lightning.parallel.parity:main",
+    "ckpt": "uma_lightning.checkpoint.tools:main",
     "rl": "uma_lightning.rl.cli:main",
 }
 
@@ -97,10 +103,18 @@ class UmaCLI(LightningCLI):
             trainer["precision"] = _default_precision()
 
     def before_fit(self) -> None:
+        if isinstance(self.trainer.strategy, MeshStrategy):
+            try:
+                self.trainer.strategy.check_module(self.model)
+            except ValueError as err:
+                raise ConfigError(f"trainer.strategy: {err}") from None
         run_dir = Path(self.trainer.default_root_dir).resolve()
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:
                 callback.dirpath = str(run_dir / "checkpoints")
+            if isinstance(callback, ShardedCheckpoint):
+                # Before RecordRunConfig's setup hook opens a new MLflow run.
+                callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
 
 
@@ -186,6 +200,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as err:
         print(f"uma: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingHalted as err:
+        print(f"uma: training halted: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

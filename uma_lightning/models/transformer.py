@@ -2,7 +2,8 @@
 
 Pure PyTorch, no distributed code: parallel plans in ``uma_lightning.parallel`` wrap it from the
 outside. The backbone maps token embeddings [B, S, dim] to hidden states [B, S, dim]; the
-modality tokenizers and heads around it live in ``robot.py``.
+modality tokenizers and heads around it live in ``robot.py``. Norms, rotary, the SwiGLU gate and
+attention call ``uma_lightning.kernels``; ``set_kernels`` picks their implementations.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from uma_lightning.kernels import attention
+from uma_lightning.kernels import KernelConfig, apply_rotary, attention, rms_norm, swiglu
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels = KernelConfig()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, backend=self.kernels.rms_norm)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -63,13 +64,6 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tup
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (x[..., :d/2], x[..., d/2:]) of x [B, H, S, D] by position-dependent angles."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -78,7 +72,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.backend = "auto"
+        self.kernels = KernelConfig()
 
     def forward(self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -86,8 +80,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.backend)
+        q, k = apply_rotary(q, cos, sin, backend=self.kernels.rotary), apply_rotary(k, cos, sin, backend=self.kernels.rotary)
+        out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.kernels.attention)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -99,9 +93,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.kernels = KernelConfig()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), backend=self.kernels.swiglu))
 
 
 class Block(nn.Module):
@@ -129,9 +124,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.init_weights()
 
-    def set_attention_backend(self, backend: str) -> None:
-        for layer in self.layers:
-            layer.attn.backend = backend
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """Use these implementations for attention, norms, rotary and SwiGLU from the next forward on."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, FeedForward)):
+                module.kernels = kernels
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter and buffer in place; also used after meta-device construction."""

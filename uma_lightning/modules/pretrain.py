@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig, convert_to_float8
 from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size, training_flops_per_sample
 from uma_lightning.models.sizes import ModelSize
 
@@ -43,7 +43,7 @@ class PretrainModule(L.LightningModule):
         patch_size: int = 8,
         max_text_len: int = 32,
         n_action_bins: int = 256,
-        attention: str = "auto",
+        kernels: KernelConfig | None = None,
         optimizer: OptimizerConfig | None = None,
     ):
         """
@@ -53,7 +53,9 @@ class PretrainModule(L.LightningModule):
             patch_size: Camera frames are cut into square patches of this many pixels.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
             n_action_bins: Each normalised action dimension is discretised into this many uniform bins.
-            attention: Attention backend: auto, sdpa or reference.
+            kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
+                sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu,
+                rotary, cross_entropy: auto, triton or torch; linear: torch or float8 (torchao).
             optimizer: AdamW and learning-rate schedule settings.
         """
         super().__init__()
@@ -67,7 +69,7 @@ class PretrainModule(L.LightningModule):
             max_text_len=max_text_len,
             n_action_bins=n_action_bins,
         )
-        self.attention = attention
+        self.kernels = KernelConfig(**kernels) if isinstance(kernels, dict) else kernels or KernelConfig()
         self.optimizer_config = optimizer or OptimizerConfig()
         # Plain types only, so checkpoints load with weights_only=True and the resolved size is recorded.
         self.save_hyperparameters(
@@ -77,7 +79,7 @@ class PretrainModule(L.LightningModule):
                 "patch_size": patch_size,
                 "max_text_len": max_text_len,
                 "n_action_bins": n_action_bins,
-                "attention": attention,
+                "kernels": dataclasses.asdict(self.kernels),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
             },
             logger=False,
@@ -88,19 +90,25 @@ class PretrainModule(L.LightningModule):
 
     def build_model(self) -> nn.Module:
         model = RobotTransformer(self.model_config)
-        model.backbone.set_attention_backend(self.attention)
+        model.set_kernels(self.kernels)
+        if self.kernels.linear == "float8":
+            convert_to_float8(model.backbone)  # the action head stays in higher precision
         return model
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
-        """Cross-entropy of every real action token given the observation prefix and earlier actions."""
+        """Cross-entropy of every real action token given the observation prefix and earlier actions.
+
+        Averaged over each sample's real tokens, then over samples. Averaging per sample first
+        makes the loss of a batch the mean of the losses of its equal parts, so data-parallel
+        ranks, which average their gradients, train exactly as one process on the whole batch
+        even when their samples have different numbers of real tokens.
+        """
         model = self.model
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
         targets = model.action_binner.encode(batch["actions"]).flatten(1)  # [B, horizon * action_dim]
-        logits = model(batch["images"], batch["state"], text_ids, text_mask, targets)
         real = batch["action_mask"].repeat_interleave(self.spec.action_dim, dim=1)
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(targets)
-        loss = (losses * real).sum() / real.sum().clamp(min=1)
-        accuracy = ((logits.argmax(-1) == targets) & real).sum() / real.sum().clamp(min=1)
+        loss, predicted = model(batch["images"], batch["state"], text_ids, text_mask, targets, loss_targets=targets.masked_fill(~real, -100))
+        accuracy = (((predicted == targets) & real).sum(1) / real.sum(1).clamp(min=1)).mean()
         return {"loss": loss, "token_accuracy": accuracy}
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
@@ -138,14 +146,15 @@ class PretrainModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out = self.compute_loss(batch)
         batch_size = len(batch["instruction"])
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=batch_size)
+        # Averaged over data-parallel ranks, so the logged loss is that of the global batch, comparable across strategies.
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=batch_size, sync_dist=True)
         self.log_dict({f"train/{k}": v for k, v in out.items() if k != "loss"}, batch_size=batch_size)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
         return out["loss"]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         out = self.compute_loss(batch)
-        self.log_dict({f"val/{k}": v for k, v in out.items()}, prog_bar=True, batch_size=len(batch["instruction"]))
+        self.log_dict({f"val/{k}": v for k, v in out.items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Always measure the norm (the first sign of divergence); clip only when the trainer asks to.
