@@ -7,6 +7,7 @@ from uma_lightning.callbacks.memory import MemoryMonitor
 from uma_lightning.callbacks.preemption import Preemption
 from uma_lightning.callbacks.profiler import ProfilerTraces
 from uma_lightning.callbacks.progress import ProgressLog
+from uma_lightning.callbacks.rl_progress import RolloutProgressLog
 from uma_lightning.callbacks.step_time import StepTimeBreakdown
 from uma_lightning.callbacks.throughput import ThroughputLogger
 from uma_lightning.callbacks.watchdog import HangWatchdog
@@ -19,6 +20,7 @@ __all__ = [
     "Preemption",
     "ProfilerTraces",
     "ProgressLog",
+    "RolloutProgressLog",
     "ShardedCheckpoint",
     "StepTimeBreakdown",
     "ThroughputLogger",

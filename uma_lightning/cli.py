@@ -48,17 +48,21 @@ TOOLS: dict[str, str] = {
     "data": "uma_lightning.data.tools:main",
     "parity": "uma_lightning.parallel.parity:main",
     "ckpt": "uma_lightning.checkpoint.tools:main",
+    "rl": "uma_lightning.rl.cli:main",
 }
 
 
 class UmaCLI(LightningCLI):
     """LightningCLI over ``PretrainModule`` and ``RobotDataModule`` (or any subclass given by class_path)."""
 
+    model_class: type = PretrainModule
+    datamodule_class: type = RobotDataModule
+
     def __init__(self, args: Optional[list[str]] = None, run: bool = True):
         self.recipe = _recipe_of(sys.argv[1:] if args is None else args)
         super().__init__(
-            PretrainModule,
-            RobotDataModule,
+            self.model_class,
+            self.datamodule_class,
             subclass_mode_model=True,
             subclass_mode_data=True,
             auto_configure_optimizers=False,
@@ -74,7 +78,8 @@ class UmaCLI(LightningCLI):
         try:
             self.config = parser.parse_args(args)
         except ArgumentError as err:
-            raise ConfigError(explain(str(err), parser, args, tools=tuple(TOOLS))) from None
+            defaults = {"model": _class_path(self.model_class), "data": _class_path(self.datamodule_class)}
+            raise ConfigError(explain(str(err), parser, args, tools=tuple(TOOLS), defaults=defaults)) from None
 
     def instantiate_classes(self) -> None:
         try:
@@ -86,6 +91,9 @@ class UmaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # Consumed by expand_includes before parsing; hidden so printed configs stay fully resolved.
         parser.add_argument("--include", type=Optional[list[str]], default=None, help=SUPPRESS)
+        self.link_data_to_model(parser)
+
+    def link_data_to_model(self, parser) -> None:
         # The model is built for the data's shapes, known once the data module has read its metadata.
         parser.link_arguments("data", "model.init_args.spec", compute_fn=lambda data: data.spec, apply_on="instantiate")
 
@@ -108,6 +116,10 @@ class UmaCLI(LightningCLI):
                 # Before RecordRunConfig's setup hook opens a new MLflow run.
                 callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _default_precision() -> str:

@@ -20,9 +20,13 @@ class ConfigError(Exception):
     """A configuration problem, reported to the user as one short message (exit status 2)."""
 
 
-def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = ()) -> str:
+_DEFAULT_CLASSES = {"model": "uma_lightning.modules.PretrainModule", "data": "uma_lightning.data.RobotDataModule"}
+
+
+def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = (), defaults: dict[str, str] | None = None) -> str:
     """Rewrite a jsonargparse error message; ``args`` are the (include-expanded) command-line arguments,
-    ``tools`` the subcommands dispatched outside LightningCLI."""
+    ``tools`` the subcommands dispatched outside LightningCLI, ``defaults`` the class paths of the
+    model and data groups when none is given (their arguments are offered as close matches)."""
     located = _Locator(args)
 
     if match := re.search(r"invalid choice: '([^']+)' \(choose from (.+)\)", message):
@@ -33,7 +37,7 @@ def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = ()) 
         r"unrecognized arguments: --([\w.]+)", message
     ):
         key = match.group(1)
-        return f"{located.where(key)}unknown key {key!r}{_did_you_mean(key, _known_keys(parser, args))}"
+        return f"{located.where(key)}unknown key {key!r}{_did_you_mean(key, _known_keys(parser, args, defaults or _DEFAULT_CLASSES))}"
 
     if match := re.search(r'Parser key "config": File does not exist: \'([^\']+)\'', message):
         path = Path(match.group(1))
@@ -95,12 +99,12 @@ def _subcommand_parser(parser, args: list[str]):
     return action.choices.get(name, parser)
 
 
-def _known_keys(parser, args: list[str]) -> list[str]:
+def _known_keys(parser, args: list[str], defaults: dict[str, str]) -> list[str]:
     sub = _subcommand_parser(parser, args)
     keys = [a.dest for a in sub._actions if a.dest not in ("help", "config")]
     # Subclass-mode groups (model, data) only know their init args once a class is chosen; offer
     # the arguments of the default classes too.
-    for group, class_path in (("model", "uma_lightning.modules.PretrainModule"), ("data", "uma_lightning.data.RobotDataModule")):
+    for group, class_path in defaults.items():
         keys += [f"{group}.{p}" for p in _init_params(class_path)]
         keys += [f"{group}.init_args.{p}" for p in _init_params(class_path)]
     return keys

@@ -1,0 +1,138 @@
+"""Environment steps per second through the whole actor-learner pipeline, against raw vectorised
+stepping of the same environments in the same number of processes, measured in one run.
+
+    python benchmarks/rl_throughput.py [--env Humanoid-v5] [--seconds 60] [--repeats 2]
+
+raw:       N processes, each stepping a gymnasium SyncVectorEnv of M environments with random actions.
+pipeline:  the default recipe (recipes/rl.yaml: PPO, N workers x M envs, asynchronous) trained by the
+           Lightning Trainer; counts only env steps the learner trained on (dropped stale chunks excluded),
+           after the first iterations (start-up excluded).
+
+The two alternate, ``--repeats`` times each; the table shows medians and the ratio pipeline / raw.
+On a shared machine wall-clock rates follow the load, so the table also shows CPU seconds per 1000
+env steps of every process involved (workers and learner): raw / pipeline of that is the throughput
+ratio on cores of one's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import median, print_table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _raw_worker(env: str, n_envs: int, seconds: float, seed: int, out) -> None:
+    from uma_lightning.rl.env import make_vector_env
+
+    envs = make_vector_env(env, None, n_envs)
+    envs.reset(seed=seed)
+    envs.action_space.seed(seed)
+    for _ in range(20):  # warm-up
+        envs.step(envs.action_space.sample())
+    steps, start, cpu = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < seconds:
+        envs.step(envs.action_space.sample())
+        steps += n_envs
+    out.put((steps, time.perf_counter() - start, time.process_time() - cpu))
+
+
+def raw_rate(env: str, n_workers: int, n_envs: int, seconds: float) -> tuple[float, float]:
+    """(sum over processes of env steps/s, all stepping at the same time; CPU seconds per 1000 env steps)."""
+    from uma_lightning.rl.local import process_context
+
+    ctx = process_context()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_raw_worker, args=(env, n_envs, seconds, 1000 * i, out)) for i in range(n_workers)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=seconds + 300) for _ in procs]
+    for p in procs:
+        p.join()
+    steps = sum(r[0] for r in results)
+    return sum(r[0] / r[1] for r in results), 1000 * sum(r[2] for r in results) / steps
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and all its children (actor workers, forkserver)."""
+    import psutil
+
+    me = psutil.Process()
+    return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
+
+
+def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int = 3) -> tuple[float, float, float]:
+    """(trained env steps/s, received env steps/s, CPU seconds per 1000 trained env steps) of the
+    recipe's learner and data module."""
+    import lightning as L
+    from lightning.pytorch import Callback
+
+    from uma_lightning.rl import PPOLearner, RolloutDataModule
+
+    class Clock(Callback):
+        def __init__(self):
+            self.marks: list[tuple[float, int, int, float]] = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            data = trainer.datamodule
+            chunk = data.hparams.envs_per_worker * data.hparams.steps_per_chunk
+            self.marks.append((time.perf_counter(), data.env_steps - data.dropped_chunks * chunk, data.env_steps, _cpu_seconds()))
+            if len(self.marks) > skip_iterations and self.marks[-1][0] - self.marks[skip_iterations][0] >= seconds:
+                trainer.should_stop = True
+
+    data_args = dict(recipe["data"]["init_args"], env=env, total_env_steps=10**9)
+    data = RolloutDataModule(**data_args)
+    model = PPOLearner(env=data.env_spec, **recipe["model"]["init_args"])
+    clock = Clock()
+    trainer = L.Trainer(max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
+                        accelerator="cpu", devices=1)
+    trainer.fit(model, data)
+    (t0, trained0, received0, cpu0), (t1, trained1, received1, cpu1) = clock.marks[skip_iterations], clock.marks[-1]
+    return (trained1 - trained0) / (t1 - t0), (received1 - received0) / (t1 - t0), 1000 * (cpu1 - cpu0) / (trained1 - trained0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="Humanoid-v5")
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "rl.yaml"))
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per variant and repeat")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    recipe = yaml.safe_load(Path(args.recipe).read_text())
+    n_workers, n_envs = recipe["data"]["init_args"]["n_workers"], recipe["data"]["init_args"]["envs_per_worker"]
+
+    raw, raw_cpu, trained, received, cpu = [], [], [], [], []
+    for repeat in range(args.repeats):
+        rate, seconds_per_k = raw_rate(args.env, n_workers, n_envs, args.seconds)
+        raw.append(rate)
+        raw_cpu.append(seconds_per_k)
+        t, r, c = pipeline_rate(recipe, args.env, args.seconds)
+        trained.append(t)
+        received.append(r)
+        cpu.append(c)
+        print(f"repeat {repeat + 1}: raw {rate:.0f} env steps/s ({seconds_per_k:.2f} CPU s / 1000) | pipeline {t:.0f} trained, "
+              f"{r:.0f} received env steps/s ({c:.2f} CPU s / 1000)", flush=True)
+    print_table(
+        f"{args.env}: {n_workers} processes x {n_envs} envs, {args.seconds:.0f} s per variant, median of {args.repeats}",
+        ["variant", "env steps/s", "ratio to raw", "CPU s / 1000 steps", "CPU ratio (raw / variant)"],
+        [
+            ["raw vectorised stepping", median(raw), 1.0, median(raw_cpu), 1.0],
+            ["actor-learner pipeline (trained)", median(trained), median(trained) / median(raw), median(cpu),
+             median(raw_cpu) / median(cpu)],
+            ["actor-learner pipeline (received)", median(received), median(received) / median(raw), "", ""],
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

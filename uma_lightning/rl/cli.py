@@ -1,0 +1,41 @@
+"""``uma rl``: train an RL learner on a ``RolloutDataModule``, with the same recipes, overrides,
+config errors, checkpoints and tracking as ``uma fit``.
+
+    uma rl --config recipes/rl.yaml [--data.env InvertedPendulum-v5] [--print_config]
+
+Running the same command again resumes from the run's last checkpoint when the recipe sets
+``ckpt_path: last``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from uma_lightning.cli import UmaCLI
+from uma_lightning.cli_errors import ConfigError
+from uma_lightning.rl.data import RolloutDataModule
+from uma_lightning.rl.learner import RLLearner
+
+
+class RLCLI(UmaCLI):
+    """``UmaCLI`` over an ``RLLearner`` subclass and ``RolloutDataModule``; always the ``fit`` subcommand."""
+
+    model_class = RLLearner
+    datamodule_class = RolloutDataModule
+
+    def __init__(self, args: Optional[list[str]] = None, run: bool = True):
+        super().__init__(["fit", *(sys.argv[2:] if args is None else args)], run=run)
+
+    def link_data_to_model(self, parser) -> None:
+        # The learner's networks are built for the environment's shapes, read by the data module.
+        parser.link_arguments("data", "model.init_args.env", compute_fn=lambda data: data.env_spec, apply_on="instantiate")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        RLCLI(argv)
+    except ConfigError as err:
+        print(f"uma rl: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,173 @@
+"""The policy interface actors and learners share, and the small MLP policies for sanity runs.
+
+A policy is an ``nn.Module`` whose ``forward(obs)`` takes raw observations ``float32 [B, obs_dim]``
+and returns a ``PolicyOutput``: a ``torch.distributions.Distribution`` over actions (batch shape
+``[B]``, event shape ``[action_dim]``) and, for actor-critic learners, a value estimate ``[B]``.
+Everything the policy needs to act (weights, observation statistics) lives in its ``state_dict``,
+because that is what is published to actors. A policy that standardises observations with running
+statistics keeps a ``RunningNorm`` as ``obs_norm``; learners update it from the data they train on. A post-trained transformer policy is adapted by
+wrapping it in a module with this ``forward``; the learners build theirs in ``build_policy()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+from torch.distributions import Distribution, Independent, Normal
+
+from uma_lightning.rl.env import EnvSpec
+
+
+class PolicyOutput(NamedTuple):
+    distribution: Distribution
+    value: Optional[torch.Tensor] = None
+
+
+def check_policy(policy: nn.Module, spec: EnvSpec, needs_value: bool) -> None:
+    """Fail early, naming the policy, if its outputs do not fit the environment."""
+    name = type(policy).__name__
+    with torch.no_grad():
+        out = policy(torch.zeros(2, spec.obs_dim))
+    if not isinstance(out, PolicyOutput):
+        raise TypeError(f"{name}.forward must return a PolicyOutput(distribution, value), got {type(out).__name__}")
+    action = out.distribution.sample()
+    if tuple(action.shape) != (2, spec.action_dim):
+        raise ValueError(f"{name}: actions have shape {tuple(action.shape)[1:]}, env {spec.env} needs ({spec.action_dim},)")
+    if tuple(out.distribution.log_prob(action).shape) != (2,):
+        raise ValueError(f"{name}: log_prob must give one value per sample; wrap per-dimension distributions in Independent")
+    if needs_value and (out.value is None or tuple(out.value.shape) != (2,)):
+        raise ValueError(f"{name}: this learner needs a value estimate of shape [B] from the policy")
+
+
+class RunningNorm(nn.Module):
+    """Running mean and variance of a stream of values, merged batch by batch (Chan et al.)."""
+
+    def __init__(self, shape: Sequence[int] | int = (), clip: float = 10.0, eps: float = 1e-8):
+        super().__init__()
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.clip, self.eps = clip, eps
+        self.register_buffer("mean", torch.zeros(shape))
+        self.register_buffer("var", torch.ones(shape))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean) / torch.sqrt(self.var + self.eps)).clamp(-self.clip, self.clip)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        """Divide by the running standard deviation, without centring (reward scaling)."""
+        return x / torch.sqrt(self.var + self.eps)
+
+    @staticmethod
+    def moments(x: torch.Tensor, event_dims: int) -> torch.Tensor:
+        """``[count, mean..., var...]`` of ``x`` over all but its last ``event_dims`` dimensions."""
+        flat = x.reshape(-1, *x.shape[x.dim() - event_dims :]).double()
+        count = torch.tensor([flat.shape[0]], dtype=torch.float64, device=x.device)
+        return torch.cat([count, flat.mean(0).flatten(), flat.var(0, unbiased=False).flatten()])
+
+    @torch.no_grad()
+    def update(self, moments: torch.Tensor) -> None:
+        """Merge batch moments (from ``moments``, or several stacked as ``[n, ...]`` from several ranks)."""
+        for row in moments.reshape(-1, moments.shape[-1]):
+            n = self.mean.numel()
+            count, mean, var = row[0], row[1 : 1 + n].view_as(self.mean), row[1 + n :].view_as(self.var)
+            total = self.count + count
+            delta = mean - self.mean.double()
+            new_mean = self.mean.double() + delta * count / total
+            m2 = self.var.double() * self.count + var * count + delta**2 * self.count * count / total
+            self.mean.copy_(new_mean)
+            self.var.copy_(m2 / total)
+            self.count.copy_(total)
+
+
+def mlp(sizes: Sequence[int], activation: type[nn.Module], out_gain: float) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for index, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        linear = nn.Linear(n_in, n_out)
+        last = index == len(sizes) - 2
+        # Orthogonal init with a small output gain keeps the initial policy near its mean action (PPO practice).
+        nn.init.orthogonal_(linear.weight, out_gain if last else math.sqrt(2))
+        nn.init.zeros_(linear.bias)
+        layers += [linear] if last else [linear, activation()]
+    return nn.Sequential(*layers)
+
+
+class GaussianMLPPolicy(nn.Module):
+    """Actor-critic for PPO: a diagonal Gaussian whose mean is an MLP of the observation, a learned
+    state-independent log standard deviation, and a separate MLP value head."""
+
+    def __init__(self, spec: EnvSpec, hidden: Sequence[int] = (64, 64), normalize_obs: bool = True, init_log_std: float = 0.0):
+        super().__init__()
+        self.obs_norm = RunningNorm(spec.obs_dim) if normalize_obs else nn.Identity()
+        self.actor = mlp([spec.obs_dim, *hidden, spec.action_dim], nn.Tanh, out_gain=0.01)
+        self.critic = mlp([spec.obs_dim, *hidden, 1], nn.Tanh, out_gain=1.0)
+        self.log_std = nn.Parameter(torch.full((spec.action_dim,), float(init_log_std)))
+
+    def forward(self, obs: torch.Tensor) -> PolicyOutput:
+        x = self.obs_norm(obs)
+        mean = self.actor(x)
+        distribution = Independent(Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False), 1, validate_args=False)
+        return PolicyOutput(distribution, self.critic(x).squeeze(-1))
+
+
+class SquashedNormal(Distribution):
+    """A diagonal Gaussian squashed by tanh, then scaled into ``[loc - scale, loc + scale]``.
+
+    ``log_prob`` of the sample this distribution drew last reuses the pre-squash value instead of
+    inverting tanh, which is exact and avoids atanh's blow-up at the bounds."""
+
+    arg_constraints: dict = {}
+    has_rsample = True
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor):
+        self.normal = Normal(mean, std, validate_args=False)
+        self.loc, self.scale = loc, scale
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        super().__init__(batch_shape=mean.shape[:-1], event_shape=mean.shape[-1:], validate_args=False)
+
+    def rsample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+        x = self.normal.rsample(sample_shape)
+        y = self.loc + self.scale * torch.tanh(x)
+        self._last = (x, y)
+        return y
+
+    def sample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+        with torch.no_grad():
+            return self.rsample(sample_shape)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._last is not None and value is self._last[1]:
+            x = self._last[0]
+        else:
+            x = torch.atanh(((value - self.loc) / self.scale).clamp(-1 + 1e-6, 1 - 1e-6))
+        # log|d tanh(x)/dx| = 2 * (log 2 - x - softplus(-2x)), stable for large |x|.
+        log_det = 2 * (math.log(2) - x - F.softplus(-2 * x)) + torch.log(self.scale)
+        return (self.normal.log_prob(x) - log_det).sum(-1)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.loc + self.scale * torch.tanh(self.normal.mean)
+
+
+class TanhGaussianMLPPolicy(nn.Module):
+    """Actor for SAC: a Gaussian squashed by tanh into the action bounds; no value head (the learner's
+    critics are not needed to act)."""
+
+    def __init__(self, spec: EnvSpec, hidden: Sequence[int] = (256, 256), normalize_obs: bool = False,
+                 log_std_bounds: tuple[float, float] = (-5.0, 2.0)):
+        super().__init__()
+        self.obs_norm = RunningNorm(spec.obs_dim) if normalize_obs else nn.Identity()
+        self.net = mlp([spec.obs_dim, *hidden, 2 * spec.action_dim], nn.ReLU, out_gain=0.01)
+        low, high = torch.tensor(spec.action_low), torch.tensor(spec.action_high)
+        self.register_buffer("action_loc", (high + low) / 2)
+        self.register_buffer("action_scale", (high - low) / 2)
+        self.log_std_bounds = log_std_bounds
+
+    def forward(self, obs: torch.Tensor) -> PolicyOutput:
+        mean, log_std = self.net(self.obs_norm(obs)).chunk(2, dim=-1)
+        low, high = self.log_std_bounds
+        log_std = low + 0.5 * (high - low) * (torch.tanh(log_std) + 1)
+        return PolicyOutput(SquashedNormal(mean, log_std.exp(), self.action_loc, self.action_scale))

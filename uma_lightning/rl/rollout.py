@@ -1,0 +1,119 @@
+"""Stepping a vector of environments with a policy into fixed-size trajectory chunks.
+
+A chunk holds ``steps`` consecutive steps of ``n_envs`` environments, time first:
+
+    obs                float32 [T, N, obs_dim]    raw observation the action was chosen from
+    next_obs           float32 [T, N, obs_dim]    observation after the step; at an episode end the
+                                                   final observation, not the next episode's first
+    action             float32 [T, N, action_dim] sampled action (the env receives it clipped to bounds)
+    log_prob           float32 [T, N]             log-probability of the action under the acting policy
+    value              float32 [T, N]             acting policy's value estimate (0 without a value head)
+    reward             float32 [T, N]
+    terminated         bool    [T, N]             the episode ended in a terminal state: no bootstrapping
+    truncated          bool    [T, N]             the episode was cut (time limit): bootstrap from next_obs
+    version            int64   [T, N]             policy version that chose the action
+    discounted_return  float32 [T, N]             running discounted return, for reward scaling
+    episode_return     float32 [T, N]             return of the episode ending at this step (where it ends)
+    episode_length     int64   [T, N]             length of the episode ending at this step (where it ends)
+
+The same runner fills shared-memory slots in local actor processes and plain arrays on Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from uma_lightning.rl.env import EnvSpec, make_vector_env
+from uma_lightning.rl.policy import PolicyOutput
+
+# act(obs [N, obs_dim] float32) -> (action [N, A], log_prob [N], value [N], version)
+ActFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, int]]
+
+
+def chunk_layout(spec: EnvSpec, steps: int, n_envs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    tn = (steps, n_envs)
+    return {
+        "obs": ((*tn, spec.obs_dim), torch.float32),
+        "next_obs": ((*tn, spec.obs_dim), torch.float32),
+        "action": ((*tn, spec.action_dim), torch.float32),
+        "log_prob": (tn, torch.float32),
+        "value": (tn, torch.float32),
+        "reward": (tn, torch.float32),
+        "terminated": (tn, torch.bool),
+        "truncated": (tn, torch.bool),
+        "version": (tn, torch.int64),
+        "discounted_return": (tn, torch.float32),
+        "episode_return": (tn, torch.float32),
+        "episode_length": (tn, torch.int64),
+    }
+
+
+class EnvRunner:
+    """A vector of environments and the bookkeeping that spans chunks (running returns and lengths)."""
+
+    def __init__(self, spec: EnvSpec, env_kwargs: Optional[dict[str, Any]], n_envs: int, seed: int, return_discount: float):
+        self.envs = make_vector_env(spec.env, env_kwargs, n_envs)
+        self.obs, _ = self.envs.reset(seed=[seed + i for i in range(n_envs)])
+        self.obs = self.obs.astype(np.float32)
+        self.low, self.high = np.array(spec.action_low, np.float32), np.array(spec.action_high, np.float32)
+        self.return_discount = return_discount
+        self.episode_return = np.zeros(n_envs, np.float64)
+        self.episode_length = np.zeros(n_envs, np.int64)
+        self.discounted = np.zeros(n_envs, np.float64)
+
+    def fill(self, chunk: dict[str, np.ndarray], act: ActFn, heartbeat: Callable[[], None] = lambda: None) -> None:
+        """Step ``T`` times, writing every step into ``chunk`` (arrays laid out as ``chunk_layout``)."""
+        for t in range(chunk["reward"].shape[0]):
+            action, log_prob, value, version = act(self.obs)
+            next_obs, reward, terminated, truncated, info = self.envs.step(np.clip(action, self.low, self.high))
+            next_obs = next_obs.astype(np.float32)
+            done = terminated | truncated
+            chunk["obs"][t] = self.obs
+            chunk["next_obs"][t] = next_obs
+            if done.any():
+                chunk["next_obs"][t, done] = np.stack(info["final_obs"][done])
+            chunk["action"][t] = action
+            chunk["log_prob"][t] = log_prob
+            chunk["value"][t] = value
+            chunk["reward"][t] = reward
+            chunk["terminated"][t] = terminated
+            chunk["truncated"][t] = truncated
+            chunk["version"][t] = version
+            self.discounted = self.discounted * self.return_discount + reward
+            chunk["discounted_return"][t] = self.discounted
+            self.episode_return += reward
+            self.episode_length += 1
+            chunk["episode_return"][t] = self.episode_return
+            chunk["episode_length"][t] = self.episode_length
+            self.episode_return[done] = 0.0
+            self.episode_length[done] = 0
+            self.discounted[done] = 0.0
+            self.obs = next_obs
+            heartbeat()
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+class PolicyActor:
+    """Acts with a local copy of the policy: one batched forward pass for all of a worker's envs."""
+
+    def __init__(self, policy: torch.nn.Module, version: int = -1):
+        self.policy = policy.eval()
+        self.state = policy.state_dict()  # views of the parameters: copying into them updates the policy
+        self.version = version
+
+    @torch.inference_mode()
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        action, log_prob, value = sample_actions(self.policy, torch.from_numpy(obs))
+        return action.numpy(), log_prob.numpy(), value.numpy(), self.version
+
+
+def sample_actions(policy: torch.nn.Module, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out: PolicyOutput = policy(obs)
+    action = out.distribution.sample()
+    value = out.value if out.value is not None else torch.zeros(obs.shape[0], device=obs.device)
+    return action, out.distribution.log_prob(action), value
