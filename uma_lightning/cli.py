@@ -81,6 +81,8 @@ class UmaCLI(LightningCLI):
         parser.add_argument("--include", type=Optional[list[str]], default=None, help=SUPPRESS)
         # The model is built for the data's shapes, known once the data module has read its metadata.
         parser.link_arguments("data", "model.init_args.spec", compute_fn=lambda data: data.spec, apply_on="instantiate")
+        # Kept in checkpoints, so inference undoes the normalisation without the dataset.
+        parser.link_arguments("data", "model.init_args.normalization", compute_fn=lambda data: data.normalization(), apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         trainer = self.config[self.subcommand]["trainer"] if self.subcommand else self.config["trainer"]

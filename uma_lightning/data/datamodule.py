@@ -5,7 +5,7 @@
 import logging
 import math
 from pathlib import Path
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import lightning as L
 import torch
@@ -61,6 +61,7 @@ class RobotDataModule(L.LightningDataModule):
         prefetch_factor: int = 2,
         pin_memory: Optional[bool] = None,
         seed: int = 0,
+        predict_split: Literal["train", "val"] = "val",
     ) -> None:
         """
         Args:
@@ -81,6 +82,7 @@ class RobotDataModule(L.LightningDataModule):
             prefetch_factor: Batches each worker loads ahead.
             pin_memory: Pin batches in page-locked memory; None pins only when CUDA is available.
             seed: Seed of the training-set shuffle.
+            predict_split: Episodes `uma predict` runs on: the held-out (val) or the training episodes.
         """
         super().__init__()
         for name, value in (("batch_size", batch_size), ("prefetch_factor", prefetch_factor)):
@@ -132,6 +134,18 @@ class RobotDataModule(L.LightningDataModule):
             return []  # no validation episodes: Lightning skips validation
         return self._loader(self.val_dataset, shuffle=False, drop_last=False, generator=None)
 
+    def test_dataloader(self) -> Union[DataLoader, list]:
+        """The held-out episodes, as in validation: the embedded data has no third split."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """Every frame of the `predict_split` episodes, in order."""
+        episodes = self.val_episodes if self.hparams.predict_split == "val" else self.train_episodes
+        if not episodes:
+            raise ValueError(f"predict_split={self.hparams.predict_split!r} has no episodes (val_episodes={self.hparams.val_episodes})")
+        dataset = self.val_dataset if self.hparams.predict_split == "val" else self._dataset(episodes)
+        return self._loader(dataset, shuffle=False, drop_last=False, generator=None)
+
     def normalize_state(self, state: torch.Tensor) -> torch.Tensor:
         """Raw robot state -> the normalised state a model trained on this data expects."""
         return self.state_normalizer.normalize(state)
@@ -139,6 +153,15 @@ class RobotDataModule(L.LightningDataModule):
     def denormalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
         """Normalised model actions -> raw robot actions."""
         return self.action_normalizer.denormalize(actions)
+
+    def normalization(self) -> dict:
+        """The state and action normalisation as plain values, with the dimension names; models keep it
+        in their checkpoints so that inference undoes it without the dataset."""
+        features = self.metadata.features
+        return {
+            "state": {**self.state_normalizer.to_dict(), "names": list(features[STATE_KEY]["names"])},
+            "action": {**self.action_normalizer.to_dict(), "names": list(features[ACTION_KEY]["names"])},
+        }
 
     def _dataset(self, episodes: list[int]) -> FrameDataset:
         hp = self.hparams
