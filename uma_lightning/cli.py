@@ -32,7 +32,7 @@ from lightning.pytorch.cli import LightningCLI
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
-from uma_lightning.modules import PretrainModule
+from uma_lightning.modules import StageModule
 from uma_lightning.tracking import RecordRunConfig
 
 log = logging.getLogger("uma_lightning")
@@ -45,12 +45,12 @@ TOOLS: dict[str, str] = {}
 
 
 class UmaCLI(LightningCLI):
-    """LightningCLI over ``PretrainModule`` and ``RobotDataModule`` (or any subclass given by class_path)."""
+    """LightningCLI over the stage modules (``StageModule`` subclasses) and ``RobotDataModule`` (or a subclass), by class_path."""
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True):
         self.recipe = _recipe_of(sys.argv[1:] if args is None else args)
         super().__init__(
-            PretrainModule,
+            StageModule,
             RobotDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
@@ -90,6 +90,10 @@ class UmaCLI(LightningCLI):
             trainer["precision"] = _default_precision()
 
     def before_fit(self) -> None:
+        try:
+            self.model.check_init_from()
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"model.init_from: {err}") from None
         run_dir = Path(self.trainer.default_root_dir).resolve()
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:

@@ -53,18 +53,25 @@ def training_flops_per_sample(cfg: RobotModelConfig) -> int:
 
 def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerConfig) -> int:
     """Training FLOPs of one sample of the flow-matching model (``flow.py``), every parameter trainable:
-    the backbone over the prefix, the action expert over the chunk attending to prefix and chunk."""
+    the backbone over the prefix, the action expert over the chunk attending to prefix and chunk.
+
+    The expert reads only the keys and values of the backbone's last layer, so that layer's query,
+    attention, output projection and feed-forward run forward but get no backward.
+    """
     b, prefix, horizon, action_dim = cfg.backbone, cfg.prefix_len, cfg.spec.action_horizon, cfg.spec.action_dim
     w = expert.dim
     data_fed = _data_fed_flops(cfg) + 2 * horizon * action_dim * w  # + the noisy actions' input projection
+    backbone_attention = 4 * b.n_heads * prefix * prefix * b.head_dim  # per layer
     trained = (
         2 * b.n_layers * prefix * _linear_per_token(b)
-        + 4 * b.n_layers * b.n_heads * prefix * prefix * b.head_dim
+        + b.n_layers * backbone_attention
         + 2 * expert.n_layers * horizon * _linear_per_token(expert)
         + 4 * expert.n_layers * expert.n_heads * horizon * (prefix + horizon) * expert.head_dim
         + 2 * horizon * (2 * w * w + w * w + w * action_dim)  # action-time MLP and output projection
     )
-    return 2 * data_fed + 3 * trained
+    key_value_projection = 2 * b.dim * b.n_kv_heads * b.head_dim
+    forward_only = 2 * prefix * (_linear_per_token(b) - key_value_projection) + backbone_attention
+    return 2 * data_fed + 3 * trained - 2 * forward_only
 
 
 def training_flops_per_token(cfg: RobotModelConfig) -> float:

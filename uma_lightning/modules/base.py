@@ -31,7 +31,7 @@ from torchmetrics import MeanMetric
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models import RobotModelConfig, load_size
 from uma_lightning.models.sizes import ModelSize
-from uma_lightning.modules.init_from import KeyMapping, load_weights, read_checkpoint
+from uma_lightning.modules.init_from import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
 
@@ -180,6 +180,15 @@ class StageModule(L.LightningModule):
             source = read_checkpoint(self.init_from)
             load_weights(self.model, source, self.key_mapping)
             self.log_context_change(source.hparams)
+
+    def check_init_from(self) -> None:
+        """Raise ValueError listing the keys if ``init_from`` cannot initialise this stage's model;
+        the model is built on the meta device for the check, which costs no memory."""
+        if not self.init_from:
+            return
+        with torch.device("meta"):
+            model = self.build_model()
+        check_weights(model.state_dict(), read_checkpoint(self.init_from), self.key_mapping, type(model).__name__)
 
     def log_context_change(self, source_hparams: dict) -> None:
         """Say how the context (history frames, chunk length) and the rotary position range changed."""

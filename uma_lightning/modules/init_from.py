@@ -49,7 +49,7 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeig
     if path.is_dir():
         raise ValueError(f"{path}: a directory; give a Lightning checkpoint file (.ckpt)")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # a truncated or foreign file: name it, and say what was expected
         raise ValueError(f"{path}: not a readable Lightning checkpoint ({type(err).__name__}: {str(err).splitlines()[0]})") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -64,9 +64,9 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeig
     return CheckpointWeights(str(path), hparams, weights, use_ema, checkpoint.get("module_class"))
 
 
-def load_weights(model: nn.Module, source: CheckpointWeights, mapping: KeyMapping = KeyMapping()) -> None:
-    """Copy ``source``'s weights into ``model`` by name; raise ValueError listing every key that does not map."""
-    target = model.state_dict()
+def check_weights(target: dict[str, torch.Tensor], source: CheckpointWeights, mapping: KeyMapping = KeyMapping(), model_name: str = "the model") -> None:
+    """Raise ValueError listing every key of ``target`` (a state dict, possibly on the meta device)
+    and of the checkpoint that does not map: missing, unexpected, or of another shape."""
     matches = lambda name, patterns: any(fnmatch.fnmatchcase(name, p) for p in patterns)  # noqa: E731
     missing = sorted(n for n in target if n not in source.weights and not matches(n, mapping.fresh))
     unexpected = sorted(n for n in source.weights if n not in target and not matches(n, mapping.dropped))
@@ -76,11 +76,16 @@ def load_weights(model: nn.Module, source: CheckpointWeights, mapping: KeyMappin
         if n in source.weights and source.weights[n].shape != target[n].shape
     )
     if missing or unexpected or reshaped:
-        common = len(set(target) & set(source.weights))
-        hint = " (no names in common: another model family?)" if not common else ""
+        hint = " (no names in common: another model family?)" if not set(target) & set(source.weights) else ""
         parts = [f"{label} {_listing(keys)}" for label, keys in
                  (("missing from the checkpoint:", missing), ("not in this model:", unexpected), ("shapes differ:", reshaped)) if keys]
-        raise ValueError(f"{source.path}: cannot initialise {type(model).__name__} from it{hint}; " + "; ".join(parts))
+        raise ValueError(f"{source.path}: cannot initialise {model_name} from it{hint}; " + "; ".join(parts))
+
+
+def load_weights(model: nn.Module, source: CheckpointWeights, mapping: KeyMapping = KeyMapping()) -> None:
+    """Copy ``source``'s weights into ``model`` by name; raise ValueError listing every key that does not map."""
+    target = model.state_dict()
+    check_weights(target, source, mapping, type(model).__name__)
     with torch.no_grad():
         for name, value in source.weights.items():
             if name in target:
