@@ -9,24 +9,41 @@ Tensors use the SDPA layout: q [B, H, S, D], k and v [B, H_kv, S, D] with H % H_
   images, state) see each other bidirectionally; later tokens (actions) see the whole prefix and
   earlier actions only.
 - ``key_padding_mask`` [B, S], True where a key is real, hides padding (e.g. short instructions).
+  Outputs at padded positions are unspecified (flash-attn leaves them zero); a query that sees no
+  key at all gets zeros.
 
-Backends: ``sdpa`` (PyTorch scaled_dot_product_attention, which picks its own fused kernel) and
-``reference`` (plain matmul-softmax-matmul, the ground truth for tests). ``auto`` picks the
-fastest available and logs the choice once.
+Backends:
+
+- ``flash_attn``: the flash-attn 2 package (``pip install 'uma-lightning[flash]'``); block-causal
+  runs as two calls, padding through the variable-length interface;
+- ``flash_attn_4``: the FlashAttention-4 CuTe package for Hopper and Blackwell, the same way;
+- ``sdpa``: PyTorch's scaled_dot_product_attention, which picks its fused kernel per call;
+  ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient`` and ``sdpa_math`` pin one of its kernels;
+- ``reference``: plain matmul-softmax-matmul in float32, the ground truth for tests;
+- ``auto``: flash-attn where installed and usable (CUDA, half precision, head dim it supports),
+  else ``sdpa``; the choice is logged once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import logging
 import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-log = logging.getLogger(__name__)
+from uma_lightning.kernels import flash
+from uma_lightning.kernels.dispatch import did_you_mean, log_once
 
-BACKENDS = ("auto", "sdpa", "reference")
+SDPA_KERNELS = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
+}
+BACKENDS = ("auto", *flash.PACKAGES, "sdpa", *SDPA_KERNELS, "reference")
 
 
 def attention(
@@ -40,18 +57,37 @@ def attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {backend!r}{did_you_mean(backend, BACKENDS)}; choose one of {', '.join(BACKENDS)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not 0 <= prefix_len <= q.shape[2]:
+        raise ValueError(f"prefix_len={prefix_len} outside [0, seq_len={q.shape[2]}]")
     if backend == "auto":
-        backend = _auto_backend(q.device.type)
+        index = q.device.index if q.device.index is not None else -1
+        backend = auto_backend(q.device.type, index, q.dtype, q.shape[-1])
+    if backend in flash.PACKAGES:
+        functions = flash.load(backend)
+        flash.check_inputs(backend, q)
+        return flash.flash_attention(q, k, v, causal=causal, prefix_len=prefix_len, key_padding_mask=key_padding_mask, functions=functions)
     mask = build_mask(q.shape[2], causal=causal, prefix_len=prefix_len, key_padding_mask=key_padding_mask, device=q.device)
     if backend == "reference":
         return reference_attention(q, k, v, mask=mask, causal=causal)
+    return _sdpa(q, k, v, mask=mask, causal=causal, backend=backend)
+
+
+def _sdpa(q, k, v, *, mask: torch.Tensor | None, causal: bool, backend: str) -> torch.Tensor:
     gqa = k.shape[1] != q.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    pinned = sdpa_kernel(SDPA_KERNELS[backend]) if backend in SDPA_KERNELS else contextlib.nullcontext()
+    try:
+        with pinned:
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    except RuntimeError as err:
+        if backend not in SDPA_KERNELS:
+            raise
+        what = f"{q.dtype} head_dim {q.shape[-1]} on {q.device.type}, {'a mask' if mask is not None else 'causal' if causal else 'no mask'}"
+        raise RuntimeError(f"attention backend {backend!r} cannot run {what}: {str(err).splitlines()[0]}; use 'sdpa' to let PyTorch choose") from None
 
 
 def build_mask(
@@ -92,13 +128,22 @@ def reference_attention(q, k, v, *, mask: torch.Tensor | None, causal: bool) -> 
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if mask is None and causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+    if mask is None:
+        return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    probs = torch.where(mask.any(dim=-1, keepdim=True), probs, 0.0)  # a query that sees no key: zeros, not NaN
+    return (probs @ v.float()).to(q.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _auto_backend(device_type: str) -> str:
-    choice = "sdpa"
-    log.info("attention backend: %s (auto on %s: PyTorch SDPA picks its fused kernel per call)", choice, device_type)
+@torch.compiler.assume_constant_result
+def auto_backend(device_type: str, device_index: int, dtype: torch.dtype, head_dim: int) -> str:
+    """The fastest backend for these inputs; logged once per distinct decision. Runs eagerly under torch.compile."""
+    choice, why = "sdpa", "PyTorch picks its fused kernel per call: flash for causal, memory-efficient or cuDNN under a mask"
+    if device_type == "cuda":
+        usable = [name for name in flash.PACKAGES if flash.usable(name, device_index, dtype, head_dim)]
+        if usable:
+            choice, why = usable[0], f"installed and supports this GPU, {dtype} and head_dim {head_dim}"
+        else:
+            why = f"no flash-attn package usable here ({flash.why_not(device_index, dtype, head_dim)}); {why}"
+    log_once(f"attention backend: {choice} (auto on {device_type} {dtype} head_dim {head_dim}: {why})")
     return choice

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from uma_lightning.data.spec import DataSpec
-from uma_lightning.kernels import attention
+from uma_lightning.kernels import KernelConfig, attention
 from uma_lightning.models import (
     RobotModelConfig,
     RobotTransformer,
@@ -134,7 +134,7 @@ def test_training_flops_match_torch_flop_counter():
     cfg = small_config()
     model = RobotTransformer(cfg)
     # The reference backend is plain matmuls, which the flop counter sees one by one.
-    model.backbone.set_attention_backend("reference")
+    model.backbone.set_kernels(KernelConfig(attention="reference"))
     images, state, text_ids, text_mask, actions = random_inputs(model)
     with FlopCounterMode(display=False) as counter:
         logits = model(images, state, text_ids, text_mask, actions)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig
 from uma_lightning.models import (
     ActionExpertConfig,
     RobotFlowTransformer,
@@ -114,8 +115,7 @@ def test_action_tokens_see_each_other_and_the_observations_but_not_padding():
 def test_flow_training_flops_match_torch_flop_counter():
     cfg = config()
     model = RobotFlowTransformer(cfg, ActionExpertConfig(dim=16, ffn_dim=40))
-    for transformer in (model.backbone, model.expert):
-        transformer.set_attention_backend("reference")  # plain matmuls, which the counter sees one by one
+    model.set_kernels(KernelConfig(attention="reference"))  # plain matmuls, which the counter sees one by one
     images, state, text_ids, text_mask = observations(model)
     noisy, t = torch.randn(3, SPEC.action_horizon, SPEC.action_dim), torch.rand(3)
     model.backbone.norm.weight.requires_grad_(True)  # count as if everything trains

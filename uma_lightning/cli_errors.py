@@ -68,12 +68,13 @@ def problem_lines(message: str) -> list[str]:
         "Subtypes:",
         "Errors:",
         "Given value",
-        "- Expected a <class 'NoneType'>",
+        "Expected a <class 'NoneType'>",
         "Parser key",
         "Problem with given class_path",
     )
-    stripped = (line.strip() for line in message.splitlines())
-    return [line.removeprefix("- ") for line in stripped if line and not line.startswith(boilerplate)]
+    # Nested Union errors list their causes as "- ..." items; judge each item by its text.
+    stripped = (line.strip().removeprefix("- ") for line in message.splitlines())
+    return [line for line in stripped if line and not line.startswith(boilerplate)]
 
 
 def _did_you_mean(name: str, candidates) -> str:

@@ -69,6 +69,10 @@ class RobotFlowTransformer(RobotBase):
         self.action_out = nn.Linear(width, action_dim)
         self.init_weights()
 
+    def set_kernels(self, kernels) -> None:
+        super().set_kernels(kernels)
+        self.expert.set_kernels(kernels)
+
     def init_weights(self) -> None:
         super().init_weights()
         for module in (self.action_in, self.action_time_mlp[0], self.action_time_mlp[2], self.action_out):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig, linear_cross_entropy
 from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer, ImagePatchTokenizer
 from uma_lightning.models.transformer import KVCache, Transformer, TransformerConfig
 
@@ -70,6 +71,12 @@ class RobotBase(nn.Module):
         self.camera_embed = nn.Embedding(len(spec.cameras), dim)
         self.state_proj = nn.Linear(spec.state_dim, dim)
         self.backbone = Transformer(cfg.backbone, max_seq_len=max_seq_len)
+        self.kernels = KernelConfig()
+
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """Use these op implementations (attention, norms, rotary, SwiGLU, the loss) from the next forward on."""
+        self.kernels = kernels
+        self.backbone.set_kernels(kernels)
 
     def init_weights(self) -> None:
         for embedding in (self.text_embed, self.camera_embed):
@@ -134,13 +141,24 @@ class RobotTransformer(RobotBase):
         text_ids: torch.Tensor,
         text_mask: torch.Tensor,
         action_tokens: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits [B, n_action_tokens, n_bins] for every action token, given all previous ones."""
+        *,
+        loss_targets: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, n_action_tokens, n_bins] for every action token, given all previous ones.
+
+        With ``loss_targets`` (bin ids [B, n_action_tokens], -100 where a token does not count) it
+        returns (mean cross-entropy, argmax predictions) instead, from the fused linear +
+        cross-entropy kernel, which never holds all the logits. Inside ``forward``, so wrappers
+        that hook it (FSDP, DDP) see the head's weight used.
+        """
         prefix = self.embed_prefix(images, state, text_ids)
         h = torch.cat((prefix, self.embed_actions(action_tokens[:, :-1])), dim=1)
         real = torch.ones(h.shape[0], h.shape[1] - text_mask.shape[1], dtype=torch.bool, device=h.device)
         hidden = self.backbone(h, prefix_len=prefix.shape[1], key_padding_mask=torch.cat((text_mask, real), dim=1))
-        return self.action_head(hidden[:, prefix.shape[1] - 1 :])
+        hidden = hidden[:, prefix.shape[1] - 1 :]  # the states that predict each action token
+        if loss_targets is None:
+            return self.action_head(hidden)
+        return linear_cross_entropy(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy)
 
     def predict_actions(
         self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor

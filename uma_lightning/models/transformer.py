@@ -2,19 +2,19 @@
 
 Pure PyTorch, no distributed code: parallel plans in ``uma_lightning.parallel`` wrap it from the
 outside. The backbone maps token embeddings [B, S, dim] to hidden states [B, S, dim]; the
-modality tokenizers and heads around it live in ``robot.py``.
+modality tokenizers and heads around it live in ``robot.py``. Norms, rotary, the SwiGLU gate and
+attention call ``uma_lightning.kernels``; ``set_kernels`` picks their implementations.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from uma_lightning.kernels import attention
+from uma_lightning.kernels import KernelConfig, apply_rotary, attention, rms_norm, swiglu
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels = KernelConfig()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, backend=self.kernels.rms_norm)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -61,13 +62,6 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tup
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (x[..., :d/2], x[..., d/2:]) of x [B, H, S, D] by position-dependent angles."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
 @dataclass
@@ -113,7 +107,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.backend = "auto"
+        self.kernels = KernelConfig()
 
     def forward(
         self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None, cache: LayerKV | None = None
@@ -123,12 +117,14 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, backend=self.kernels.rotary), apply_rotary(k, cos, sin, backend=self.kernels.rotary)
         if cache is not None and cache.keys is not None:
             k, v = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
-            out = attention(q, k, v, causal=False, key_padding_mask=key_padding_mask, backend=self.backend)
+            # Fewer queries than keys: SDPA takes that; the flash paths expect one length for both.
+            backend = "reference" if self.kernels.attention == "reference" else "sdpa"
+            out = attention(q, k, v, causal=False, key_padding_mask=key_padding_mask, backend=backend)
         else:
-            out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.backend)
+            out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.kernels.attention)
         if cache is not None:
             cache.keys, cache.values = k, v
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -142,9 +138,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.kernels = KernelConfig()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), backend=self.kernels.swiglu))
 
 
 class Block(nn.Module):
@@ -174,9 +171,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.init_weights()
 
-    def set_attention_backend(self, backend: str) -> None:
-        for layer in self.layers:
-            layer.attn.backend = backend
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """Use these implementations for attention, norms, rotary and SwiGLU from the next forward on."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, FeedForward)):
+                module.kernels = kernels
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter and buffer in place; also used after meta-device construction."""

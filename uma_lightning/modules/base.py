@@ -4,7 +4,7 @@ subclass ``StageModule``; research code subclasses one of them and overrides one
 - ``build_model()``: the ``nn.Module`` to train (called once, inside the strategy's init context);
 - ``compute_loss(batch)``: a dict with the scalar ``"loss"``, any other scalars to log, and
   optionally ``"predicted_tokens"`` and ``"target_tokens"`` (same shape, targets < 0 ignored), from
-  which token accuracy is measured;
+  which evaluation measures token accuracy over all its batches;
 - ``build_optimizer(params)`` and ``build_scheduler(optimizer)``: what ``configure_optimizers`` returns.
 
 Evaluation (``uma validate``, ``uma test``, validation during ``uma fit``) logs the loss, token
@@ -29,6 +29,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig, convert_to_float8
 from uma_lightning.models import RobotModelConfig, load_size
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules.init_from import KeyMapping, check_weights, load_weights, read_checkpoint
@@ -65,7 +66,7 @@ class StageModule(L.LightningModule):
         size: ModelSize = "tiny",
         patch_size: int = 8,
         max_text_len: int = 32,
-        attention: str = "auto",
+        kernels: Optional[KernelConfig] = None,
         optimizer: Optional[OptimizerConfig] = None,
         init_from: Optional[str] = None,
         normalization: Optional[dict] = None,
@@ -76,7 +77,9 @@ class StageModule(L.LightningModule):
             size: Backbone size: a preset name (tiny, small, 1b, 7b), a YAML file, or a dict of dimensions.
             patch_size: Camera frames are cut into square patches of this many pixels.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
-            attention: Attention backend: auto, sdpa or reference.
+            kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
+                sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu,
+                rotary, cross_entropy: auto, triton or torch; linear: torch or float8 (torchao).
             optimizer: AdamW and learning-rate schedule settings.
             init_from: Checkpoint of an earlier stage to start from (weights only: the optimizer,
                 schedule and step start afresh). None starts from random weights.
@@ -90,7 +93,7 @@ class StageModule(L.LightningModule):
         self.model_config = RobotModelConfig(
             backbone=load_size(size), spec=self.spec, patch_size=patch_size, max_text_len=max_text_len
         )
-        self.attention = attention
+        self.kernels = KernelConfig(**kernels) if isinstance(kernels, dict) else kernels or KernelConfig()
         if isinstance(optimizer, dict):
             optimizer = OptimizerConfig(**optimizer)
         self.optimizer_config = optimizer or OptimizerConfig()
@@ -103,7 +106,7 @@ class StageModule(L.LightningModule):
                 "size": dataclasses.asdict(self.model_config.backbone),
                 "patch_size": patch_size,
                 "max_text_len": max_text_len,
-                "attention": attention,
+                "kernels": dataclasses.asdict(self.kernels),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": init_from,
                 "normalization": normalization,
@@ -142,6 +145,14 @@ class StageModule(L.LightningModule):
             return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    def use_kernels(self, model: nn.Module, transformers: list[nn.Module]) -> None:
+        """Give a freshly built model the configured op implementations; with float8 linears, convert
+        the ``transformers`` (the heads stay in higher precision)."""
+        model.set_kernels(self.kernels)
+        if self.kernels.linear == "float8":
+            for transformer in transformers:
+                convert_to_float8(transformer)
 
     # ---- inference ------------------------------------------------------------------------------
 
@@ -216,9 +227,6 @@ class StageModule(L.LightningModule):
         batch_size = len(batch["instruction"])
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=batch_size)
         self.log_dict({f"train/{k}": v for k, v in _scalars(out).items() if k != "loss"}, batch_size=batch_size)
-        if "predicted_tokens" in out:
-            correct, real = _token_hits(out)
-            self.log("train/token_accuracy", correct.sum() / real.sum().clamp(min=1), batch_size=batch_size)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
         return out["loss"]
 
@@ -230,11 +238,14 @@ class StageModule(L.LightningModule):
 
     def evaluate(self, batch: dict, split: str) -> None:
         out = self.compute_loss(batch)
-        self.log_dict({f"{split}/{k}": v for k, v in _scalars(out).items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
+        scalars = _scalars(out)
         if "predicted_tokens" in out:
-            correct, real = _token_hits(out)
-            self.token_accuracy[split].update(correct[real].float())
+            # Counted over every token of every batch and process, in place of the per-batch value.
+            scalars.pop("token_accuracy", None)
+            real = out["target_tokens"] >= 0
+            self.token_accuracy[split].update((out["predicted_tokens"] == out["target_tokens"])[real].float())
             self.log(f"{split}/token_accuracy", self.token_accuracy[split])
+        self.log_dict({f"{split}/{k}": v for k, v in scalars.items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
         policy = self.policy()
         predicted = policy.denormalize_actions(policy.predict_normalized(batch["images"], batch["state"], batch["instruction"]))
         target = policy.denormalize_actions(batch["actions"])
@@ -280,8 +291,3 @@ class StageModule(L.LightningModule):
 
 def _scalars(out: dict) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.ndim == 0}
-
-
-def _token_hits(out: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    real = out["target_tokens"] >= 0
-    return (out["predicted_tokens"] == out["target_tokens"]) & real, real

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig
 from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig, RobotFlowTransformer, flow_training_flops_per_sample
 from uma_lightning.models.flow_matching import noisy_sample, sample_time, velocity_loss
 from uma_lightning.models.lora import add_lora
@@ -52,7 +53,7 @@ class PosttrainModule(StageModule):
         size: ModelSize = "tiny",
         patch_size: int = 8,
         max_text_len: int = 32,
-        attention: str = "auto",
+        kernels: Optional[KernelConfig] = None,
         optimizer: Optional[OptimizerConfig] = None,
         init_from: Optional[str] = None,
         normalization: Optional[dict] = None,
@@ -68,7 +69,7 @@ class PosttrainModule(StageModule):
             size: Backbone size: a preset name, a YAML file, or a dict of dimensions (the checkpoint's).
             patch_size: Camera frames are cut into square patches of this many pixels.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
-            attention: Attention backend: auto, sdpa or reference.
+            kernels: Implementation of each op (see ``PretrainModule``).
             optimizer: AdamW and learning-rate schedule settings.
             init_from: Checkpoint of an earlier stage (pretraining or mid-training) whose tokenizers and
                 backbone to start from; the action expert starts fresh.
@@ -81,7 +82,7 @@ class PosttrainModule(StageModule):
             ema_decay: Keep an exponential moving average of the weights with this decay, used for
                 evaluation, prediction and export; None keeps none.
         """
-        super().__init__(spec, size, patch_size, max_text_len, attention, optimizer, init_from, normalization)
+        super().__init__(spec, size, patch_size, max_text_len, kernels, optimizer, init_from, normalization)
         as_config = lambda value, kind: kind(**value) if isinstance(value, dict) else (value or kind())  # noqa: E731
         self.expert_config = as_config(expert, ActionExpertConfig)
         self.flow = as_config(flow, FlowMatchingConfig)
@@ -105,8 +106,7 @@ class PosttrainModule(StageModule):
 
     def build_model(self) -> nn.Module:
         model = RobotFlowTransformer(self.model_config, self.expert_config)
-        model.backbone.set_attention_backend(self.attention)
-        model.expert.set_attention_backend(self.attention)
+        self.use_kernels(model, [model.backbone, model.expert])
         if self.lora and self.lora.targets:
             add_lora(model, self.lora.targets, self.lora.rank, self.lora.alpha)
         return model

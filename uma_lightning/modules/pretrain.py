@@ -10,10 +10,10 @@ import dataclasses
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig
 from uma_lightning.models import RobotTransformer, training_flops_per_sample
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules.base import OptimizerConfig, StageModule
@@ -27,7 +27,7 @@ class PretrainModule(StageModule):
         patch_size: int = 8,
         max_text_len: int = 32,
         n_action_bins: int = 256,
-        attention: str = "auto",
+        kernels: Optional[KernelConfig] = None,
         optimizer: Optional[OptimizerConfig] = None,
         init_from: Optional[str] = None,
         normalization: Optional[dict] = None,
@@ -39,18 +39,20 @@ class PretrainModule(StageModule):
             patch_size: Camera frames are cut into square patches of this many pixels.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
             n_action_bins: Each normalised action dimension is discretised into this many uniform bins.
-            attention: Attention backend: auto, sdpa or reference.
+            kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
+                sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu,
+                rotary, cross_entropy: auto, triton or torch; linear: torch or float8 (torchao).
             optimizer: AdamW and learning-rate schedule settings.
             init_from: Checkpoint of an earlier run to start from (weights only). None: random weights.
             normalization: State and action normalisation of the data; ``uma`` links it from the data module.
         """
-        super().__init__(spec, size, patch_size, max_text_len, attention, optimizer, init_from, normalization)
+        super().__init__(spec, size, patch_size, max_text_len, kernels, optimizer, init_from, normalization)
         self.model_config = dataclasses.replace(self.model_config, n_action_bins=n_action_bins)
         self.hparams.update({"n_action_bins": n_action_bins})
 
     def build_model(self) -> nn.Module:
         model = RobotTransformer(self.model_config)
-        model.backbone.set_attention_backend(self.attention)
+        self.use_kernels(model, [model.backbone])
         return model
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
@@ -58,11 +60,10 @@ class PretrainModule(StageModule):
         model = self.model
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
         targets = model.action_binner.encode(batch["actions"]).flatten(1)  # [B, horizon * action_dim]
-        logits = model(batch["images"], batch["state"], text_ids, text_mask, targets)
         real = batch["action_mask"].repeat_interleave(self.spec.action_dim, dim=1)
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(targets)
-        loss = (losses * real).sum() / real.sum().clamp(min=1)
-        return {"loss": loss, "predicted_tokens": logits.argmax(-1), "target_tokens": targets.masked_fill(~real, -1)}
+        loss, predicted = model(batch["images"], batch["state"], text_ids, text_mask, targets, loss_targets=targets.masked_fill(~real, -100))
+        accuracy = ((predicted == targets) & real).sum() / real.sum().clamp(min=1)
+        return {"loss": loss, "token_accuracy": accuracy, "predicted_tokens": predicted, "target_tokens": targets.masked_fill(~real, -1)}
 
     @property
     def tokens_per_sample(self) -> int:

@@ -1,0 +1,118 @@
+"""Fused linear + cross-entropy: the mean loss of ``hidden @ weightᵀ`` against targets, in row chunks.
+
+The unfused loss materialises logits [N, V] plus their softmax and gradient, which dominates
+memory for large vocabularies. Here each chunk of rows computes its logits, its loss and the
+logits' gradient, folds that gradient into d(hidden) and d(weight) at once, and frees it: the
+only vocabulary-sized buffers are one chunk's logits and d(weight). The gradients are computed in
+the forward (when autograd needs them) and scaled by the incoming gradient in the backward.
+
+``torch`` runs the chunk's softmax and gradient with eager ops; ``triton`` with one kernel that
+streams each row twice and overwrites the logits with their gradient. Both are chunked, so both
+save the memory; ``F.cross_entropy(hidden @ weight.T, targets)`` is the unfused reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from uma_lightning.kernels.dispatch import resolve
+
+MIN_CHUNK_ROWS = 128  # below this the chunk's matmuls get too thin to run well
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """(mean loss over targets != ignore_index, argmax predictions shaped like targets).
+
+    hidden [..., D], weight [V, D] (a bias-free head), targets [...] int. The loss is float32.
+    Under autocast the matmuls run in the autocast dtype, as ``nn.Linear`` would.
+    """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    elif weight.dtype != hidden.dtype:
+        weight = weight.to(hidden.dtype)
+    use_triton = resolve("cross_entropy", backend, device_type, hidden.dtype) == "triton"
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(device_type, enabled=False):
+        loss, predictions, _, _ = torch.ops.uma.linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), ignore_index, use_triton, needs_grad
+        )
+    return loss, predictions.view(targets.shape)
+
+
+def chunk_rows(n_rows: int, dim: int, vocab: int) -> int:
+    """Rows per chunk: one chunk's logits about the size of the hidden states, at least MIN_CHUNK_ROWS."""
+    return max(1, min(n_rows, max(MIN_CHUNK_ROWS, n_rows * dim // vocab)))
+
+
+@torch.library.custom_op("uma::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, use_triton: bool, needs_grad: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, predictions, d loss/d hidden, d loss/d weight); the gradients are empty unless ``needs_grad``."""
+    n_rows = hidden.shape[0]
+    valid = targets != ignore_index
+    scale = 1.0 / valid.sum().clamp(min=1).float()  # a tensor, so no host sync
+    losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    predictions = torch.empty(n_rows, dtype=torch.int64, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if needs_grad else hidden.new_empty(0)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else weight.new_empty(0)
+    rows_in_place = _triton_rows if use_triton else _torch_rows
+    step = chunk_rows(n_rows, hidden.shape[1], weight.shape[0])
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        chunk = hidden[rows]
+        logits = chunk @ weight.T
+        rows_in_place(logits, targets[rows], scale, losses[rows], predictions[rows], ignore_index)
+        if needs_grad:  # logits now hold d loss/d logits
+            torch.mm(logits, weight, out=grad_hidden[rows])
+            if grad_weight.dtype == chunk.dtype:
+                grad_weight.addmm_(logits.T, chunk)  # in place: no vocabulary-sized temporary
+            else:
+                grad_weight.add_(logits.T @ chunk)  # half precision products, float32 sum over chunks
+    return losses.sum() * scale, predictions, grad_hidden, grad_weight.to(weight.dtype) if needs_grad else grad_weight
+
+
+@_linear_cross_entropy.register_fake
+def _(hidden, weight, targets, ignore_index, use_triton, needs_grad):
+    grad_hidden = hidden.new_empty(hidden.shape if needs_grad else (0,))
+    grad_weight = weight.new_empty(weight.shape if needs_grad else (0,))
+    return hidden.new_empty((), dtype=torch.float32), targets.new_empty(targets.shape, dtype=torch.int64), grad_hidden, grad_weight
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[2], output[3])
+
+
+def _backward(ctx, grad_loss, _predictions, _grad_hidden, _grad_weight):
+    grad_hidden, grad_weight = ctx.saved_tensors
+    if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
+        raise RuntimeError("linear_cross_entropy ran without gradients (grad mode was off or no input required grad)")
+    # Scaled in place: a second backward through the same graph then fails loudly (saved tensor modified).
+    return grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)), grad_weight.mul_(grad_loss.to(grad_weight.dtype)), None, None, None, None
+
+
+_linear_cross_entropy.register_autograd(_backward, setup_context=_save)
+
+
+def _triton_rows(logits, targets, scale, losses, predictions, ignore_index) -> None:
+    from uma_lightning.kernels.triton_ops import cross_entropy as kernel
+
+    kernel.rows_in_place(logits, targets, scale, losses, predictions, ignore_index)
+
+
+def _torch_rows(logits: Tensor, targets: Tensor, scale: Tensor, losses: Tensor, predictions: Tensor, ignore_index: int) -> None:
+    """The Triton kernel's contract in eager PyTorch: losses, argmax, and logits := d loss/d logits."""
+    x = logits.float()
+    lse = x.logsumexp(dim=-1)
+    valid = targets != ignore_index
+    safe_targets = torch.where(valid, targets, 0)
+    losses.copy_(torch.where(valid, lse - x.gather(1, safe_targets[:, None]).squeeze(1), 0.0))
+    predictions.copy_(x.argmax(dim=-1))
+    grad = x.sub_(lse[:, None]).exp_()
+    grad[torch.arange(len(targets), device=grad.device), safe_targets] -= 1.0
+    logits.copy_(grad.mul_((valid * scale)[:, None]))

@@ -1,0 +1,121 @@
+"""Which implementation each op runs, chosen from config and logged once per decision.
+
+Every fused op (``rms_norm``, ``swiglu``, ``rotary``, ``cross_entropy``) takes ``triton``, ``torch``
+or ``auto``. ``auto`` runs the Triton kernel on a CUDA tensor when Triton is installed, and the
+PyTorch version everywhere else. On CPU, Triton kernels run only in Triton's interpreter
+(``TRITON_INTERPRET=1``), which is for tests: asking for ``triton`` on CPU without it is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("uma_lightning.kernels")
+
+OP_BACKENDS = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INSTALL_TRITON = "pip install triton (CUDA builds of torch ship it)"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The implementation behind each op the model calls; see ``uma_lightning.kernels`` for the choices."""
+
+    attention: str = "auto"
+    rms_norm: str = "auto"
+    swiglu: str = "auto"
+    rotary: str = "auto"
+    cross_entropy: str = "auto"
+    linear: str = "torch"
+
+    def __post_init__(self) -> None:
+        from uma_lightning.kernels.attention import BACKENDS as attention_backends
+
+        allowed = {"attention": attention_backends, "linear": ("torch", "float8")}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            choices = allowed.get(field.name, OP_BACKENDS)
+            if value not in choices:
+                raise ValueError(f"kernels.{field.name}: unknown backend {value!r}{did_you_mean(value, choices)} (choose from {', '.join(choices)})")
+        self._check_installed()
+
+    def _check_installed(self) -> None:
+        """A backend asked for by name must be installed; ``auto`` never needs anything extra."""
+        from uma_lightning.kernels import flash
+
+        if self.attention in flash.PACKAGES and not flash.installed(self.attention):
+            raise ValueError(f"kernels.attention: {flash.install_hint(self.attention)}")
+        for field in ("rms_norm", "swiglu", "rotary", "cross_entropy"):
+            if getattr(self, field) == "triton" and not triton_installed():
+                raise ValueError(f"kernels.{field}=triton needs Triton: {INSTALL_TRITON}")
+        if self.linear == "float8" and importlib.util.find_spec("torchao") is None:
+            raise ValueError("kernels.linear=float8 needs torchao: pip install 'uma-lightning[float8]'")
+
+
+def did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@torch.compiler.assume_constant_result
+def resolve(op: str, backend: str, device_type: str, dtype: torch.dtype) -> str:
+    """``"triton"`` or ``"torch"`` for ``op`` on tensors of ``device_type`` and ``dtype``.
+
+    Runs eagerly even under torch.compile (its result is a constant of the graph), so the choice
+    is logged once and an unavailable backend fails with its message rather than a graph break.
+    """
+    return _resolve(op, backend, device_type, dtype, triton_interpreting())
+
+
+@functools.lru_cache(maxsize=None)  # called for every op of every forward: decide once per case
+def _resolve(op: str, backend: str, device_type: str, dtype: torch.dtype, interpreting: bool) -> str:
+    if backend not in OP_BACKENDS:
+        raise ValueError(f"kernels.{op}: unknown backend {backend!r}{did_you_mean(backend, OP_BACKENDS)} (choose from {', '.join(OP_BACKENDS)})")
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not triton_installed():
+            raise RuntimeError(f"kernels.{op}=triton needs Triton: {INSTALL_TRITON}")
+        if device_type != "cuda" and not interpreting:
+            raise RuntimeError(
+                f"kernels.{op}=triton needs a CUDA tensor, got {device_type}; "
+                "set TRITON_INTERPRET=1 to run Triton kernels on CPU in Triton's interpreter (slow, for tests)"
+            )
+        if dtype not in TRITON_DTYPES:
+            raise RuntimeError(f"kernels.{op}=triton supports float32, float16 and bfloat16, got {dtype}")
+        return "triton"
+    if device_type != "cuda":
+        choice, why = "torch", f"Triton kernels need a CUDA device, this tensor is on {device_type}"
+    elif not triton_installed():
+        choice, why = "torch", "Triton is not installed"
+    elif dtype not in TRITON_DTYPES:
+        choice, why = "torch", f"no Triton kernel for {dtype}"
+    else:
+        choice, why = "triton", "fused Triton kernel on CUDA"
+    log_once(f"kernel {op}: {choice} (auto: {why})")
+    return choice
+
+
+_logged: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
