@@ -11,6 +11,7 @@ from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig
 from uma_lightning.models import (
     ActionExpertConfig,
+    FlowMatchingConfig,
     RobotFlowTransformer,
     RobotModelConfig,
     RobotTransformer,
@@ -95,6 +96,24 @@ def test_sampler_encodes_the_prefix_once_and_reuses_its_cache_for_every_step():
             t = torch.full((3,), 1 - step / 5)
             x = x - 0.2 * model(images, state, text_ids, text_mask, x, t)
     torch.testing.assert_close(actions, x, atol=1e-5, rtol=1e-5)
+
+
+def test_noise_scale_scales_the_starting_noise_and_zero_is_deterministic():
+    torch.manual_seed(0)
+    model = RobotFlowTransformer(config(), ActionExpertConfig(dim=16, ffn_dim=32)).eval()
+    images, state, text_ids, text_mask = observations(model)
+    shape = (3, SPEC.action_horizon, SPEC.action_dim)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        scaled = model.predict_actions(images, state, text_ids, text_mask, steps=3, noise_scale=0.5)
+        torch.manual_seed(1)
+        expected = model.predict_actions(images, state, text_ids, text_mask, steps=3, noise=0.5 * torch.randn(shape))
+        mean_path = model.predict_actions(images, state, text_ids, text_mask, steps=3, noise_scale=0.0)
+        from_zeros = model.predict_actions(images, state, text_ids, text_mask, steps=3, noise=torch.zeros(shape))
+    torch.testing.assert_close(scaled, expected)
+    assert torch.equal(mean_path, from_zeros)
+    with pytest.raises(ValueError, match="noise_scale must be >= 0, got -1"):
+        FlowMatchingConfig(noise_scale=-1)
 
 
 def test_action_tokens_see_each_other_and_the_observations_but_not_padding():

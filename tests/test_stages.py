@@ -78,7 +78,7 @@ def test_posttraining_freezes_adapts_and_keeps_an_average(stages):
 
 def test_policy_acts_in_robot_units_batched(stages):
     policy = Policy.from_checkpoint(str(stages["root"] / "posttrain.ckpt"))
-    assert not policy.training and policy.options == {"steps": 10}
+    assert not policy.training and policy.options == {"steps": 10, "noise_scale": 1.0}
     dataset = stages["post_data"]
     dataset.setup()
     samples = [dataset.val_dataset[i] for i in (0, 5, 9)]

@@ -108,11 +108,13 @@ class RobotFlowTransformer(RobotBase):
         text_mask: torch.Tensor,
         steps: int = 10,
         noise: torch.Tensor | None = None,
+        noise_scale: float = 1.0,
     ) -> torch.Tensor:
         """Normalised action chunk [B, horizon, action_dim]: ``steps`` Euler steps from noise (standard
-        normal unless given), all reading one cache of the prefix."""
+        normal times ``noise_scale`` unless given), all reading one cache of the prefix."""
         _, cache = self.encode_prefix(images, state, text_ids, text_mask)
         spec = self.cfg.spec
         if noise is None:
-            noise = torch.randn(images.shape[0], spec.action_horizon, spec.action_dim, device=state.device, dtype=state.dtype)
+            shape = (images.shape[0], spec.action_horizon, spec.action_dim)
+            noise = noise_scale * torch.randn(shape, device=state.device, dtype=state.dtype)
         return euler_sample(lambda x, t: self.velocity(cache, x, t), noise, steps)

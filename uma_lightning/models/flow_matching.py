@@ -25,6 +25,9 @@ class FlowMatchingConfig:
     time_beta: float = 1.0
     min_time: float = 0.001  # keeps t away from 0, where x_t is the data itself and the target degenerates
     sample_steps: int = 10  # Euler steps from noise to actions at inference
+    # Scale of the starting noise at inference: 1 samples the learned distribution; 0 starts every
+    # chunk from the noise's mean, a deterministic policy that follows the most likely path.
+    noise_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.time_alpha <= 0 or self.time_beta <= 0:
@@ -33,6 +36,8 @@ class FlowMatchingConfig:
             raise ValueError(f"min_time must be in [0, 1), got {self.min_time}")
         if self.sample_steps < 1:
             raise ValueError(f"sample_steps must be >= 1, got {self.sample_steps}")
+        if self.noise_scale < 0:
+            raise ValueError(f"noise_scale must be >= 0, got {self.noise_scale}")
 
 
 def sample_time(n: int, cfg: FlowMatchingConfig, device=None) -> torch.Tensor:

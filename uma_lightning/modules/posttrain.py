@@ -75,7 +75,7 @@ class PosttrainModule(StageModule):
                 backbone to start from; the action expert starts fresh.
             normalization: State and action normalisation of the data; ``uma`` links it from the data module.
             expert: Width of the action expert (its depth and heads follow the backbone).
-            flow: Flow-matching time distribution, and the Euler steps of the sampler at inference.
+            flow: Flow-matching time distribution, and the sampler's Euler steps and noise scale at inference.
             freeze: Glob patterns of parameter names that stop training, e.g. ``image_tokenizer.*``
                 or ``backbone.layers.[01].*``.
             lora: LoRA adapters on chosen linear layers (their own weights freeze).
@@ -156,7 +156,7 @@ class PosttrainModule(StageModule):
         return self.ema_model if self.ema_model is not None else self.model
 
     def inference_options(self) -> dict[str, Any]:
-        return {"steps": self.flow.sample_steps}
+        return {"steps": self.flow.sample_steps, "noise_scale": self.flow.noise_scale}
 
     # ---- facts about the model other components report --------------------------------------
 
