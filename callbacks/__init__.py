@@ -1,8 +1,27 @@
 """Training callbacks, one concern per file; recipes switch them on through config."""
 
+from uma_lightning.callbacks.anomalies import GradientAnomalies, TrainingHalted
+from uma_lightning.callbacks.bad_data import BadDataCounter
 from uma_lightning.callbacks.closed_loop import ClosedLoopEval
+from uma_lightning.callbacks.memory import MemoryMonitor
 from uma_lightning.callbacks.predictions import PredictionWriter
+from uma_lightning.callbacks.profiler import ProfilerTraces
 from uma_lightning.callbacks.progress import ProgressLog
+from uma_lightning.callbacks.step_time import StepTimeBreakdown
 from uma_lightning.callbacks.throughput import ThroughputLogger
+from uma_lightning.callbacks.watchdog import HangWatchdog
 
-__all__ = ["ClosedLoopEval", "PredictionWriter", "ProgressLog", "ThroughputLogger"]
+
+__all__ = [
+    "BadDataCounter",
+    "ClosedLoopEval",
+    "GradientAnomalies",
+    "HangWatchdog",
+    "MemoryMonitor",
+    "PredictionWriter",
+    "ProfilerTraces",
+    "ProgressLog",
+    "StepTimeBreakdown",
+    "ThroughputLogger",
+    "TrainingHalted",
+]

@@ -43,7 +43,7 @@ class ProgressLog(Callback):
         metrics = trainer.callback_metrics
         parts = [f"step {step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
         for name, fmt in (("train/loss", "loss {:.4f}"), ("lr", "lr {:.2e}"), ("grad_norm", "grad_norm {:.3f}"),
-                          ("throughput/samples_per_sec", "{:.1f} samples/s")):
+                          ("throughput/samples_per_sec", "{:.1f} samples/s"), ("throughput/mfu_percent", "mfu {:.1f}%")):
             if name in metrics:
                 parts.append(fmt.format(float(metrics[name])))
         if trainer.max_steps > 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from uma_lightning.kernels.dispatch import resolve
 
@@ -22,13 +23,20 @@ MIN_CHUNK_ROWS = 128  # below this the chunk's matmuls get too thin to run well
 
 
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, backend: str = "auto"
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, backend: str = "auto",
+    per_sample: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(mean loss over targets != ignore_index, argmax predictions shaped like targets).
 
     hidden [..., D], weight [V, D] (a bias-free head), targets [...] int. The loss is float32.
+    With ``per_sample`` (targets [B, T]) the loss is the mean over samples of each sample's mean
+    over its counted tokens, so equal shards of a batch average to the whole batch's loss, as
+    data-parallel ranks do; otherwise it is the mean over all counted tokens.
     Under autocast the matmuls run in the autocast dtype, as ``nn.Linear`` would.
     """
+    # The fused op has no DTensor sharding rule: tensor-parallel callers give it whole tensors (the
+    # head's weight is gathered; its gradient goes back to the shards through the gather).
+    hidden, weight = _whole(hidden), _whole(weight)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -39,9 +47,24 @@ def linear_cross_entropy(
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):
         loss, predictions, _, _ = torch.ops.uma.linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), ignore_index, use_triton, needs_grad
+            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+            _row_weights(targets, ignore_index, per_sample), ignore_index, use_triton, needs_grad,
         )
     return loss, predictions.view(targets.shape)
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _row_weights(targets: Tensor, ignore_index: int, per_sample: bool) -> Tensor:
+    """Each target's weight in the loss (float32, flat): tensors throughout, so no host sync."""
+    valid = (targets != ignore_index).float()
+    if not per_sample:
+        return (valid / valid.sum().clamp(min=1)).reshape(-1)
+    if targets.dim() != 2:
+        raise ValueError(f"per_sample needs targets shaped [batch, tokens], got {tuple(targets.shape)}")
+    return (valid / valid.sum(1, keepdim=True).clamp(min=1) / targets.shape[0]).reshape(-1)
 
 
 def chunk_rows(n_rows: int, dim: int, vocab: int) -> int:
@@ -51,12 +74,10 @@ def chunk_rows(n_rows: int, dim: int, vocab: int) -> int:
 
 @torch.library.custom_op("uma::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, use_triton: bool, needs_grad: bool
+    hidden: Tensor, weight: Tensor, targets: Tensor, row_weights: Tensor, ignore_index: int, use_triton: bool, needs_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, predictions, d loss/d hidden, d loss/d weight); the gradients are empty unless ``needs_grad``."""
     n_rows = hidden.shape[0]
-    valid = targets != ignore_index
-    scale = 1.0 / valid.sum().clamp(min=1).float()  # a tensor, so no host sync
     losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     predictions = torch.empty(n_rows, dtype=torch.int64, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if needs_grad else hidden.new_empty(0)
@@ -67,18 +88,18 @@ def _linear_cross_entropy(
         rows = slice(start, start + step)
         chunk = hidden[rows]
         logits = chunk @ weight.T
-        rows_in_place(logits, targets[rows], scale, losses[rows], predictions[rows], ignore_index)
+        rows_in_place(logits, targets[rows], row_weights[rows], losses[rows], predictions[rows], ignore_index)
         if needs_grad:  # logits now hold d loss/d logits
             torch.mm(logits, weight, out=grad_hidden[rows])
             if grad_weight.dtype == chunk.dtype:
                 grad_weight.addmm_(logits.T, chunk)  # in place: no vocabulary-sized temporary
             else:
                 grad_weight.add_(logits.T @ chunk)  # half precision products, float32 sum over chunks
-    return losses.sum() * scale, predictions, grad_hidden, grad_weight.to(weight.dtype) if needs_grad else grad_weight
+    return (losses * row_weights).sum(), predictions, grad_hidden, grad_weight.to(weight.dtype) if needs_grad else grad_weight
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, targets, ignore_index, use_triton, needs_grad):
+def _(hidden, weight, targets, row_weights, ignore_index, use_triton, needs_grad):
     grad_hidden = hidden.new_empty(hidden.shape if needs_grad else (0,))
     grad_weight = weight.new_empty(weight.shape if needs_grad else (0,))
     return hidden.new_empty((), dtype=torch.float32), targets.new_empty(targets.shape, dtype=torch.int64), grad_hidden, grad_weight
@@ -93,19 +114,19 @@ def _backward(ctx, grad_loss, _predictions, _grad_hidden, _grad_weight):
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError("linear_cross_entropy ran without gradients (grad mode was off or no input required grad)")
     # Scaled in place: a second backward through the same graph then fails loudly (saved tensor modified).
-    return grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)), grad_weight.mul_(grad_loss.to(grad_weight.dtype)), None, None, None, None
+    return grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)), grad_weight.mul_(grad_loss.to(grad_weight.dtype)), None, None, None, None, None
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save)
 
 
-def _triton_rows(logits, targets, scale, losses, predictions, ignore_index) -> None:
+def _triton_rows(logits, targets, row_weights, losses, predictions, ignore_index) -> None:
     from uma_lightning.kernels.triton_ops import cross_entropy as kernel
 
-    kernel.rows_in_place(logits, targets, scale, losses, predictions, ignore_index)
+    kernel.rows_in_place(logits, targets, row_weights.contiguous(), losses, predictions, ignore_index)
 
 
-def _torch_rows(logits: Tensor, targets: Tensor, scale: Tensor, losses: Tensor, predictions: Tensor, ignore_index: int) -> None:
+def _torch_rows(logits: Tensor, targets: Tensor, row_weights: Tensor, losses: Tensor, predictions: Tensor, ignore_index: int) -> None:
     """The Triton kernel's contract in eager PyTorch: losses, argmax, and logits := d loss/d logits."""
     x = logits.float()
     lse = x.logsumexp(dim=-1)
@@ -115,4 +136,4 @@ def _torch_rows(logits: Tensor, targets: Tensor, scale: Tensor, losses: Tensor, 
     predictions.copy_(x.argmax(dim=-1))
     grad = x.sub_(lse[:, None]).exp_()
     grad[torch.arange(len(targets), device=grad.device), safe_targets] -= 1.0
-    logits.copy_(grad.mul_((valid * scale)[:, None]))
+    logits.copy_(grad.mul_((valid * row_weights)[:, None]))

@@ -22,3 +22,9 @@ def isolated_environment(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory):
+    """One embedded MLflow store for the session's training runs: creating its tables takes seconds."""
+    return tmp_path_factory.mktemp("mlruns")

@@ -46,6 +46,7 @@ def test_recipe_composes_its_fragments_in_order():
     configs = [Path(args[i + 1]).resolve() for i, a in enumerate(args) if a == "--config"]
     assert configs == [
         REPO / "configs/trainer/default.yaml",
+        REPO / "configs/trainer/diagnostics.yaml",
         REPO / "configs/data/planar_arm.yaml",
         REPO / "configs/tracking/mlflow.yaml",
         REPO / "recipes/pretrain.yaml",

@@ -18,12 +18,12 @@ from uma_lightning.data import (
     CAMERA,
     DataSpec,
     DatasetError,
-    DecodedVideoCache,
     FrameDataset,
     LeRobotMetadata,
     Normalizer,
     RobotDataModule,
     VideoError,
+    VideoReader,
     decode_video,
     encode_video,
     ensure_dataset,
@@ -42,6 +42,7 @@ BATCH_KEYS = {
     "episode_index",
     "frame_index",
     "sample_id",
+    "dataset_index",
 }
 
 
@@ -144,26 +145,38 @@ def test_unknown_normalisation_mode_is_rejected(meta):
         FrameDataset(meta, state_norm="zscore")
 
 
-def test_each_video_is_decoded_once_per_process(meta, monkeypatch):
-    decoded = []
-    monkeypatch.setattr(dataset_module, "decode_video", lambda path: decoded.append(path) or decode_video(path))
-    ds = FrameDataset(meta, n_obs_steps=2)
+def test_each_file_is_opened_once_per_process_while_it_fits_the_lru(meta, monkeypatch):
+    opened = []
+
+    def counting_reader(path):
+        opened.append(path)
+        return VideoReader(path)
+
+    monkeypatch.setattr(dataset_module, "VideoReader", counting_reader)
+    ds = FrameDataset(meta, n_obs_steps=2, max_open_files=8)
     for row in np.random.default_rng(0).permutation(len(ds)):
         ds[int(row)]
-    assert sorted(decoded) == [meta.video_path(e, CAMERA) for e in range(3)]
+    assert sorted(opened) == [meta.video_path(e, CAMERA) for e in range(3)]
+
+    # With room for one open file, random access reopens files, and never holds more than one.
+    opened.clear()
+    ds = FrameDataset(meta, n_obs_steps=2, max_open_files=1, decode_cache_mb=0)
+    rows = np.random.default_rng(1).permutation(len(ds))[:30]
+    for row in rows:
+        ds[int(row)]
+        assert len(ds._files) <= 1
+    assert len(opened) > 3
 
 
-def test_decode_cache_is_bounded_in_bytes_and_evicts_least_recently_used(meta, monkeypatch):
-    decoded = []
-    monkeypatch.setattr(dataset_module, "decode_video", lambda path: decoded.append(path) or decode_video(path))
-    paths = [meta.video_path(e, CAMERA) for e in range(3)]
-    largest = max(decode_video(p).nbytes for p in paths)
-    cache = DecodedVideoCache(max_bytes=2 * largest)  # room for two episodes
-    for path in [paths[0], paths[1], paths[0], paths[2], paths[0], paths[1]]:
-        assert np.array_equal(cache.get(path).frames, decode_video(path).frames)
-        assert cache.bytes <= 2 * largest
-    # 0, 1 decoded; 0 hit; 2 evicts 1 (least recent); 0 hit; 1 decoded again.
-    assert decoded == [paths[0], paths[1], paths[2], paths[1]]
+def test_decoded_cache_stays_within_its_byte_bound(meta):
+    frame_bytes = 32 * 32 * 3
+    ds = FrameDataset(meta, n_obs_steps=3, decode_cache_mb=40 * frame_bytes / 2**20)
+    reference = FrameDataset(meta, n_obs_steps=3, decode_cache_mb=0)
+    for row in np.random.default_rng(0).permutation(len(ds)):
+        sample = ds[int(row)]
+        assert ds._decoded.total <= ds.cache_bytes
+        assert torch.equal(sample["images"], reference[int(row)]["images"])  # cached frames are the right ones
+    assert len(ds._decoded) > 0
 
 
 def test_missing_video_frame_is_an_error_naming_file_and_timestamp(tiny_root, tmp_path):

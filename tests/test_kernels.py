@@ -102,6 +102,32 @@ def test_linear_cross_entropy_edge_cases(backend):
     assert torch.isfinite(loss)
 
 
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_linear_cross_entropy_per_sample_mean(backend, monkeypatch):
+    """Each sample's mean over its counted tokens, then the mean over samples: loss and gradients."""
+    monkeypatch.setattr(cross_entropy_module, "MIN_CHUNK_ROWS", 4)  # chunks that cut through samples
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
+    w = torch.randn(13, 8, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 13, (3, 5), generator=gen)
+    targets[0, 1:] = -100  # one counted token: weighs as much as a sample with five
+    targets[2, :] = -100  # none counted: adds nothing, and no NaN
+    loss, _ = linear_cross_entropy(h, w, targets, backend=backend, per_sample=True)
+    loss.backward()
+    got = (loss.detach(), h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    losses = F.cross_entropy((h @ w.T).flatten(0, 1), targets.flatten(), reduction="none").view(3, 5)
+    counted = targets != -100
+    want = ((losses * counted).sum(1) / counted.sum(1).clamp(min=1)).mean()
+    want.backward()
+    assert not torch.isclose(want, F.cross_entropy((h @ w.T).flatten(0, 1), targets.flatten()))  # not the token mean
+    for g, r in zip(got, (want.detach(), h.grad, w.grad)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"per_sample needs targets shaped \[batch, tokens\], got \(15,\)"):
+        linear_cross_entropy(h.detach().flatten(0, 1), w.detach(), targets.flatten(), backend=backend, per_sample=True)
+
+
 # ---- attention backends ---------------------------------------------------------------------
 
 MASKS = [
@@ -274,7 +300,8 @@ def model_loss_and_grads(kernels: KernelConfig, autocast: bool = False):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         if kernels.cross_entropy == "torch" and kernels.attention == "reference":
             logits = model(images, state, text_ids, text_mask, actions).float()
-            loss = F.cross_entropy(logits.flatten(0, 1), actions.masked_fill(~real, -100).flatten())
+            losses = F.cross_entropy(logits.flatten(0, 1), actions.flatten(), reduction="none").view_as(actions)
+            loss = ((losses * real).sum(1) / real.sum(1)).mean()
         else:
             loss, _ = model(images, state, text_ids, text_mask, actions, loss_targets=actions.masked_fill(~real, -100))
     loss.backward()
@@ -306,7 +333,7 @@ def test_bf16_mixed_with_triton_ops_keeps_fp32_master_weights():
     assert_same_training_signal(model_loss_and_grads(TRITON, autocast=True), model_loss_and_grads(REFERENCE, autocast=True), tol=5e-2)
 
 
-def test_pretrain_module_loss_is_the_masked_mean_cross_entropy():
+def test_pretrain_module_loss_is_the_per_sample_masked_mean_cross_entropy():
     from uma_lightning.modules import PretrainModule
 
     size = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
@@ -330,8 +357,9 @@ def test_pretrain_module_loss_is_the_masked_mean_cross_entropy():
     logits = model(batch["images"], batch["state"], text_ids, text_mask, targets)
     real = batch["action_mask"].repeat_interleave(SPEC.action_dim, dim=1)
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-    torch.testing.assert_close(out["loss"], (losses * real).sum() / real.sum())
-    torch.testing.assert_close(out["token_accuracy"], ((logits.argmax(-1) == targets) & real).sum() / real.sum())
+    n_real = real.sum(1)
+    torch.testing.assert_close(out["loss"], ((losses * real).sum(1) / n_real).mean())
+    torch.testing.assert_close(out["token_accuracy"], (((logits.argmax(-1) == targets) & real).sum(1) / n_real).mean())
 
 
 # ---- torch.compile ------------------------------------------------------------------------

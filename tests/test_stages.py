@@ -81,7 +81,7 @@ def test_policy_acts_in_robot_units_batched(stages):
     assert not policy.training and policy.options == {"steps": 10, "noise_scale": 1.0}
     dataset = stages["post_data"]
     dataset.setup()
-    samples = [dataset.val_dataset[i] for i in (0, 5, 9)]
+    samples = [dataset.val_sets[0][i] for i in (0, 5, 9)]
     raw_state = torch.stack([dataset.state_normalizer.denormalize(s["state"]) for s in samples])
     obs = {"images": torch.stack([s["images"] for s in samples]), "state": raw_state, "instruction": [s["instruction"] for s in samples]}
     noise = torch.randn(3, 6, 3)
@@ -115,12 +115,12 @@ def test_predict_writes_every_frame_of_the_split(stages, tmp_path):
     module, dataset = stages["pretrain"], stages["pre_data"]
     trainer(tmp_path, 1, callbacks=[PredictionWriter(str(tmp_path / "out"))]).predict(module, dataset, return_predictions=False)
     table = pq.read_table(tmp_path / "out" / "val-rank0.parquet").to_pydict()
-    frames = sum(dataset.metadata.episodes[e].length for e in dataset.val_episodes)
+    frames = sum(dataset.metadata[0].episodes[e].length for e in dataset.val_episodes)
     assert len(table["frame_index"]) == frames
     assert sorted(set(table["episode_index"])) == dataset.val_episodes
     # Row 7 holds what the checkpoint's Policy (greedy decoding, deterministic) predicts for that frame.
     dataset.setup()
-    sample = dataset.val_dataset[7]
+    sample = dataset.val_sets[0][7]
     policy = Policy.from_checkpoint(str(stages["root"] / "pretrain.ckpt"))
     obs = {"images": sample["images"][None], "state": dataset.state_normalizer.denormalize(sample["state"])[None], "instruction": [sample["instruction"]]}
     np.testing.assert_allclose(np.array(table["predicted_actions"][7]), policy(obs)[0].numpy(), atol=1e-4)

@@ -97,8 +97,9 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
     assert Path(tags["checkpoint_dir"]) == (run_dir / "checkpoints").resolve()
     assert (Path(tags["checkpoint_dir"]) / "last.ckpt").is_file()
 
-    # The config artifact is the run directory's config.yaml, byte for byte.
-    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+    # The config artifact is the run directory's config.yaml, byte for byte; provenance files beside it.
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml", "provenance"]
+    assert "pip_freeze.txt" in [Path(a.path).name for a in client.list_artifacts(run.info.run_id, "provenance")]
     downloaded = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert Path(downloaded).read_bytes() == (run_dir / "config.yaml").read_bytes()
     assert yaml.safe_load(Path(downloaded).read_text())["trainer"]["max_steps"] == 4

@@ -29,10 +29,12 @@ import yaml
 from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
 
+from uma_lightning.callbacks import TrainingHalted
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import StageModule
+from uma_lightning.parallel import MeshStrategy  # also registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp
 from uma_lightning.tracking import RecordRunConfig
 
 log = logging.getLogger("uma_lightning")
@@ -41,7 +43,10 @@ register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 
 # Subcommands that are tools rather than training runs: name -> "module:function(argv) -> exit code".
 # Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
-TOOLS: dict[str, str] = {}
+TOOLS: dict[str, str] = {
+    "data": "uma_lightning.data.tools:main",
+    "parity": "uma_lightning.parallel.parity:main",
+}
 
 
 class UmaCLI(LightningCLI):
@@ -94,6 +99,11 @@ class UmaCLI(LightningCLI):
             self.model.check_init_from()
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"model.init_from: {err}") from None
+        if isinstance(self.trainer.strategy, MeshStrategy):
+            try:
+                self.trainer.strategy.check_module(self.model)
+            except ValueError as err:
+                raise ConfigError(f"trainer.strategy: {err}") from None
         run_dir = Path(self.trainer.default_root_dir).resolve()
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:
@@ -179,6 +189,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as err:
         print(f"uma: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingHalted as err:
+        print(f"uma: training halted: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

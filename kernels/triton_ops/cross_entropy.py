@@ -1,7 +1,7 @@
 """Cross-entropy over one chunk of logit rows in Triton, writing the logits' gradient in place.
 
 One program per row streams the row twice: first an online max / sum of exponentials (and the
-argmax), then softmax − one-hot, scaled by the loss's 1/n_valid, over the logits themselves. The
+argmax), then softmax − one-hot, scaled by the row's weight in the loss, over the logits themselves. The
 caller multiplies that gradient into the hidden-state and weight gradients and drops it, so no
 full-vocabulary tensor outlives its chunk.
 """
@@ -17,7 +17,7 @@ _VERY_NEGATIVE = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _rows(logits_ptr, targets_ptr, scale_ptr, loss_ptr, pred_ptr, n_cols, row_stride, ignore_index, BLOCK: tl.constexpr):
+def _rows(logits_ptr, targets_ptr, row_weight_ptr, loss_ptr, pred_ptr, n_cols, row_stride, ignore_index, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     lanes = tl.arange(0, BLOCK)
@@ -44,7 +44,7 @@ def _rows(logits_ptr, targets_ptr, scale_ptr, loss_ptr, pred_ptr, n_cols, row_st
     tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
     tl.store(pred_ptr + row, pred)
 
-    scale = tl.where(valid, tl.load(scale_ptr), 0.0)
+    scale = tl.where(valid, tl.load(row_weight_ptr + row), 0.0)
     for start in range(0, n_cols, BLOCK):
         cols = start + lanes
         ok = cols < n_cols
@@ -54,8 +54,8 @@ def _rows(logits_ptr, targets_ptr, scale_ptr, loss_ptr, pred_ptr, n_cols, row_st
         tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=ok)
 
 
-def rows_in_place(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, losses: torch.Tensor, predictions: torch.Tensor, ignore_index: int) -> None:
+def rows_in_place(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor, losses: torch.Tensor, predictions: torch.Tensor, ignore_index: int) -> None:
     """Per-row loss and argmax into ``losses``/``predictions``; ``logits`` becomes d(loss)/d(logits)."""
     n_rows, n_cols = logits.shape
     block = min(triton.next_power_of_2(n_cols), 4096)
-    _rows[(n_rows,)](logits, targets, scale, losses, predictions, n_cols, logits.stride(0), ignore_index, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    _rows[(n_rows,)](logits, targets, row_weights, losses, predictions, n_cols, logits.stride(0), ignore_index, BLOCK=block, num_warps=8 if block >= 2048 else 4)

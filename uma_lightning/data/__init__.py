@@ -1,4 +1,4 @@
-"""Robot datasets: the LeRobot v2.1 format, the embedded planar-arm dataset, and the data module.
+"""Robot datasets: LeRobot v2.1/v3.0 reading and writing, the resumable loader, and the data module.
 
 Names are imported on first use, so that models can import the data contract (``data.spec``)
 without pulling in Lightning.
@@ -8,12 +8,22 @@ from uma_lightning._lazy import lazy_exports
 
 _EXPORTS = {
     "DataSpec": "spec",
+    "DatasetSource": "datamodule",
     "RobotDataModule": "datamodule",
     "split_episodes": "datamodule",
-    "DecodedVideoCache": "dataset",
     "FrameDataset": "dataset",
     "NormMode": "dataset",
     "Normalizer": "dataset",
+    "Window": "dataset",
+    "BatchStream": "loader",
+    "RobotDataLoader": "loader",
+    "EpochOrder": "order",
+    "OrderConfig": "order",
+    "DevicePrefetcher": "prefetch",
+    "ShardCache": "storage",
+    "Storage": "storage",
+    "StorageError": "storage",
+    "compute_stats": "stats",
     "CAMERA": "generate",
     "default_cache_dir": "generate",
     "ensure_dataset": "generate",
@@ -21,9 +31,9 @@ _EXPORTS = {
     "EpisodeData": "lerobot",
     "EpisodeInfo": "lerobot",
     "LeRobotMetadata": "lerobot",
-    "LeRobotWriter": "lerobot",
-    "DecodedVideo": "video",
+    "LeRobotWriter": "writer",
     "VideoError": "video",
+    "VideoReader": "video",
     "decode_frames_at": "video",
     "decode_video": "video",
     "encode_video": "video",

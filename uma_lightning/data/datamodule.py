@@ -1,22 +1,44 @@
-"""LightningDataModule over a LeRobot v2.1 dataset, by default the embedded planar-arm dataset."""
+"""LightningDataModule over one LeRobot dataset or a weighted mixture, by default the embedded planar-arm dataset."""
 
 # No `from __future__ import annotations`: LightningCLI (jsonargparse) reads the real annotations of
 # `RobotDataModule.__init__` to build the command line.
+import dataclasses
 import logging
 import math
-from pathlib import Path
+import multiprocessing
+import warnings
+from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import ConcatDataset, DataLoader
 
-from uma_lightning.data.dataset import FrameDataset, NormMode, Normalizer
-from uma_lightning.data.generate import ensure_dataset
+from uma_lightning.data.dataset import FrameDataset, NormMode, Normalizer, Window
+from uma_lightning.data.generate import default_cache_dir, ensure_dataset
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
+from uma_lightning.data.loader import BadDataPolicy, BatchStream, RobotDataLoader, collate
+from uma_lightning.data.order import OrderConfig
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.data.storage import Storage
+from uma_lightning.parallel.mesh import data_parallel_rank
 
 logger = logging.getLogger(__name__)
+# Lightning warns that an IterableDataset's length may be off with several workers; here each worker
+# builds only its own share of the batches, so the length is exact.
+warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined")
+
+
+@dataclass
+class DatasetSource:
+    """One dataset of a mixture: where it is, how often it is drawn, and how it is normalised.
+
+    Each dataset is normalised with its own statistics (its meta/stats.json)."""
+
+    root: str
+    weight: float = 1.0
+    state_norm: Optional[NormMode] = None  # None: the data module's state_norm
+    action_norm: Optional[NormMode] = None  # None: the data module's action_norm
 
 
 def split_episodes(n_episodes: int, val_episodes: Union[int, float]) -> tuple[list[int], list[int]]:
@@ -36,10 +58,11 @@ def split_episodes(n_episodes: int, val_episodes: Union[int, float]) -> tuple[li
 
 
 class RobotDataModule(L.LightningDataModule):
-    """Per-frame samples of a robot dataset, batched as described in `uma_lightning.data.spec`.
+    """Batches of robot data as described in `uma_lightning.data.spec`, in a seeded, resumable order.
 
     `spec` is ready right after construction (the CLI links it into the model's constructor), so the
-    constructor reads meta/info.json, generating the embedded dataset first when `root` is None.
+    constructor reads the datasets' metadata, generating the embedded dataset first when neither
+    `root` nor `datasets` is given.
     """
 
     def __init__(
@@ -61,11 +84,25 @@ class RobotDataModule(L.LightningDataModule):
         prefetch_factor: int = 2,
         pin_memory: Optional[bool] = None,
         seed: int = 0,
+        datasets: Optional[list[DatasetSource]] = None,
+        samples_per_epoch: Optional[int] = None,
+        shuffle_buffer: int = 256,
+        partitions: int = 1,
+        max_open_files: int = 64,
+        tolerance_s: float = 1e-4,
+        on_bad_data: BadDataPolicy = "error",
+        storage_options: Optional[dict] = None,
+        shard_cache_dir: Optional[str] = None,
+        shard_cache_gb: float = 50.0,
+        prefetch_batches: int = 2,
+        multiprocessing_context: Optional[str] = None,
+        device_prefetch: bool = True,
         predict_split: Literal["train", "val"] = "val",
     ) -> None:
         """
         Args:
-            root: LeRobot v2.1 dataset directory; None uses the embedded planar-arm dataset (generated once, cached).
+            root: LeRobot dataset (v2.1 or v3.0): a directory or an fsspec URL such as s3://bucket/prefix.
+                None (and no `datasets`) uses the embedded planar-arm dataset (generated once, cached).
             n_episodes: Episodes of the embedded dataset (ignored with `root`).
             image_size: Square image side in pixels of the embedded dataset (ignored with `root`).
             dataset_seed: Generation seed of the embedded dataset (ignored with `root`).
@@ -74,121 +111,210 @@ class RobotDataModule(L.LightningDataModule):
             action_horizon: Length of the action chunk per sample, starting at the sample's frame.
             batch_size: Samples per batch (per device).
             num_workers: DataLoader worker processes.
-            val_episodes: Episodes held out for validation, taken from the end: a count (int) or a fraction (float).
+            val_episodes: Episodes held out for validation, taken from the end of each dataset: a count (int) or a fraction (float).
             state_norm: Normalisation of the state: mean_std, min_max or quantile (q01 -> -1, q99 -> +1).
             action_norm: Normalisation of the actions: mean_std, min_max or quantile.
-            decode_cache_mb: Bound on decoded video kept per process, in MiB.
-            persistent_workers: Keep worker processes (and their decode caches) alive between epochs.
+            decode_cache_mb: Bound on decoded frames and episode columns kept per process, in MiB.
+            persistent_workers: Keep worker processes (and their open files and caches) alive between epochs.
             prefetch_factor: Batches each worker loads ahead.
             pin_memory: Pin batches in page-locked memory; None pins only when CUDA is available.
-            seed: Seed of the training-set shuffle.
+            seed: Seed of the training order (shuffles and mixture draws).
+            datasets: A weighted mixture instead of `root`: a list of {root, weight, state_norm, action_norm}.
+            samples_per_epoch: Samples in a training epoch; None: all training samples of all datasets once.
+            shuffle_buffer: Samples in each partition's shuffle buffer (0 or 1: no sample-level shuffle).
+            partitions: Parts the training order is cut into; workers and ranks read whole parts at a
+                time. Part of the order's definition: keep it to resume with other worker or rank counts.
+            max_open_files: Open parquet and video files kept per process.
+            tolerance_s: How far a frame's timestamp may be from the requested time, in seconds.
+            on_bad_data: A sample whose files are missing, corrupt or disagree with meta/info.json:
+                error stops with a message naming the episode and file; skip leaves it out of its
+                batch (which gets smaller), counts it and logs it.
+            storage_options: fsspec options for remote roots (endpoint_url, ...). Not saved in checkpoints;
+                prefer the usual environment variables or credential files for secrets.
+            shard_cache_dir: Local cache of remote files; None uses <cache dir>/shards.
+            shard_cache_gb: Size limit of the local cache of remote files, in GiB.
+            prefetch_batches: Batches ahead whose remote files each worker downloads in the background.
+            multiprocessing_context: fork, forkserver or spawn for workers; None picks fork unless it is
+                unsafe (remote storage clients run threads; CUDA is initialised), then forkserver.
+            device_prefetch: Copy the next batch to the GPU on a side stream while the current step runs.
             predict_split: Episodes `uma predict` runs on: the held-out (val) or the training episodes.
         """
         super().__init__()
-        for name, value in (("batch_size", batch_size), ("prefetch_factor", prefetch_factor)):
+        for name, value in (("batch_size", batch_size), ("prefetch_factor", prefetch_factor), ("max_open_files", max_open_files)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.save_hyperparameters()
-        if root is None:
-            self.root = ensure_dataset("planar_arm", n_episodes, image_size, dataset_seed, cache_dir)
+        if multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
+            raise ValueError(
+                f"multiprocessing_context must be one of {multiprocessing.get_all_start_methods()}, got {multiprocessing_context!r}"
+            )
+        if datasets is not None and root is not None:
+            raise ValueError("give either root or datasets (a mixture), not both")
+        # Plain types only, so checkpoints load with weights_only=True; storage options may hold credentials.
+        self.save_hyperparameters(ignore=["datasets", "storage_options"])
+        if datasets:
+            sources = [s if isinstance(s, DatasetSource) else DatasetSource(**s) for s in datasets]
+            self.hparams["datasets"] = [dataclasses.asdict(s) for s in sources]
+        elif root is not None:
+            sources = [DatasetSource(root)]
         else:
-            self.root = Path(root)
-        self.metadata = LeRobotMetadata.load(self.root)
-        self.train_episodes, self.val_episodes = split_episodes(len(self.metadata.episodes), val_episodes)
-        logger.info(
-            "dataset %s: %d train and %d validation episodes", self.root, len(self.train_episodes), len(self.val_episodes)
-        )
+            sources = [DatasetSource(str(ensure_dataset("planar_arm", n_episodes, image_size, dataset_seed, cache_dir)))]
+        self.sources = sources
+        shard_cache = shard_cache_dir or str(default_cache_dir() / "shards")
+        self.metadata = [
+            LeRobotMetadata.load(Storage(s.root, shard_cache, int(shard_cache_gb * 2**30), storage_options)) for s in sources
+        ]
+        self.root = self.metadata[0].root
+        first = self.metadata[0]
         self.spec = DataSpec(
-            cameras=self.metadata.cameras,
-            image_size=self.metadata.image_size,
-            state_dim=self.metadata.state_dim,
-            action_dim=self.metadata.action_dim,
+            cameras=first.cameras,
+            image_size=first.image_size,
+            state_dim=first.state_dim,
+            action_dim=first.action_dim,
             n_obs_steps=n_obs_steps,
             action_horizon=action_horizon,
-            fps=self.metadata.fps,
+            fps=first.fps,
         )
+        for source, meta in zip(sources[1:], self.metadata[1:]):
+            shape = (len(meta.cameras), meta.image_size, meta.state_dim, meta.action_dim, meta.fps)
+            expected = (len(first.cameras), first.image_size, first.state_dim, first.action_dim, first.fps)
+            if shape != expected:
+                raise ValueError(
+                    f"dataset {source.root}: (cameras, image size, state dim, action dim, fps) = {shape}, "
+                    f"but the mixture's first dataset has {expected}"
+                )
+        self.splits = [split_episodes(len(meta.episodes), val_episodes) for meta in self.metadata]
+        self.train_episodes, self.val_episodes = self.splits[0]
+        for meta, (train, val) in zip(self.metadata, self.splits):
+            logger.info("dataset %s (LeRobot %s): %d train and %d validation episodes", meta.root, meta.version, len(train), len(val))
         # Built here, not in setup(), so a bad mode fails at construction and inference can undo
         # the normalisation without loading the dataset.
-        self.state_normalizer = Normalizer.from_stats(state_norm, self.metadata.stats[STATE_KEY], STATE_KEY)
-        self.action_normalizer = Normalizer.from_stats(action_norm, self.metadata.stats[ACTION_KEY], ACTION_KEY)
+        self.norm_modes = [(s.state_norm or state_norm, s.action_norm or action_norm) for s in sources]
+        self.normalizers = [
+            (
+                Normalizer.from_stats(modes[0], meta.stats[STATE_KEY], STATE_KEY),
+                Normalizer.from_stats(modes[1], meta.stats[ACTION_KEY], ACTION_KEY),
+            )
+            for modes, meta in zip(self.norm_modes, self.metadata)
+        ]
+        self.state_normalizer, self.action_normalizer = self.normalizers[0]
+        self.order = OrderConfig(
+            seed=seed,
+            batch_size=batch_size,
+            partitions=partitions,
+            shuffle_buffer=shuffle_buffer,
+            weights=tuple(float(s.weight) for s in sources),
+            samples_per_epoch=samples_per_epoch,
+        )
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.train_dataset: Optional[FrameDataset] = None
-        self.val_dataset: Optional[FrameDataset] = None
+        self.train_sets: Optional[list[FrameDataset]] = None
+        self.val_sets: Optional[list[FrameDataset]] = None
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_dataset is None:
-            self.train_dataset = self._dataset(self.train_episodes)
-        if self.val_dataset is None and self.val_episodes:
-            self.val_dataset = self._dataset(self.val_episodes)
+        if self.train_sets is None:
+            self.train_sets = [self._dataset(d, train) for d, (train, _) in enumerate(self.splits)]
+        if self.val_sets is None:
+            self.val_sets = [self._dataset(d, val) for d, (_, val) in enumerate(self.splits) if val]
 
-    def train_dataloader(self) -> DataLoader:
-        # A seeded generator makes the shuffle order reproducible; dropping the last partial batch
-        # keeps batch shapes static (compiled models, per-batch metrics).
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        return self._loader(self.train_dataset, shuffle=True, drop_last=True, generator=generator)
+    def train_dataloader(self) -> RobotDataLoader:
+        return self._loader(self.train_sets, self.order, resumable=True)
 
-    def val_dataloader(self) -> Union[DataLoader, list]:
-        if self.val_dataset is None:
+    def val_dataloader(self) -> Union[RobotDataLoader, list]:
+        if not self.val_sets:
             return []  # no validation episodes: Lightning skips validation
-        return self._loader(self.val_dataset, shuffle=False, drop_last=False, generator=None)
+        config = OrderConfig(
+            seed=0, batch_size=self.hparams.batch_size, shuffle=False, drop_last=False, weights=(1.0,) * len(self.val_sets)
+        )
+        return self._loader(self.val_sets, config, resumable=False)
 
-    def test_dataloader(self) -> Union[DataLoader, list]:
+    def test_dataloader(self) -> Union[RobotDataLoader, list]:
         """The held-out episodes, as in validation: the embedded data has no third split."""
         return self.val_dataloader()
 
     def predict_dataloader(self) -> DataLoader:
-        """Every frame of the `predict_split` episodes, in order."""
-        episodes = self.val_episodes if self.hparams.predict_split == "val" else self.train_episodes
-        if not episodes:
+        """Every frame of the `predict_split` episodes, in order. A plain DataLoader over the frames:
+        Lightning's predict loop replaces its sampler (to record batch indices, and to split the
+        frames over ranks)."""
+        sets = self.val_sets if self.hparams.predict_split == "val" else self.train_sets
+        if not sets:
             raise ValueError(f"predict_split={self.hparams.predict_split!r} has no episodes (val_episodes={self.hparams.val_episodes})")
-        dataset = self.val_dataset if self.hparams.predict_split == "val" else self._dataset(episodes)
-        return self._loader(dataset, shuffle=False, drop_last=False, generator=None)
-
-    def normalize_state(self, state: torch.Tensor) -> torch.Tensor:
-        """Raw robot state -> the normalised state a model trained on this data expects."""
-        return self.state_normalizer.normalize(state)
-
-    def denormalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
-        """Normalised model actions -> raw robot actions."""
-        return self.action_normalizer.denormalize(actions)
-
-    def normalization(self) -> dict:
-        """The state and action normalisation as plain values, with the dimension names; models keep it
-        in their checkpoints so that inference undoes it without the dataset."""
-        features = self.metadata.features
-        return {
-            "state": {**self.state_normalizer.to_dict(), "names": list(features[STATE_KEY]["names"])},
-            "action": {**self.action_normalizer.to_dict(), "names": list(features[ACTION_KEY]["names"])},
-        }
-
-    def _dataset(self, episodes: list[int]) -> FrameDataset:
-        hp = self.hparams
-        return FrameDataset(
-            self.metadata,
-            episodes,
-            n_obs_steps=hp.n_obs_steps,
-            action_horizon=hp.action_horizon,
-            state_norm=hp.state_norm,
-            action_norm=hp.action_norm,
-            decode_cache_mb=hp.decode_cache_mb,
-        )
-
-    def _loader(
-        self, dataset: Optional[FrameDataset], shuffle: bool, drop_last: bool, generator: Optional[torch.Generator]
-    ) -> DataLoader:
-        if dataset is None:
-            raise RuntimeError("call setup() before requesting dataloaders")
         workers = self.hparams.num_workers
         return DataLoader(
-            dataset,
+            ConcatDataset(sets),
             batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            generator=generator,
+            collate_fn=collate,
             num_workers=workers,
-            persistent_workers=self.hparams.persistent_workers and workers > 0,
-            prefetch_factor=self.hparams.prefetch_factor if workers > 0 else None,
             pin_memory=self.pin_memory,
+            multiprocessing_context=self._start_method() if workers > 0 else None,
         )
+
+    def normalize_state(self, state: torch.Tensor, dataset: int = 0) -> torch.Tensor:
+        """Raw robot state -> the normalised state a model trained on this data expects."""
+        return self.normalizers[dataset][0].normalize(state)
+
+    def denormalize_actions(self, actions: torch.Tensor, dataset: int = 0) -> torch.Tensor:
+        """Normalised model actions -> raw robot actions of the given dataset's robot."""
+        return self.normalizers[dataset][1].denormalize(actions)
+
+    def normalization(self) -> dict:
+        """The state and action normalisation of the first dataset (the model's robot) as plain values,
+        with the dimension names; models keep it in their checkpoints so that inference undoes it
+        without the dataset."""
+        features = self.metadata[0].features
+        state, action = self.normalizers[0]
+        return {
+            "state": {**state.to_dict(), "names": list(features[STATE_KEY]["names"])},
+            "action": {**action.to_dict(), "names": list(features[ACTION_KEY]["names"])},
+        }
+
+    def _dataset(self, d: int, episodes: list[int]) -> FrameDataset:
+        hp = self.hparams
+        return FrameDataset(
+            self.metadata[d],
+            episodes,
+            state_norm=self.norm_modes[d][0],
+            action_norm=self.norm_modes[d][1],
+            decode_cache_mb=hp.decode_cache_mb,
+            tolerance_s=hp.tolerance_s,
+            max_open_files=hp.max_open_files,
+            window=Window.of_steps(hp.n_obs_steps, hp.action_horizon, self.metadata[d].fps),
+            dataset_index=d,
+        )
+
+    def _loader(self, sets: Optional[list[FrameDataset]], config: OrderConfig, resumable: bool) -> RobotDataLoader:
+        if sets is None:
+            raise RuntimeError("call setup() before requesting dataloaders")
+        hp = self.hparams
+        trainer = self.trainer
+        rank, world = data_parallel_rank(trainer)
+        device = trainer.strategy.root_device if trainer is not None else None
+        stream = BatchStream(sets, config, rank, world, hp.on_bad_data, hp.prefetch_batches)
+        return RobotDataLoader(
+            stream,
+            num_workers=hp.num_workers,
+            persistent_workers=hp.persistent_workers,
+            prefetch_factor=hp.prefetch_factor,
+            pin_memory=self.pin_memory,
+            multiprocessing_context=self._start_method() if hp.num_workers > 0 else None,
+            resumable=resumable,
+            device=device if hp.device_prefetch and device is not None and device.type == "cuda" else None,
+        )
+
+    def _start_method(self) -> str:
+        chosen = self.hparams.multiprocessing_context
+        if chosen is not None:
+            why = "set in the config"
+        elif any(meta.storage.remote for meta in self.metadata):
+            chosen, why = "forkserver", "remote storage clients run threads, which fork does not copy safely"
+        elif torch.cuda.is_initialized():
+            chosen, why = "forkserver", "CUDA is initialised, and a forked child cannot use it"
+        else:
+            chosen, why = "fork", "fastest start, and nothing in this process makes fork unsafe"
+        if chosen == "forkserver":
+            # Workers fork from a server that has already imported the loader, so each starts in milliseconds.
+            multiprocessing.get_context("forkserver").set_forkserver_preload(["uma_lightning.data.loader"])
+        if getattr(self, "_logged_start_method", None) != chosen:
+            logger.info("data loader workers: %d started with %s (%s)", self.hparams.num_workers, chosen, why)
+            self._logged_start_method = chosen
+        return chosen

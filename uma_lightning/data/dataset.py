@@ -1,24 +1,39 @@
-"""Map-style dataset over a LeRobot v2.1 dataset: one sample per frame, in the batch contract of spec.py."""
+"""One sample per frame of a LeRobot dataset, in the batch contract of spec.py, read through bounded caches.
+
+A sample holds the observations and actions at offsets in seconds from its own frame (LeRobot's
+delta timestamps). Offsets outside the episode repeat the edge frame and are masked out. Every
+requested time must exist within a tolerance, in the parquet timestamps and in the video;
+otherwise the error names the episode, the file and the time.
+
+Memory is bounded whatever the dataset size: open files (parquet and video readers) sit in an LRU
+of at most `max_open_files`, decoded frames and episodes' low-dimensional columns in an LRU of at
+most `decode_cache_mb`. No file is reopened per sample while it stays in the LRU.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
-from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
-from uma_lightning.data.video import DecodedVideo, decode_video
+from uma_lightning.data.cache import LRU
+from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, DatasetError, EpisodeData, LeRobotMetadata
+from uma_lightning.data.video import VideoError, VideoReader
 
 NormMode = Literal["mean_std", "min_max", "quantile"]
 # The two statistics each normalisation mode is built from.
 MODE_STATISTICS: dict[str, tuple[str, str]] = {"mean_std": ("mean", "std"), "min_max": ("min", "max"), "quantile": ("q01", "q99")}
 ArrayLike = TypeVar("ArrayLike", np.ndarray, torch.Tensor)
+# Errors that mean "this sample's data is bad", as opposed to a bug or a bad config.
+BAD_DATA_ERRORS = (DatasetError, VideoError)
+_INHERITED: list = []  # caches a forked process inherited (see FrameDataset._caches)
 
 
 @dataclass(frozen=True)
@@ -72,34 +87,26 @@ class Normalizer:
         return self.offset, self.scale
 
 
-class DecodedVideoCache:
-    """Least-recently-used decoded videos, bounded in bytes. A video larger than the bound is decoded
-    but not kept."""
+@dataclass(frozen=True)
+class Window:
+    """The times a sample covers, as offsets in seconds from its frame (LeRobot's delta_timestamps)."""
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._videos: OrderedDict[Path, DecodedVideo] = OrderedDict()
+    observation: tuple[float, ...]
+    action: tuple[float, ...]
 
-    def get(self, path: Path) -> DecodedVideo:
-        if path in self._videos:
-            self._videos.move_to_end(path)
-            return self._videos[path]
-        video = decode_video(path)
-        if video.nbytes <= self.max_bytes:
-            self._videos[path] = video
-            self.bytes += video.nbytes
-            while self.bytes > self.max_bytes:
-                self.bytes -= self._videos.popitem(last=False)[1].nbytes
-        return video
+    @classmethod
+    def of_steps(cls, n_obs_steps: int, action_horizon: int, fps: float) -> Window:
+        """History of `n_obs_steps` frames ending at the sample's frame; `action_horizon` actions from it."""
+        if n_obs_steps < 1 or action_horizon < 1:
+            raise ValueError(f"n_obs_steps and action_horizon must be >= 1, got {n_obs_steps}, {action_horizon}")
+        return cls(tuple((k - n_obs_steps + 1) / fps for k in range(n_obs_steps)), tuple(k / fps for k in range(action_horizon)))
 
 
 class FrameDataset(Dataset):
-    """One sample per frame of the selected episodes, as a dict following the batch contract in spec.py.
+    """One sample per frame of the selected episodes of one dataset, as a dict following spec.py.
 
-    Low-dimensional columns of all selected episodes are loaded and normalised at construction; video
-    is decoded lazily, a whole episode at a time, into a per-process cache. Nothing unpicklable is held,
-    so the dataset can be sent to DataLoader worker processes.
+    `len(dataset)` samples, addressed by row: rows run through the selected episodes in order.
+    Picklable and light: each process builds its own caches on first use.
     """
 
     def __init__(
@@ -112,74 +119,146 @@ class FrameDataset(Dataset):
         action_norm: NormMode = "min_max",
         decode_cache_mb: float = 256,
         tolerance_s: float = 1e-4,
+        max_open_files: int = 64,
+        window: Window | None = None,
+        dataset_index: int = 0,
     ) -> None:
-        if n_obs_steps < 1 or action_horizon < 1:
-            raise ValueError(f"n_obs_steps and action_horizon must be >= 1, got {n_obs_steps}, {action_horizon}")
         n_total = len(metadata.episodes)
         self.episodes = tuple(range(n_total)) if episodes is None else tuple(int(e) for e in episodes)
         invalid = [e for e in self.episodes if not 0 <= e < n_total]
         if invalid or not self.episodes:
             raise ValueError(f"{metadata.root}: episodes must be a non-empty subset of 0..{n_total - 1}, got invalid {invalid}")
+        if max_open_files < 1:
+            raise ValueError(f"max_open_files must be >= 1, got {max_open_files}")
         self.metadata = metadata
-        self.n_obs_steps = n_obs_steps
-        self.action_horizon = action_horizon
+        self.window = window or Window.of_steps(n_obs_steps, action_horizon, metadata.fps)
+        self.obs_offsets = np.rint(np.asarray(self.window.observation) * metadata.fps).astype(np.int64)
+        self.action_offsets = np.rint(np.asarray(self.window.action) * metadata.fps).astype(np.int64)
         self.tolerance_s = tolerance_s
         self.cache_bytes = int(decode_cache_mb * 2**20)
+        self.max_open_files = max_open_files
+        self.dataset_index = dataset_index
         self.state_normalizer = Normalizer.from_stats(state_norm, metadata.stats[STATE_KEY], STATE_KEY)
         self.action_normalizer = Normalizer.from_stats(action_norm, metadata.stats[ACTION_KEY], ACTION_KEY)
-
-        data = [metadata.read_episode(e) for e in self.episodes]
-        lengths = np.array([len(d.state) for d in data])
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        # Per-row arrays over the concatenated episodes; a sample's window stays inside its episode's rows.
-        self._state = self.state_normalizer.normalize(np.concatenate([d.state for d in data])).astype(np.float32)
-        self._action = self.action_normalizer.normalize(np.concatenate([d.action for d in data])).astype(np.float32)
-        self._timestamp = np.concatenate([d.timestamp for d in data])
-        self._frame_index = np.concatenate([d.frame_index for d in data])
-        self._sample_id = np.concatenate([d.global_index for d in data])
-        self._task_index = np.concatenate([d.task_index for d in data])
-        self._episode_index = np.repeat(self.episodes, lengths)
-        self._episode_start = np.repeat(starts, lengths)
-        self._episode_length = np.repeat(lengths, lengths)
-        self._videos: DecodedVideoCache | None = None
+        self.lengths = np.array([metadata.episodes[e].length for e in self.episodes], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
+        self._pid: int | None = None
+        self._files: LRU | None = None
+        self._decoded: LRU | None = None
 
     def __len__(self) -> int:
-        return len(self._state)
+        return int(self.lengths.sum())
 
     def __getstate__(self) -> dict[str, Any]:
-        # Each worker process decodes into its own cache; don't ship decoded frames between processes.
-        return {**self.__dict__, "_videos": None}
+        # Each process opens its own files and decodes into its own cache.
+        return {**self.__dict__, "_pid": None, "_files": None, "_decoded": None}
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """(episode index, frame in the episode) of a row."""
+        position = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return self.episodes[position], int(row - self.starts[position])
+
+    def files_of(self, rows: Sequence[int]) -> list[str]:
+        """Relative paths of the files the given rows are read from."""
+        episodes = {self.locate(int(row))[0] for row in rows}
+        return sorted({path for e in episodes for path in self.metadata.episode_files(e)})
 
     def __getitem__(self, row: int) -> dict[str, Any]:
         if not 0 <= row < len(self):
             raise IndexError(f"sample {row} out of range for {len(self)} samples")
-        start, length = self._episode_start[row], self._episode_length[row]
-        t = row - start
-        obs_steps = t - self.n_obs_steps + 1 + np.arange(self.n_obs_steps)
-        obs_rows = start + np.maximum(obs_steps, 0)  # before the episode start: repeat the first frame
-        action_steps = t + np.arange(self.action_horizon)
-        action_rows = start + np.minimum(action_steps, length - 1)  # past the end: repeat the last action
-        episode = int(self._episode_index[row])
-        images = np.stack(
-            [
-                self._video(episode, camera).frames_at(self._timestamp[obs_rows], self.tolerance_s)
-                for camera in self.metadata.cameras
-            ],
-            axis=1,
-        )
+        episode, t = self.locate(row)
+        data = self._episode(episode)
+        length = len(data.timestamp)
+        obs_steps, action_steps = t + self.obs_offsets, t + self.action_offsets
+        obs_rows = np.clip(obs_steps, 0, length - 1)  # outside the episode: repeat the edge frame, masked out
+        action_rows = np.clip(action_steps, 0, length - 1)
+        obs_mask = (obs_steps >= 0) & (obs_steps < length)
+        action_mask = (action_steps >= 0) & (action_steps < length)
+        self._check_times(episode, data, t, obs_rows, obs_mask, self.window.observation)
+        self._check_times(episode, data, t, action_rows, action_mask, self.window.action)
+        images = np.stack([self._frames(episode, camera, data.timestamp[obs_rows]) for camera in self.metadata.cameras], axis=1)
         return {
             "images": torch.from_numpy(images),
-            "obs_mask": torch.from_numpy(obs_steps >= 0),
-            "state": torch.from_numpy(self._state[obs_rows]),
-            "actions": torch.from_numpy(self._action[action_rows]),
-            "action_mask": torch.from_numpy(action_steps < length),
-            "instruction": self.metadata.tasks[self._task_index[row]],
+            "obs_mask": torch.from_numpy(obs_mask),
+            "state": torch.from_numpy(data.state[obs_rows]),
+            "actions": torch.from_numpy(data.action[action_rows]),
+            "action_mask": torch.from_numpy(action_mask),
+            "instruction": self.metadata.tasks[data.task_index[t]],
             "episode_index": torch.tensor(episode, dtype=torch.int64),
-            "frame_index": torch.tensor(int(self._frame_index[row]), dtype=torch.int64),
-            "sample_id": torch.tensor(int(self._sample_id[row]), dtype=torch.int64),
+            "frame_index": torch.tensor(t, dtype=torch.int64),
+            "sample_id": torch.tensor(int(data.global_index[t]), dtype=torch.int64),
+            "dataset_index": torch.tensor(self.dataset_index, dtype=torch.int64),
         }
 
-    def _video(self, episode: int, camera: str) -> DecodedVideo:
-        if self._videos is None:
-            self._videos = DecodedVideoCache(self.cache_bytes)
-        return self._videos.get(self.metadata.video_path(episode, camera))
+    # ---- reading through the caches ------------------------------------------------------------
+
+    def _caches(self) -> tuple[LRU, LRU]:
+        if self._pid != os.getpid():
+            # A forked worker inherits the parent's open files, whose file offsets it would share:
+            # start fresh in this process. The inherited ones stay referenced, never closed, since
+            # freeing FFmpeg state created before the fork can wait forever on threads that did not survive it.
+            if self._files is not None:
+                _INHERITED.append((self._files, self._decoded))
+            self._pid = os.getpid()
+            self._files = LRU(self.max_open_files, on_evict=lambda handle: handle.close())
+            self._decoded = LRU(self.cache_bytes, cost=lambda value: value.nbytes)
+        return self._files, self._decoded
+
+    def _episode(self, episode: int) -> EpisodeData:
+        _, decoded = self._caches()
+
+        def load() -> EpisodeData:
+            raw = self.metadata.read_episode(episode, open_parquet=self._parquet, tolerance_s=self.tolerance_s)
+            return EpisodeData(
+                index=episode,
+                state=self.state_normalizer.normalize(raw.state).astype(np.float32),
+                action=self.action_normalizer.normalize(raw.action).astype(np.float32),
+                timestamp=raw.timestamp.astype(np.float64),
+                frame_index=raw.frame_index,
+                global_index=raw.global_index,
+                task_index=raw.task_index,
+            )
+
+        return decoded.get(("episode", episode), load)
+
+    def _parquet(self, path: Path) -> pq.ParquetFile:
+        files, _ = self._caches()
+        return files.get(("parquet", str(path)), lambda: _ParquetHandle(path))
+
+    def _frames(self, episode: int, camera: str, times: np.ndarray) -> np.ndarray:
+        files, decoded = self._caches()
+        path = self.metadata.video_path(episode, camera)
+        start = self.metadata.episodes[episode].videos[camera][1]
+        try:
+            reader = files.get(("video", str(path)), lambda: VideoReader(path))
+            return reader.frames_at(start + times, self.tolerance_s, cache=decoded)
+        except VideoError as error:
+            raise VideoError(f"episode {episode}: {error}") from error
+
+    def _check_times(
+        self, episode: int, data: EpisodeData, t: int, rows: np.ndarray, inside: np.ndarray, offsets: tuple[float, ...]
+    ) -> None:
+        wanted = data.timestamp[t] + np.asarray(offsets)
+        off = inside & (np.abs(data.timestamp[rows] - wanted) > self.tolerance_s)
+        if off.any():
+            k = int(np.flatnonzero(off)[0])
+            raise DatasetError(
+                f"episode {episode}: {self.metadata.data_path(episode)}: no frame at timestamp {wanted[k]:.6f}s "
+                f"(nearest is {data.timestamp[rows[k]]:.6f}s, tolerance {self.tolerance_s}s)"
+            )
+
+
+class _ParquetHandle(pq.ParquetFile):
+    """A ParquetFile over a file object this class owns, so that the LRU can close it."""
+
+    def __init__(self, path: Path) -> None:
+        self._handle = open(path, "rb")
+        try:
+            super().__init__(self._handle)
+        except BaseException:
+            self._handle.close()
+            raise
+
+    def close(self, force: bool = False) -> None:
+        super().close(force)
+        self._handle.close()

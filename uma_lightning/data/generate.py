@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from uma_lightning.data.lerobot import LeRobotWriter
+from uma_lightning.data.writer import LeRobotWriter
 from uma_lightning.sim.planar_arm import PlanarArmConfig, PlanarArmEnv
 
 logger = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ A collated training batch is a dict:
     episode_index int64   [B]
     frame_index   int64   [B]
     sample_id     int64   [B]                  global frame index in the dataset, stable across runs
+    dataset_index int64   [B]                  which dataset of a mixture the sample comes from (0 without one)
 """
 
 from __future__ import annotations

@@ -147,8 +147,9 @@ class RobotTransformer(RobotBase):
         """Logits [B, n_action_tokens, n_bins] for every action token, given all previous ones.
 
         With ``loss_targets`` (bin ids [B, n_action_tokens], -100 where a token does not count) it
-        returns (mean cross-entropy, argmax predictions) instead, from the fused linear +
-        cross-entropy kernel, which never holds all the logits. Inside ``forward``, so wrappers
+        returns (cross-entropy, argmax predictions) instead, from the fused linear +
+        cross-entropy kernel, which never holds all the logits. The loss is the mean over samples of
+        each sample's token mean, so data-parallel shards average to the whole batch's loss. Inside ``forward``, so wrappers
         that hook it (FSDP, DDP) see the head's weight used.
         """
         prefix = self.embed_prefix(images, state, text_ids)
@@ -158,7 +159,7 @@ class RobotTransformer(RobotBase):
         hidden = hidden[:, prefix.shape[1] - 1 :]  # the states that predict each action token
         if loss_targets is None:
             return self.action_head(hidden)
-        return linear_cross_entropy(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy)
+        return linear_cross_entropy(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy, per_sample=True)
 
     def predict_actions(
         self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor

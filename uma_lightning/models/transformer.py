@@ -209,7 +209,9 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.length
         if start + h.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence of {start + h.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
-        cos, sin = self.rope_cos[start : start + h.shape[1]], self.rope_sin[start : start + h.shape[1]]
+        # Tables from the first new position on, whole: under sequence parallelism h holds only this
+        # rank's slice of the tokens, and attention sees them all after its all-gather.
+        cos, sin = self.rope_cos[start:], self.rope_sin[start:]
         layer_caches = [None] * len(self.layers)
         if cache is not None:
             if len(cache.layers) != len(self.layers):

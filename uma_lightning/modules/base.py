@@ -3,8 +3,8 @@ subclass ``StageModule``; research code subclasses one of them and overrides one
 
 - ``build_model()``: the ``nn.Module`` to train (called once, inside the strategy's init context);
 - ``compute_loss(batch)``: a dict with the scalar ``"loss"``, any other scalars to log, and
-  optionally ``"predicted_tokens"`` and ``"target_tokens"`` (same shape, targets < 0 ignored), from
-  which evaluation measures token accuracy over all its batches;
+  optionally ``"predicted_tokens"`` and ``"target_tokens"`` ([B, n] each, targets < 0 ignored), from
+  which evaluation measures each sample's token accuracy, averaged over all its samples;
 - ``build_optimizer(params)`` and ``build_scheduler(optimizer)``: what ``configure_optimizers`` returns.
 
 Evaluation (``uma validate``, ``uma test``, validation during ``uma fit``) logs the loss, token
@@ -225,7 +225,8 @@ class StageModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out = self.compute_loss(batch)
         batch_size = len(batch["instruction"])
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=batch_size)
+        # Averaged over data-parallel ranks, so the logged loss is that of the global batch, comparable across strategies.
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=batch_size, sync_dist=True)
         self.log_dict({f"train/{k}": v for k, v in _scalars(out).items() if k != "loss"}, batch_size=batch_size)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
         return out["loss"]
@@ -240,10 +241,12 @@ class StageModule(L.LightningModule):
         out = self.compute_loss(batch)
         scalars = _scalars(out)
         if "predicted_tokens" in out:
-            # Counted over every token of every batch and process, in place of the per-batch value.
+            # Each sample's accuracy over its real tokens, averaged over every sample of every batch and
+            # process (as the loss is), in place of the per-batch value.
             scalars.pop("token_accuracy", None)
             real = out["target_tokens"] >= 0
-            self.token_accuracy[split].update((out["predicted_tokens"] == out["target_tokens"])[real].float())
+            correct = ((out["predicted_tokens"] == out["target_tokens"]) & real).sum(1)
+            self.token_accuracy[split].update(correct / real.sum(1).clamp(min=1))
             self.log(f"{split}/token_accuracy", self.token_accuracy[split])
         self.log_dict({f"{split}/{k}": v for k, v in scalars.items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
         policy = self.policy()

@@ -56,13 +56,19 @@ class PretrainModule(StageModule):
         return model
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
-        """Cross-entropy of every real action token given the observation prefix and earlier actions."""
+        """Cross-entropy of every real action token given the observation prefix and earlier actions.
+
+        Averaged over each sample's real tokens, then over samples. Averaging per sample first
+        makes the loss of a batch the mean of the losses of its equal parts, so data-parallel
+        ranks, which average their gradients, train exactly as one process on the whole batch
+        even when their samples have different numbers of real tokens.
+        """
         model = self.model
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
         targets = model.action_binner.encode(batch["actions"]).flatten(1)  # [B, horizon * action_dim]
         real = batch["action_mask"].repeat_interleave(self.spec.action_dim, dim=1)
         loss, predicted = model(batch["images"], batch["state"], text_ids, text_mask, targets, loss_targets=targets.masked_fill(~real, -100))
-        accuracy = ((predicted == targets) & real).sum() / real.sum().clamp(min=1)
+        accuracy = (((predicted == targets) & real).sum(1) / real.sum(1).clamp(min=1)).mean()
         return {"loss": loss, "token_accuracy": accuracy, "predicted_tokens": predicted, "target_tokens": targets.masked_fill(~real, -1)}
 
     @property

@@ -1,0 +1,166 @@
+"""Tokens/s and MFU of the strategies that fit one GPU, for an H200 (989 TFLOP/s dense bf16).
+
+    python benchmarks/gpu/strategies.py [--sizes small,1b] [--steps 30]
+    python benchmarks/gpu/strategies.py --cpu-smoke    # the same code on the CPU: tiny model, a few steps
+
+On one device every mesh is 1 x 1 x 1, so a strategy reduces to its plan's single-device part:
+activation checkpointing and per-block compile, applied by MeshStrategy (a process group of
+one). The baseline is Lightning's own single-device strategy on the same batches. MFU counts
+the model's training FLOPs (``uma_lightning.models.training_flops_per_sample``) per second over
+the peak. Nothing is installed; each check is named, and any failure names the check and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import print_table  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12  # H200 SXM, dense bf16
+BATCH = {"tiny": 4, "small": 256, "1b": 64}
+VARIANTS = {
+    "lightning single device": None,
+    "mesh strategy (plan only)": {},
+    "+ AC ops": {"activation_checkpointing": "ops"},
+    "+ AC full": {"activation_checkpointing": "full"},
+    "+ compile blocks": {"compile": "blocks"},
+    "+ compile blocks, AC ops": {"compile": "blocks", "activation_checkpointing": "ops"},
+}
+
+
+class Failed(Exception):
+    pass
+
+
+def check(name: str, fn, *args):
+    """Run one named check; a failure says which check failed and why."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        traceback.print_exc()
+        raise Failed(f"{name}: {type(err).__name__}: {err}") from None
+
+
+def environment(cpu_smoke: bool) -> str:
+    if cpu_smoke:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device visible (use --cpu-smoke on a machine without one)")
+    if not torch.cuda.is_bf16_supported():
+        raise RuntimeError(f"{torch.cuda.get_device_name()} does not support bf16")
+    name = torch.cuda.get_device_name()
+    if "H200" not in name:
+        print(f"note: {name} is not an H200; MFU is still computed against the H200 peak of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
+    return "cuda"
+
+
+def batches_for(size: str, steps: int):
+    from uma_lightning.data import RobotDataModule
+
+    data = RobotDataModule(n_episodes=20, batch_size=BATCH[size], num_workers=0)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    return data.spec, [batch] * steps  # one real batch, reused: the data loader is not what is measured
+
+
+def run_variant(spec, batches, size: str, strategy_args, device: str, compile_backend: str) -> dict:
+    from lightning.pytorch import Callback
+
+    from uma_lightning.modules import OptimizerConfig, PretrainModule
+    from uma_lightning.parallel import MeshStrategy
+    from uma_lightning.parallel.fixed_batches import fit_on_batches
+
+    class StepTimer(Callback):
+        def __init__(self):
+            self.times, self.start = [], 0.0
+
+        def on_train_batch_start(self, *_):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *_):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    module = PretrainModule(spec=spec, size=size, optimizer=OptimizerConfig(warmup_steps=1))
+    timer = StepTimer()
+    strategy = "auto" if strategy_args is None else MeshStrategy(**strategy_args, compile_backend=compile_backend)
+    fit_on_batches(
+        module,
+        batches,
+        strategy,
+        [timer],
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        precision="bf16-mixed" if device == "cuda" else "32-true",
+        gradient_clip_val=1.0,
+    )
+    warmup = min(5, len(timer.times) - 1)  # compile and allocator warm-up
+    step = statistics.median(timer.times[warmup:])
+    samples_per_s = len(batches[0]["sample_id"]) / step
+    return {
+        "tokens/s": samples_per_s * module.tokens_per_sample,
+        "mfu": samples_per_s * module.flops_per_sample / PEAK_BF16_FLOPS,
+        "step ms": step * 1e3,
+        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,1b")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model, 3 steps, CPU, compile with aot_eager (no kernel generation)")
+    args = parser.parse_args()
+    sizes = ["tiny"] if args.cpu_smoke else args.sizes.split(",")
+    steps = 3 if args.cpu_smoke else args.steps
+    compile_backend = "aot_eager" if args.cpu_smoke else "inductor"
+    failures, rows = [], []
+    try:
+        device = check("environment", environment, args.cpu_smoke)
+    except Failed as failure:
+        print(f"FAILED {failure}")
+        return 1
+    for size in sizes:
+        try:
+            spec, batches = check(f"{size}: data", batches_for, size, steps)
+        except Failed as failure:
+            failures.append(str(failure))
+            continue
+        baseline = None
+        for variant, strategy_args in VARIANTS.items():
+            try:
+                result = check(f"{size} / {variant}", run_variant, spec, batches, size, strategy_args, device, compile_backend)
+            except Failed as failure:
+                failures.append(str(failure))
+                continue
+            baseline = baseline or result["tokens/s"]
+            on_gpu = device == "cuda"
+            rows.append([size, variant, f"{result['tokens/s']:.0f}", f"{result['tokens/s'] / baseline:.2f}",
+                         f"{result['mfu']:.1%}" if on_gpu else "n/a", f"{result['step ms']:.1f}",
+                         f"{result['peak GiB']:.1f}" if on_gpu else "n/a"])  # fmt: skip
+    print_table(
+        f"{device}, {'fp32' if device == 'cpu' else 'bf16-mixed'}, median step after warm-up; MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s",
+        ["model", "variant", "tokens/s", "vs baseline", "MFU", "step ms", "peak GiB"],
+        rows,
+    )
+    for failure in failures:
+        print(f"FAILED {failure}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

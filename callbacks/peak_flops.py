@@ -1,0 +1,91 @@
+"""Peak dense matrix-multiply throughput per device and dtype: the denominator of MFU.
+
+Figures are the vendors' dense (no 2:4 sparsity) tensor-core numbers in TFLOP/s per device. A device
+missing from the table, or a CPU, is measured instead with a short matmul probe, unless the config
+gives the peak outright.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Most specific names first: "H100 NVL" must match before "H100", "GH200" before "H200", "L40S" before "L4".
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "GB200": {"fp8": 5000, "bf16": 2500, "fp16": 2500, "tf32": 1250, "fp32": 90},
+    "B200": {"fp8": 4500, "bf16": 2250, "fp16": 2250, "tf32": 1125, "fp32": 75},
+    "GH200": {"fp8": 1979, "bf16": 989, "fp16": 989, "tf32": 494.7, "fp32": 67},
+    "H200 NVL": {"fp8": 1670.5, "bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60},
+    "H200": {"fp8": 1979, "bf16": 989, "fp16": 989, "tf32": 494.7, "fp32": 67},
+    "H100 NVL": {"fp8": 1670.5, "bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60},
+    "H100 PCIe": {"fp8": 1513, "bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51},
+    "H100": {"fp8": 1979, "bf16": 989, "fp16": 989, "tf32": 494.7, "fp32": 67},  # SXM, named "H100 80GB HBM3"
+    "H800": {"fp8": 1979, "bf16": 989, "fp16": 989, "tf32": 494.7, "fp32": 67},
+    "A100": {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},  # SXM and PCIe alike
+    "A800": {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+    "L40S": {"fp8": 733, "bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6},
+    "L4": {"fp8": 242.5, "bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3},
+    "MI325X": {"fp8": 2614.9, "bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+    "MI300X": {"fp8": 2614.9, "bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+}
+
+
+def table_entry(device_name: str) -> str | None:
+    """The table key for a device name as CUDA reports it ("NVIDIA H100 80GB HBM3" -> "H100")."""
+    normalised = device_name.replace("-", " ").upper()
+    for key in PEAK_TFLOPS:
+        if key.upper() in normalised:
+            return key
+    return None
+
+
+def matmul_dtype(precision: str) -> str:
+    """The dtype most training matmuls run in under a Lightning precision setting."""
+    precision = str(precision)
+    if precision.startswith("transformer-engine"):
+        return "fp8"
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    if precision.startswith("64"):
+        return "fp64"
+    # fp32 matmuls run on tensor cores as tf32 unless PyTorch is told to keep full precision.
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def probe_tflops(device: torch.device, dtype: str = "fp32", size: int = 1024, seconds: float = 0.3) -> float:
+    """Best observed TFLOP/s of a square matmul on ``device``, measured for about ``seconds``."""
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    a = torch.randn(size, size, device=device, dtype=torch_dtype)
+    b = torch.randn(size, size, device=device, dtype=torch_dtype)
+    torch.mm(a, b)  # warm-up: library initialisation and kernel selection
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    return 2 * size**3 / best / 1e12
+
+
+def resolve_peak(device: torch.device, precision: str, override_tflops: float | None = None) -> tuple[float, str]:
+    """Peak TFLOP/s of one device for this precision, and where the figure comes from."""
+    if override_tflops is not None:
+        if override_tflops <= 0:
+            raise ValueError(f"peak_tflops must be > 0, got {override_tflops}")
+        return float(override_tflops), "config"
+    dtype = matmul_dtype(precision)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = table_entry(name)
+        if key is not None and dtype in PEAK_TFLOPS[key]:
+            return PEAK_TFLOPS[key][dtype], f"table: {key} {dtype} dense"
+        why = f"{name} is not in the table" if key is None else f"the table has no {dtype} figure for {key}"
+        return probe_tflops(device, dtype), f"matmul probe, because {why}; set peak_tflops to use the datasheet figure"
+    return probe_tflops(device, dtype), f"matmul probe on {device.type} ({dtype}); set peak_tflops to override"

@@ -1,0 +1,105 @@
+"""Faults injected on purpose, to prove the diagnostics catch them.
+
+``FaultyPretrain`` is the real PretrainModule that, at chosen steps, poisons its batch with NaN,
+multiplies its loss, hangs on one rank or leaks memory. ``Probe`` records, for the test to read,
+the weights around chosen steps and the sample ids each batch arrived with.
+"""
+
+import json
+import math
+import time
+from typing import Optional
+
+import torch
+from lightning.pytorch import Callback
+
+from uma_lightning.modules import PretrainModule
+
+
+class FaultyPretrain(PretrainModule):
+    def __init__(
+        self,
+        *args,
+        nan_at_step: Optional[int] = None,
+        spike_at_step: Optional[int] = None,
+        spike_factor: float = 20.0,
+        hang_at_step: Optional[int] = None,
+        hang_rank: int = 1,
+        hang_marker: Optional[str] = None,
+        leak_mib_per_step: float = 0.0,
+        leak_from_step: int = 0,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.nan_at_step = nan_at_step
+        self.spike_at_step = spike_at_step
+        self.spike_factor = spike_factor
+        self.hang_at_step = hang_at_step
+        self.hang_rank = hang_rank
+        self.hang_marker = hang_marker
+        self.leak_mib_per_step = leak_mib_per_step
+        self.leak_from_step = leak_from_step
+        self.trained: list[tuple[int, list[int]]] = []  # (step, sample ids) of every training_step
+        self.poisoned: dict[int, list[int]] = {}
+        self._leaked: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        step = self.trainer.global_step
+        self.trained.append((step, batch["sample_id"].tolist()))
+        if step == self.nan_at_step and not self.poisoned:  # one batch: a rollback does not meet it again
+            batch["state"] = torch.full_like(batch["state"], math.nan)
+            self.poisoned[step] = batch["sample_id"].tolist()
+        if step == self.hang_at_step and self.trainer.global_rank == self.hang_rank:
+            with open(self.hang_marker, "w") as f:
+                json.dump({"rank": self.trainer.global_rank, "time": time.time()}, f)
+            time.sleep(3600)
+        if self.leak_mib_per_step and step >= self.leak_from_step:
+            self._leaked.append(torch.ones(int(self.leak_mib_per_step * 2**20) // 4))  # ones: the pages are touched
+        return super().training_step(batch, batch_idx)
+
+    def compute_loss(self, batch):
+        out = super().compute_loss(batch)
+        if self.trainer.training and self.trainer.global_step == self.spike_at_step:
+            out["loss"] = out["loss"] * self.spike_factor
+        return out
+
+
+class Probe(Callback):
+    """Weights at the start and end of ``steps`` (the first time each is reached), and those steps'
+    sample ids; list it after the callback under test, whose batch-end work (a rollback) then shows
+    in the weights at the end."""
+
+    records: dict = {}  # the last run's records; class-level so a test reaches them after `uma fit` exits
+
+    def __init__(self, steps: list[int]):
+        self.steps = set(steps)
+        self._current: Optional[int] = None
+        Probe.records = {"before": {}, "after": {}, "global_step_after": {}, "sample_ids": {}}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in self.steps and trainer.global_step not in Probe.records["before"]:
+            Probe.records["before"][trainer.global_step] = _weights(pl_module)
+            Probe.records["sample_ids"][trainer.global_step] = batch["sample_id"].tolist()
+            self._current = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._current is not None:
+            Probe.records["after"][self._current] = _weights(pl_module)
+            Probe.records["global_step_after"][self._current] = trainer.global_step
+            self._current = None
+
+
+class Arrivals(Callback):
+    """The sample ids of every batch as the loader delivered it; list it before the callback under test."""
+
+    records: list = []
+
+    def __init__(self):
+        Arrivals.records = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        Arrivals.records.append((trainer.global_step, batch["sample_id"].tolist()))
+
+
+def _weights(module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}

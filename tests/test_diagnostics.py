@@ -1,0 +1,201 @@
+"""The pretrain recipe's diagnostics in one real run with the profiler switched on: throughput and
+MFU, step-time breakdown, memory, profiler traces and provenance, read back from MLflow."""
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from uma_lightning.callbacks import ThroughputLogger
+from uma_lightning.callbacks.peak_flops import matmul_dtype, resolve_peak, table_entry, PEAK_TFLOPS
+from uma_lightning.cli import UmaCLI
+from uma_lightning.tracking.mlflow_logger import local_store_uri
+from uma_lightning.tracking.provenance import PACKAGE_DIR, git_diff, git_root
+from test_cli import QUICK, RECIPE
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, mlflow_store):
+    root = tmp_path_factory.mktemp("diagnostics")
+    os.environ["UMA_PROVENANCE_PROBE"] = "recorded"
+    os.environ["UMA_PROBE_TOKEN"] = "never-recorded"
+    try:
+        cli = UmaCLI(
+            [
+                "fit", "--config", RECIPE, *QUICK,
+                "--trainer.max_steps", str(STEPS),
+                "--trainer.default_root_dir", str(root / "run"),
+                "--trainer.logger.init_args.store_dir", str(mlflow_store),
+                "--trainer.callbacks+=uma_lightning.callbacks.ProfilerTraces",
+                "--trainer.callbacks.init_args.skip_first", "2",
+                "--trainer.callbacks.init_args.active", "1",
+            ]
+        )
+    finally:
+        del os.environ["UMA_PROVENANCE_PROBE"], os.environ["UMA_PROBE_TOKEN"]
+    client = MlflowClient(local_store_uri(mlflow_store))
+    run_id = cli.trainer.logger.run_id
+    return SimpleNamespace(cli=cli, client=client, run=client.get_run(run_id), id=run_id, dir=root / "run", tmp=root)
+
+
+def history(run, name: str) -> dict[int, float]:
+    metrics = run.client.get_metric_history(run.id, name)
+    assert metrics, f"metric {name} was not logged"
+    return {m.step: m.value for m in metrics}
+
+
+def artifact_names(run, folder: str) -> list[str]:
+    return sorted(Path(a.path).name for a in run.client.list_artifacts(run.id, folder))
+
+
+# ---- throughput and MFU ---------------------------------------------------------------------------
+
+
+def test_mfu_is_model_flops_over_the_logged_peak(run):
+    tags = run.run.data.tags
+    peak = float(tags["throughput.peak_tflops_per_device"])
+    assert peak > 0 and tags["throughput.peak_source"].startswith("matmul probe on cpu")
+    samples = history(run, "throughput/samples_per_sec")
+    tflops = history(run, "throughput/tflops_per_device")
+    mfu = history(run, "throughput/mfu_percent")
+    assert sorted(samples) == list(range(1, STEPS))  # every step but the first, which pays start-up costs
+    flops_per_sample = run.cli.model.flops_per_sample
+    for step in samples:
+        assert tflops[step] == pytest.approx(samples[step] * flops_per_sample / 1e12, rel=1e-5)
+        assert mfu[step] == pytest.approx(100 * tflops[step] / peak, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "device_name, key",
+    [
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA GH200 480GB", "GH200"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA L4", "L4"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("NVIDIA GeForce GTX 1080", None),
+    ],
+)
+def test_device_names_find_their_row_of_the_peak_table(device_name, key):
+    assert table_entry(device_name) == key
+
+
+def test_peak_table_holds_the_dense_datasheet_figures():
+    assert PEAK_TFLOPS["H100"]["bf16"] == PEAK_TFLOPS["H200"]["bf16"] == 989
+    assert PEAK_TFLOPS["H100"]["fp8"] == 1979 and PEAK_TFLOPS["H100"]["tf32"] == pytest.approx(494.7)
+    assert PEAK_TFLOPS["H100 PCIe"]["bf16"] == 756 and PEAK_TFLOPS["H100 NVL"]["bf16"] == pytest.approx(835.5)
+    assert PEAK_TFLOPS["A100"]["bf16"] == 312 and PEAK_TFLOPS["A100"]["tf32"] == 156
+    assert PEAK_TFLOPS["B200"]["bf16"] == 2250
+
+
+def test_precision_picks_the_matmul_dtype():
+    assert matmul_dtype("bf16-mixed") == matmul_dtype("bf16-true") == "bf16"
+    assert matmul_dtype("16-mixed") == "fp16"
+    assert matmul_dtype("transformer-engine") == "fp8"
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert matmul_dtype("32-true") == "tf32"
+        torch.set_float32_matmul_precision("highest")
+        assert matmul_dtype("32-true") == "fp32"
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def test_configured_peak_wins_and_a_bad_one_is_refused():
+    assert resolve_peak(torch.device("cpu"), "32-true", 123.0) == (123.0, "config")
+    with pytest.raises(ValueError, match="peak_tflops must be > 0, got 0"):
+        ThroughputLogger(peak_tflops=0)
+
+
+# ---- step time, memory --------------------------------------------------------------------------
+
+
+def test_step_time_phases_add_up_to_the_measured_step(run):
+    samples = history(run, "throughput/samples_per_sec")
+    phases = {name: history(run, f"time/{name}_ms") for name in ("data_wait", "forward", "backward", "optimizer")}
+    assert sorted(phases["forward"]) == list(range(STEPS))
+    for name in ("forward", "backward", "optimizer"):
+        assert all(value > 0 for value in phases[name].values()), name
+    # Validation ran after steps 1 and 3 (0-based), so the gaps before steps 2 and 4 are not data wait.
+    assert sorted(phases["data_wait"]) == [1, 3, 5]
+    batch = 4
+    for step in phases["data_wait"]:
+        step_ms = 1e3 * batch / samples[step]  # the throughput logger's own clock, batch end to batch end
+        total = sum(phases[name][step] for name in phases)
+        assert total == pytest.approx(step_ms, rel=0.05, abs=10), step
+
+
+def test_memory_is_logged_every_step(run):
+    rss = history(run, "memory/cpu_rss_mib")
+    assert sorted(rss) == list(range(STEPS))
+    import psutil
+
+    now = psutil.Process().memory_info().rss / 2**20
+    assert all(0.3 * now < value < 1.5 * now for value in rss.values()), (rss, now)
+
+
+# ---- profiler -----------------------------------------------------------------------------------
+
+
+def test_profiler_trace_is_valid_chrome_json_and_an_mlflow_artifact(run):
+    # skip 2 steps, warm up 1, record 1: one trace, written when step 4 ends.
+    assert artifact_names(run, "profiler") == ["key_averages_rank0_step4.txt", "trace_rank0_step4.json"]
+    downloaded = Path(run.client.download_artifacts(run.id, "profiler/trace_rank0_step4.json", str(run.tmp)))
+    assert downloaded.read_bytes() == (run.dir / "profiler" / "trace_rank0_step4.json").read_bytes()
+    trace = json.loads(downloaded.read_text())
+    events = trace["traceEvents"]
+    assert all("ph" in event and "name" in event for event in events)
+    complete = [e for e in events if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in complete)
+    names = {e["name"] for e in complete}
+    assert "ProfilerStep#3" in names
+    assert "aten::mm" in names or "aten::addmm" in names  # the model's matmuls were recorded
+    table = (run.dir / "profiler" / "key_averages_rank0_step4.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+
+
+# ---- provenance ---------------------------------------------------------------------------------
+
+
+def test_provenance_is_on_the_run_page(run):
+    tags = run.run.data.tags
+    assert tags["hw.cpu_threads"] == str(os.cpu_count()) and tags["hw.gpu_count"] == "0" and tags["hw.cpu"]
+    assert tags["world.nodes"] == "1" and tags["strategy"] == "SingleDeviceStrategy" and tags["precision"] == "32-true"
+    files = artifact_names(run, "provenance")
+    in_repo = git_root(".") == git_root(PACKAGE_DIR)
+    patch = "git_diff.patch" if in_repo else "uma_lightning_git_diff.patch"
+    assert files == sorted(["environment.json", "pip_freeze.txt", "world.json", patch])
+
+    def read(name: str) -> str:
+        return Path(run.client.download_artifacts(run.id, f"provenance/{name}", str(run.tmp))).read_text()
+
+    assert f"torch=={torch.__version__}\n" in read("pip_freeze.txt")
+    assert read(patch) == git_diff("." if in_repo else PACKAGE_DIR)
+    environment = json.loads(read("environment.json"))
+    assert environment["UMA_PROVENANCE_PROBE"] == "recorded"
+    assert "UMA_PROBE_TOKEN" not in environment  # secret-looking names stay out
+    world = json.loads(read("world.json"))
+    assert world["world_size"] == 1 and world["nodes"] == [socket.gethostname()]
+    assert world["ranks"][0]["rank"] == 0 and world["ranks"][0]["device"] == "cpu"
+
+
+def test_a_healthy_run_reports_no_anomaly_and_leaves_no_watchdog_running(run):
+    assert not (run.dir / "anomalies.jsonl").exists() and not (run.dir / "hang").exists()
+    assert not any(name.startswith("anomaly/") and name.endswith(("nonfinite", "spike")) for name in run.run.data.metrics)
+    assert not [t for t in threading.enumerate() if t.name == "uma-hang-watchdog"]

@@ -1,0 +1,328 @@
+"""Parallelism: mesh validation, the strategies on real gloo process groups, parity with one process, launchers."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+from mlflow import MlflowClient
+from torch import nn
+
+from test_cli import REPO, RECIPE, assert_short_error, run_main
+from uma_lightning.models import RobotTransformer
+from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
+from uma_lightning.parallel.apply import ParallelConfig, apply_ac
+from uma_lightning.parallel.mesh import resolve_mesh_shape
+from uma_lightning.parallel.parity import TOLERANCES, main as parity_main
+
+TESTS = Path(__file__).resolve().parent
+# Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
+TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
+DATA = ["--data.n_episodes", "6", "--data.num_workers", "0"]
+
+
+def sizes(dp_replicate, dp_shard, tp):
+    return {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+
+
+# ---- mesh sizes and registry: no processes -------------------------------------------------------
+
+
+def test_mesh_sizes_resolve_auto_and_node():
+    assert resolve_mesh_shape(sizes(1, "auto", 1), 8, 8) == MeshShape(1, 8, 1)
+    assert resolve_mesh_shape(sizes("auto", "node", 1), 16, 8) == MeshShape(2, 8, 1)  # HSDP: shard within nodes
+    assert resolve_mesh_shape(sizes(1, "auto", "node"), 16, 4) == MeshShape(1, 4, 4)  # TP within nodes
+
+
+@pytest.mark.parametrize(
+    "asked, world, message",
+    [
+        (sizes(1, 1, 3), 2, "mesh dp_replicate 1 x dp_shard 1 x tp 3 needs 3 processes, but the world size is 2"),
+        (sizes(1, "auto", 3), 4, "4 processes do not divide by 3, so dp_shard 'auto' has no size"),
+        (sizes("auto", "auto", 1), 4, "at most one of dp_replicate, dp_shard, tp may be 'auto'"),
+        (sizes(0, "auto", 1), 4, "dp_replicate must be a positive integer, 'auto' or 'node', got 0"),
+    ],
+)
+def test_bad_mesh_sizes_name_the_numbers(asked, world, message):
+    with pytest.raises(ValueError) as error:
+        resolve_mesh_shape(asked, world, world)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [("ddp", MeshShape(2, 1, 1)), ("fsdp", MeshShape(1, 2, 1)), ("tp", MeshShape(1, 1, 2)), ("hsdp", MeshShape(1, 2, 1)), ("fsdp_tp", MeshShape(1, 1, 2))],
+)
+def test_strategy_names_select_the_mesh_strategy_on_cpu(name, shape):
+    # Lightning's own "fsdp" needs a GPU; ours runs anywhere gloo does.
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    assert type(trainer.strategy) is MeshStrategy
+    assert trainer.strategy.shape == shape
+    assert StrategyRegistry[name]["strategy"] is MeshStrategy
+
+
+def test_every_strategy_fragment_selects_the_mesh_strategy():
+    import yaml
+
+    fragments = sorted((REPO / "configs" / "strategy").glob("*.yaml"))
+    assert {f.stem for f in fragments} == {"ddp", "fsdp", "tp", "hsdp", "fsdp_tp"}
+    for fragment in fragments:
+        strategy = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]
+        built = MeshStrategy(**strategy["init_args"])  # every key is a real argument
+        preset = StrategyRegistry[fragment.stem]["init_params"]
+        assert {k: strategy["init_args"][k] for k in ("dp_replicate", "dp_shard", "tp")} == {k: preset[k] for k in ("dp_replicate", "dp_shard", "tp")}
+        assert built.plan_config.activation_checkpointing == "none"
+
+
+def test_plans_are_found_by_model_class_and_subclass():
+    class MyRobot(RobotTransformer):
+        pass
+
+    assert plan_for(nn.Linear(2, 2)) is None
+    assert plan_for(MyRobot.__new__(MyRobot)).name == "robot"
+
+
+def test_module_without_a_plan_is_refused_with_a_hint():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+
+    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(ValueError, match=r"no parallel plan for any submodule of Plain \(submodules: net: Linear.*register_plan"):
+        trainer.strategy.check_module(Plain())
+
+
+def test_bad_strategy_options_are_refused():
+    with pytest.raises(ValueError, match="activation_checkpointing must be none, full or ops, got 'all'"):
+        MeshStrategy(activation_checkpointing="all")
+    with pytest.raises(ValueError, match="compile must be none or blocks, got 'model'"):
+        MeshStrategy(compile="model")
+
+
+@pytest.mark.parametrize("mode", ["full", "ops"])
+def test_activation_checkpointing_keeps_names_values_and_gradients(mode):
+    from uma_lightning.models import TransformerConfig
+    from uma_lightning.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    plain = Transformer(TransformerConfig(**TINY, name="t"), max_seq_len=16)
+    checkpointed = Transformer(TransformerConfig(**TINY, name="t"), max_seq_len=16)
+    checkpointed.load_state_dict(plain.state_dict())
+    assert "2 blocks" in apply_ac(list(checkpointed.layers), ParallelConfig(activation_checkpointing=mode, ac_every_n_blocks=1))
+    x = torch.randn(2, 16, 32)
+    for model in (plain, checkpointed):
+        model(x, prefix_len=4).square().mean().backward()
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in checkpointed.named_parameters()]
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name  # recomputation repeats the same arithmetic
+
+
+# ---- an invalid mesh through the CLI: exit 2, one line, nothing started -------------------------
+
+
+def quick_fit(tmp_path, *args):
+    return [
+        "fit", "--config", RECIPE, *DATA,
+        "--data.batch_size", "4",
+        "--trainer.max_steps", "4",
+        "--trainer.limit_val_batches", "0",
+        "--trainer.accelerator", "cpu",
+        "--trainer.default_root_dir", str(tmp_path / "run"),
+        *args,
+    ]  # fmt: skip
+
+
+def test_mesh_larger_than_the_world_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = quick_fit(
+        tmp_path, "--trainer.devices", "2", "--trainer.logger", "false",
+        "--trainer.strategy", "uma_lightning.parallel.MeshStrategy", "--trainer.strategy.tp", "3", "--trainer.strategy.dp_shard", "1",
+    )  # fmt: skip
+    code, _, err = run_main(args, capsys)
+    assert_short_error(code, err, "mesh dp_replicate 1 x dp_shard 1 x tp 3 needs 3 processes, but the world size is 2")
+    assert not (tmp_path / "run").exists()
+
+
+def test_heads_that_do_not_divide_by_tp_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = quick_fit(tmp_path, "--trainer.devices", "4", "--trainer.strategy", "tp", "--trainer.logger", "false")  # tiny: 6 heads, 2 kv heads
+    code, _, err = run_main(args, capsys)
+    assert_short_error(code, err, "trainer.strategy: tp 4 does not divide n_heads 6, n_kv_heads 2")
+    assert not (tmp_path / "run").exists()
+
+
+# ---- parity with one process -----------------------------------------------------------------------
+
+
+def run_parity(tmp_path, strategies, *extra, module=None):
+    report = tmp_path / "parity.json"
+    args = [
+        "--config", RECIPE, "--strategies", strategies, "--steps", "3", "--report", str(report),
+        "--model.size", json.dumps(TINY), *DATA, "--data.batch_size", "8", *extra,
+    ]  # fmt: skip
+    if module:
+        args += ["--model", module]
+    code = parity_main(args)
+    return code, json.loads(report.read_text())
+
+
+def test_parity_refuses_bad_arguments_before_training(capsys):
+    assert parity_main(["--config", RECIPE, "--strategies", "ddp,zero"]) == 2
+    assert "--strategies: unknown strategy zero; choose from ddp, fsdp, tp, hsdp, fsdp_tp" in capsys.readouterr().err
+    args = ["--config", RECIPE, "--strategies", "hsdp", "--trainer.logger", "false", *DATA, "--data.batch_size", "6"]
+    assert parity_main(args) == 2
+    assert "hsdp: global batch 6 (data.batch_size) does not split over 4 data-parallel ranks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ddp_fsdp_tp_match_one_process(tmp_path):
+    # One launch of two processes trains all three strategies; every second block is checkpointed.
+    code, results = run_parity(tmp_path, "ddp,fsdp,tp", "--activation-checkpointing", "ops", "--ac-every-n-blocks", "2")
+    for name, result in results.items():
+        assert result["ok"], (name, result)
+        assert result["initial_param_diff"] == 0.0
+        assert result["max_loss_diff"] <= TOLERANCES[name].loss and result["update_diff"] <= TOLERANCES[name].update
+        assert result["first_divergence"] is None
+    assert code == 0
+    # The all-reduce of two ranks adds two numbers, which is exact to reorder: DDP equals one
+    # process accumulating the same halves bit for bit.
+    assert results["ddp"]["bitwise_vs_accumulation"]
+
+
+@pytest.mark.slow
+def test_hsdp_and_fsdp_tp_match_one_process_with_the_other_switches(tmp_path):
+    # Compiled, checkpointed blocks; FSDP keeping gathered blocks until backward, state offloaded
+    # to the CPU. aot_eager traces and runs the compiled graph like inductor, without generating
+    # kernels, which takes minutes on a CPU.
+    code, results = run_parity(
+        tmp_path, "hsdp,fsdp_tp", "--activation-checkpointing", "full", "--compile", "blocks", "--compile-backend", "aot_eager",
+        "--no-reshard-after-forward", "--cpu-offload",
+    )  # fmt: skip
+    assert code == 0, results
+    for name, result in results.items():
+        assert result["ok"] and result["initial_param_diff"] == 0.0, (name, result)
+
+
+@pytest.mark.slow
+def test_parity_catches_and_locates_a_data_parallel_bug(tmp_path, capsys):
+    # The module averages its loss over the rank's real tokens: ranks whose samples hold different
+    # numbers of real tokens get the wrong weight, so the gradients differ from the first step whose
+    # ranks hold different numbers (step 2 of this recipe's data).
+    code, results = run_parity(tmp_path, "ddp", module="parallel_faults.TokenMeanPretrain")
+    assert code == 1
+    ddp = results["ddp"]
+    assert not ddp["ok"] and ddp["max_loss_diff"] > 10 * TOLERANCES["ddp"].loss  # measured: 8.6e-4 against 1e-5
+    divergence = ddp["first_divergence"]
+    assert divergence["step"] == 2 and divergence["first"]["parameter"] == "model.text_embed.weight"
+    assert divergence["largest"]["relative"] > 0.01
+    out = capsys.readouterr().out
+    assert "DIVERGED" in out and "gradients diverge at step 2" in out
+
+
+# ---- uma fit on two processes --------------------------------------------------------------------
+
+
+def uma(tmp_path, *args, timeout=600, env=None):
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "uma"), *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "tp", "ddp"])
+def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
+    result = uma(
+        tmp_path, *quick_fit(tmp_path, "--trainer.devices", "2", "--trainer.strategy", strategy, "--model.size", json.dumps(TINY)),
+        "--trainer.callbacks+", json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}}),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stderr
+    assert log.count("strategy: ") == 1 and "parallel plan robot on RobotTransformer" in log  # rank 0 says what it chose
+    assert "step 4/4 | loss" in log and "training: 4 steps, 2 process(es)" in log
+    # Both ranks ended with the same full model.
+    digests = [json.loads(p.read_text()) for p in sorted((tmp_path / "digests").glob("rank*.json"))]
+    assert [d["rank"] for d in digests] == [0, 1] and digests[0]["digest"] == digests[1]["digest"]
+    # Rank 0 tracked the run in MLflow: the global-batch loss of every step.
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    (run,) = client.search_runs(client.get_experiment_by_name("pretrain").experiment_id)
+    assert run.data.tags["world_size"] == "2" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [0, 1, 2, 3]
+    # ModelCheckpoint saved: a folder of shards for the sharded strategies, one file for DDP
+    # whose keys are those of the unwrapped model.
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    if strategy == "ddp":
+        state = torch.load(last, weights_only=True)["state_dict"]
+        assert "model.backbone.layers.0.attn.wq.weight" in state and not any("_fsdp" in k or "_orig_mod" in k for k in state)
+    else:
+        assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+# ---- multi-node launch -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_through_torchrun_c10d_rendezvous_train_the_same_model(tmp_path):
+    """The torchrun template, started twice as two 'nodes' of one process that meet at a c10d endpoint."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(TESTS),
+        "PYTHON": sys.executable,
+        "NNODES": "2",
+        "NPROC_PER_NODE": "1",
+        "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+        "RDZV_ID": "two-nodes",
+    }
+    args = quick_fit(tmp_path, "--trainer.strategy", "ddp", "--trainer.logger", "false", "--model.size", json.dumps(TINY))[1:]
+    args += ["--trainer.callbacks+", json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}})]
+    nodes = [
+        subprocess.Popen(["bash", str(REPO / "configs/launch/torchrun.sh"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    digests = [json.loads(p.read_text()) for p in sorted((tmp_path / "digests").glob("rank*.json"))]
+    assert sorted((d["node_rank"], d["rank"]) for d in digests) == [(0, 0), (1, 1)]
+    assert {d["environment"] for d in digests} == {"TorchElasticEnvironment"}  # ranks came from torchrun
+    assert all(d["world_size"] == 2 and d["global_step"] == 4 for d in digests)
+    assert digests[0]["digest"] == digests[1]["digest"]
+
+
+def test_launch_templates_are_valid():
+    import yaml
+
+    launch = REPO / "configs" / "launch"
+    for script in ("torchrun.sh", "slurm.sbatch"):
+        subprocess.run(["bash", "-n", str(launch / script)], check=True)
+    assert "srun" in (launch / "slurm.sbatch").read_text()
+    job = yaml.safe_load((launch / "kubeflow-pytorchjob.yaml").read_text())
+    assert job["kind"] == "PyTorchJob"
+    for role in ("Master", "Worker"):
+        command = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"][0]["command"]
+        assert command[:4] == ["torchrun", "-m", "uma_lightning.cli", "fit"]
+        for config in (command[i + 1] for i, a in enumerate(command) if a == "--config"):
+            assert (REPO / config).is_file(), config
+
+
+def test_throughput_counts_each_sample_once_under_tensor_parallel():
+    from uma_lightning.callbacks.throughput import _data_parallel_size
+
+    # Tensor-parallel ranks share a batch: two TP ranks process one batch, two DDP ranks two.
+    assert _data_parallel_size(Trainer(strategy="tp", accelerator="cpu", devices=2, logger=False)) == 1
+    assert _data_parallel_size(Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)) == 2
+    assert _data_parallel_size(Trainer(accelerator="cpu", devices=1, logger=False)) == 1

@@ -1,0 +1,200 @@
+"""The resumable batch loader: workers build whole batches in the order of order.py, and the loader's
+position (epoch, batches handed out) is its state.
+
+Lightning saves the `state_dict()` of every training dataloader that has `state_dict` and
+`load_state_dict` in the fit loop's checkpoint state (``loops.fit_loop.state_dict.combined_loader``)
+and restores it before the loader is iterated again. Because the loader has a length, Lightning
+fetches each batch only when the step needs it, so "batches handed out" is exactly "batches
+trained on" when a checkpoint is written. On resume the workers start at the saved batch, with no
+data read for the batches before it.
+
+Worker w of W builds batches w, w + W, ... of its rank's sequence and PyTorch's DataLoader returns
+them round-robin, i.e. in sequence order, so the order does not depend on W. The start position
+reaches the workers through a small shared-memory tensor, which persistent workers also see when
+the next epoch begins.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from uma_lightning.data.dataset import BAD_DATA_ERRORS, FrameDataset
+from uma_lightning.data.order import EpochOrder, OrderConfig, SourceLayout
+from uma_lightning.data.prefetch import DevicePrefetcher
+
+logger = logging.getLogger(__name__)
+
+BadDataPolicy = Literal["error", "skip"]
+BAD_SAMPLES_KEY = "bad_samples"  # per-batch list of skipped samples' errors, removed by the loader
+LOGGED_BAD_SAMPLES = 10  # log this many skipped samples one by one, then every 100th
+
+
+class BatchStream(IterableDataset):
+    """Batches of samples from one or more `FrameDataset`s in a seeded order; one rank's share of it."""
+
+    def __init__(
+        self,
+        sources: Sequence[FrameDataset],
+        config: OrderConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        on_bad_data: BadDataPolicy = "error",
+        prefetch_batches: int = 2,
+    ) -> None:
+        if on_bad_data not in ("error", "skip"):
+            raise ValueError(f"on_bad_data must be 'error' or 'skip', got {on_bad_data!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a world of {world_size}")
+        self.sources = list(sources)
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.on_bad_data = on_bad_data
+        self.prefetch_batches = prefetch_batches
+        self.layouts = [_layout(source) for source in self.sources]
+        self.n_batches = EpochOrder(self.layouts, config, epoch=0).n_batches  # the same in every epoch
+        self.position = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch), set by the loader
+
+    def __len__(self) -> int:
+        if self.config.drop_last:  # every rank takes the same number of steps
+            return self.n_batches // self.world_size
+        return len(range(self.rank, self.n_batches, self.world_size))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        worker = get_worker_info()
+        worker_id, n_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        epoch, start = (int(v) for v in self.position.tolist())
+        order = EpochOrder(self.layouts, self.config, epoch)
+        mine = range(start + worker_id, len(self), n_workers)
+        for k, local in enumerate(mine):
+            self._prefetch_files(order, mine[k + 1 : k + 1 + self.prefetch_batches])
+            yield self.batch(order, local)
+
+    def batch(self, order: EpochOrder, local: int) -> dict[str, Any]:
+        """This rank's `local`-th batch of the epoch, collated."""
+        global_batch = local * self.world_size + self.rank
+        datasets, rows = order.batch(global_batch)
+        samples, bad = [], []
+        for d, row in zip(datasets.tolist(), rows.tolist()):
+            try:
+                samples.append(self.sources[d][row])
+            except BAD_DATA_ERRORS as error:
+                if self.on_bad_data == "error":
+                    raise
+                bad.append(f"{self.sources[d].metadata.root}: {error}")
+        if not samples:  # the loader counts these and moves on, keeping its position in step
+            return {BAD_SAMPLES_KEY: bad}
+        batch = collate(samples)
+        if bad:
+            batch[BAD_SAMPLES_KEY] = bad
+        return batch
+
+    def _prefetch_files(self, order: EpochOrder, locals_: range) -> None:
+        remote = [source for source in self.sources if source.metadata.storage.remote]
+        if not remote or not locals_:
+            return
+        rows_by_source: dict[int, list[int]] = {}
+        for local in locals_:
+            datasets, rows = order.batch(local * self.world_size + self.rank)
+            for d, row in zip(datasets.tolist(), rows.tolist()):
+                rows_by_source.setdefault(d, []).append(row)
+        for d, rows in rows_by_source.items():
+            source = self.sources[d]
+            if source.metadata.storage.remote:
+                source.metadata.storage.prefetch(source.files_of(rows))
+
+
+def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    batch = {key: torch.stack([s[key] for s in samples]) for key, value in samples[0].items() if isinstance(value, torch.Tensor)}
+    batch["instruction"] = [s["instruction"] for s in samples]
+    return batch
+
+
+class RobotDataLoader(DataLoader):
+    """A DataLoader over a `BatchStream` whose position survives checkpoints (`state_dict`/`load_state_dict`).
+
+    `resumable=False` (validation) starts every pass from the first batch. With a CUDA `device`,
+    batches arrive already on it, copied on a side stream while the previous step runs.
+    """
+
+    def __init__(
+        self,
+        stream: BatchStream,
+        num_workers: int = 0,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        multiprocessing_context: Any = None,
+        resumable: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(
+            stream,
+            batch_size=None,  # the stream yields whole batches
+            num_workers=num_workers,
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            pin_memory=pin_memory,
+            multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+        )
+        self.stream = stream
+        self.resumable = resumable
+        self.device = device
+        self.epoch = 0
+        self.batches = 0  # handed out in the current epoch
+        self.bad_samples = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.resumable:
+            self.epoch, self.batches = 0, 0
+        self.stream.position[0], self.stream.position[1] = self.epoch, self.batches
+        length = len(self)
+        batches = super().__iter__()
+        if self.device is not None:
+            batches = iter(DevicePrefetcher(batches, self.device))
+        for batch in batches:
+            self._count_bad(batch.pop(BAD_SAMPLES_KEY, ()))
+            self.batches += 1
+            if self.batches >= length:
+                self.epoch, self.batches = self.epoch + 1, 0
+            if batch:  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
+                yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        # Positions are stored in global batches (all ranks), so a run can resume on another number of ranks.
+        return {
+            "epoch": self.epoch,
+            "global_batches": self.batches * self.stream.world_size,
+            "bad_samples": self.bad_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        world = self.stream.world_size
+        global_batches = int(state["global_batches"])
+        local = -(-global_batches // world)  # round up: never repeat a batch
+        if local * world != global_batches:
+            logger.warning(
+                "resuming at global batch %d on %d ranks: skipping %d batch(es) to reach a multiple of the rank count",
+                global_batches, world, local * world - global_batches,
+            )
+        self.epoch, self.batches = int(state["epoch"]), local
+        if self.batches >= len(self):
+            self.epoch, self.batches = self.epoch + 1, 0
+        self.bad_samples = int(state.get("bad_samples", 0))
+        logger.info("data loader resumes at epoch %d, batch %d", self.epoch, self.batches)
+
+    def _count_bad(self, errors: Sequence[str]) -> None:
+        for error in errors:
+            self.bad_samples += 1
+            if self.bad_samples <= LOGGED_BAD_SAMPLES or self.bad_samples % 100 == 0:
+                logger.warning("skipped bad sample (%d so far): %s", self.bad_samples, error)
+
+
+def _layout(source: FrameDataset) -> SourceLayout:
+    position = {episode: k for k, episode in enumerate(source.episodes)}
+    shards = [tuple(position[e] for e in shard if e in position) for shard in source.metadata.shards()]
+    return SourceLayout(tuple(int(n) for n in source.lengths), tuple(shard for shard in shards if shard))

@@ -1,0 +1,196 @@
+"""`uma data`: look at, summarise and convert LeRobot datasets.
+
+    uma data info ROOT [--preview sheet.png] [--episode N]   what a dataset holds; a contact sheet of an episode
+    uma data stats ROOT [--cameras] [--write]                 feature statistics by a fast pass over the parquet files
+    uma data convert SRC DST --to v3.0                        rewrite a dataset in the v2.1 or v3.0 layout
+
+ROOT may be a directory or an fsspec URL (remote files are cached under --cache-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from uma_lightning.data.generate import default_cache_dir
+from uma_lightning.data.lerobot import ACTION_KEY, INDEX_KEYS, STATE_KEY, DatasetError, LeRobotMetadata
+from uma_lightning.data.stats import compute_stats, stats_to_json
+from uma_lightning.data.storage import Storage, StorageError
+from uma_lightning.data.video import VideoError, VideoReader
+from uma_lightning.data.writer import LeRobotWriter
+
+logger = logging.getLogger("uma_lightning")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="uma data", description="Look at, summarise and convert LeRobot datasets.")
+    parser.add_argument("--cache-dir", default=None, help="local cache of remote files (default: <uma cache>/shards)")
+    parser.add_argument("--storage-options", default="{}", help="fsspec options for remote roots, as JSON")
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="what a dataset holds")
+    info.add_argument("root")
+    info.add_argument("--episode", type=int, default=0, help="episode of the preview")
+    info.add_argument("--preview", type=Path, help="write a contact sheet PNG of the episode: frames, instruction, actions")
+    stats = commands.add_parser("stats", help="feature statistics by a fast pass over the parquet files")
+    stats.add_argument("root")
+    stats.add_argument("--cameras", action="store_true", help="also decode video for image statistics")
+    stats.add_argument("--frame-stride", type=int, default=1, help="with --cameras, use every N-th frame")
+    stats.add_argument("--write", action="store_true", help="replace meta/stats.json (local datasets only)")
+    convert = commands.add_parser("convert", help="rewrite a dataset in another LeRobot layout")
+    convert.add_argument("source")
+    convert.add_argument("target", type=Path)
+    convert.add_argument("--to", choices=("v2.1", "v3.0"), required=True, dest="version")
+    convert.add_argument("--data-file-mb", type=float, default=100.0, help="v3.0: start a new parquet file past this size")
+    convert.add_argument("--video-file-mb", type=float, default=500.0, help="v3.0: start a new mp4 past this size")
+    args = parser.parse_args(argv)
+    try:
+        options = json.loads(args.storage_options)
+        root = args.root if args.command != "convert" else args.source
+        storage = Storage(root, args.cache_dir or default_cache_dir() / "shards", storage_options=options)
+        metadata = LeRobotMetadata.load(storage)
+        if args.command == "info":
+            print_info(metadata)
+            if args.preview:
+                write_preview(metadata, args.episode, args.preview)
+                print(f"preview of episode {args.episode}: {args.preview}")
+        elif args.command == "stats":
+            run_stats(metadata, args.cameras, args.frame_stride, args.write)
+        else:
+            convert_dataset(metadata, args.target, args.version, args.data_file_mb, args.video_file_mb)
+    except (DatasetError, VideoError, StorageError, FileExistsError, ValueError) as error:
+        print(f"uma data: error: {error}")
+        return 1
+    return 0
+
+
+def print_info(metadata: LeRobotMetadata) -> None:
+    lengths = [e.length for e in metadata.episodes]
+    print(f"dataset   {metadata.root}")
+    print(f"format    LeRobot {metadata.version}, robot {metadata.info.get('robot_type', 'unknown')}, {metadata.fps:g} fps")
+    print(f"episodes  {len(lengths)}, {sum(lengths)} frames (length {min(lengths)}..{max(lengths)}, mean {np.mean(lengths):.1f})")
+    print(f"files     {len(metadata.shards())} data file(s)")
+    print(f"tasks     {len(metadata.tasks)}: " + "; ".join(metadata.tasks[:5]) + (" ..." if len(metadata.tasks) > 5 else ""))
+    for camera in metadata.cameras:
+        shape = metadata.features[camera]["shape"]
+        print(f"camera    {camera}: {shape[1]}x{shape[0]}")
+    for key in (STATE_KEY, ACTION_KEY):
+        stats = metadata.stats[key]
+        names = metadata.features[key].get("names") or [str(i) for i in range(metadata.features[key]["shape"][0])]
+        print(f"{key}:")
+        for i, name in enumerate(names):
+            print(f"  {name:>16}  mean {stats['mean'][i]:+.4f}  std {stats['std'][i]:.4f}  min {stats['min'][i]:+.4f}  max {stats['max'][i]:+.4f}")
+
+
+def write_preview(metadata: LeRobotMetadata, episode: int, path: Path, columns: int = 8) -> None:
+    """A PNG: the episode's instruction, `columns` evenly spaced frames per camera, and its actions over time."""
+    from PIL import Image, ImageDraw
+
+    if not 0 <= episode < len(metadata.episodes):
+        raise ValueError(f"episode {episode} outside 0..{len(metadata.episodes) - 1}")
+    data = metadata.read_episode(episode)
+    picks = np.linspace(0, len(data.timestamp) - 1, min(columns, len(data.timestamp))).round().astype(int)
+    cell = 128
+    rows = []
+    for camera in metadata.cameras:
+        reader = VideoReader(metadata.video_path(episode, camera))
+        try:
+            frames = reader.frames_at(metadata.episodes[episode].videos[camera][1] + data.timestamp[picks], tolerance_s=1e-4)
+        finally:
+            reader.close()
+        rows.append([Image.fromarray(frame).resize((cell, cell), Image.NEAREST) for frame in frames])
+    header, plot_height, margin = 28, 160, 8
+    width = margin * 2 + len(picks) * cell
+    height = header + len(rows) * (cell + 18) + plot_height + margin * 2
+    sheet = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(sheet)
+    draw.text((margin, 8), f"episode {episode}: {metadata.tasks[data.task_index[0]]}", fill="black")
+    y = header
+    for camera, images in zip(metadata.cameras, rows):
+        draw.text((margin, y), camera, fill="gray")
+        for k, image in enumerate(images):
+            sheet.paste(image, (margin + k * cell, y + 14))
+            draw.text((margin + k * cell + 2, y + 16), f"t={data.timestamp[picks[k]]:.1f}s", fill="white")
+        y += cell + 18
+    _plot(draw, data.action, (margin, y + margin, width - margin, y + plot_height), metadata.features[ACTION_KEY].get("names"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+
+
+def _plot(draw, values: np.ndarray, box: tuple[int, int, int, int], names) -> None:
+    left, top, right, bottom = box
+    draw.rectangle(box, outline="lightgray")
+    low, high = float(values.min()), float(values.max())
+    span = high - low or 1.0
+    colours = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+    steps = max(len(values) - 1, 1)
+    for d in range(values.shape[1]):
+        points = [
+            (left + (right - left) * t / steps, bottom - (bottom - top) * (float(v) - low) / span) for t, v in enumerate(values[:, d])
+        ]
+        colour = colours[d % len(colours)]
+        draw.line(points, fill=colour, width=2)
+        label = names[d] if names and d < len(names) else f"action {d}"
+        draw.text((left + 4 + 90 * d, top + 2), label, fill=colour)
+
+
+def run_stats(metadata: LeRobotMetadata, cameras: bool, frame_stride: int, write: bool) -> None:
+    start = time.perf_counter()
+    stats = compute_stats(metadata, cameras=cameras, frame_stride=frame_stride)
+    logger.info("statistics of %d episodes in %.1fs", len(metadata.episodes), time.perf_counter() - start)
+    if write:
+        if metadata.storage.remote:
+            raise ValueError(f"{metadata.root}: --write needs a local dataset")
+        merged = {**{k: v for k, v in metadata.stats.items()}, **stats}
+        (Path(metadata.root) / "meta" / "stats.json").write_text(json.dumps(stats_to_json(merged), indent=2) + "\n")
+        print(f"wrote {Path(metadata.root) / 'meta' / 'stats.json'}")
+    else:
+        print(json.dumps(stats_to_json(stats), indent=2))
+
+
+def convert_dataset(metadata: LeRobotMetadata, target: Path, version: str, data_file_mb: float, video_file_mb: float) -> None:
+    """Rewrite every episode (low-dimensional columns as they are, video decoded and re-encoded)."""
+    dropped = [k for k, f in metadata.features.items() if f["dtype"] != "video" and k not in (STATE_KEY, ACTION_KEY, *INDEX_KEYS)]
+    if dropped:
+        logger.warning("convert: columns %s are not carried over (the writer knows cameras, state and action)", dropped)
+    features = metadata.features
+    names = {key: features[key].get("names") or [f"{key}.{i}" for i in range(features[key]["shape"][0])] for key in (STATE_KEY, ACTION_KEY)}
+    start = last = time.perf_counter()
+    readers: dict[Path, VideoReader] = {}  # v3.0 sources: one reader per file, decoding its episodes in order
+    with LeRobotWriter(
+        target,
+        fps=metadata.fps,
+        cameras=metadata.cameras,
+        image_size=metadata.image_size,
+        state_names=names[STATE_KEY],
+        action_names=names[ACTION_KEY],
+        robot_type=metadata.info.get("robot_type", "unknown"),
+        version=version,
+        data_file_mb=data_file_mb,
+        video_file_mb=video_file_mb,
+    ) as writer:
+        n = len(metadata.episodes)
+        for episode in metadata.episodes:
+            data = metadata.read_episode(episode.index)
+            frames = {}
+            for camera in metadata.cameras:
+                path = metadata.video_path(episode.index, camera)
+                if path not in readers:
+                    for old in readers.values():
+                        old.close()
+                    readers = {path: VideoReader(path)}
+                times = episode.videos[camera][1] + data.timestamp.astype(np.float64)
+                frames[camera] = readers[path].frames_at(times, tolerance_s=1e-4)
+            writer.add_episode(frames, data.state, data.action, metadata.tasks[data.task_index[0]])
+            now = time.perf_counter()
+            if now - last >= 5.0 or episode.index + 1 == n:
+                logger.info("convert: %d/%d episodes (%.1fs)", episode.index + 1, n, now - start)
+                last = now
+        writer.finalize()
+    for reader in readers.values():
+        reader.close()
+    print(f"wrote {target} (LeRobot {version})")

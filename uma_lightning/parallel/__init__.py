@@ -1,0 +1,14 @@
+"""Parallelism: the mesh strategy (DDP, FSDP2, tensor parallel, hybrids), per-model plans, and the parity tool.
+
+Importing this package registers the strategy names ddp, fsdp, tp, hsdp and fsdp_tp in
+Lightning's strategy registry (the ``uma`` command imports it).
+"""
+
+from uma_lightning.parallel.apply import ParallelConfig
+from uma_lightning.parallel.mesh import MeshShape
+from uma_lightning.parallel.plans import Plan, plan_for, register_plan
+from uma_lightning.parallel.strategy import MeshStrategy, register_strategies
+
+register_strategies()
+
+__all__ = ["MeshShape", "MeshStrategy", "ParallelConfig", "Plan", "plan_for", "register_plan"]

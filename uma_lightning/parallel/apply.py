@@ -1,0 +1,122 @@
+"""Model-independent steps of a parallel plan: activation checkpointing, compile, and data parallelism.
+
+Each ``apply_*`` function changes modules in place, keeps parameter names unchanged (so
+checkpoints load into an unwrapped model), and returns a short description for the plan's log
+line. A model's plan (``plans/``) adds its own tensor-parallel layout and calls these in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+ActivationCheckpointing = Literal["none", "full", "ops"]
+Compile = Literal["none", "blocks"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """What a plan applies besides the mesh layout; the strategy fills it from its arguments and the precision."""
+
+    activation_checkpointing: ActivationCheckpointing = "none"
+    ac_every_n_blocks: int = 1
+    compile: Compile = "none"
+    compile_backend: str = "inductor"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    bf16_params: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in ("none", "full", "ops"):
+            raise ValueError(f"activation_checkpointing must be none, full or ops, got {self.activation_checkpointing!r}")
+        if self.compile not in ("none", "blocks"):
+            raise ValueError(f"compile must be none or blocks, got {self.compile!r}")
+        if self.ac_every_n_blocks < 1:
+            raise ValueError(f"ac_every_n_blocks must be >= 1, got {self.ac_every_n_blocks}")
+
+
+# Selective checkpointing keeps the outputs of these ops (expensive to recompute) and recomputes
+# everything else in a block (norms, activations, rotary embeddings: cheap, but memory-hungry).
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def apply_ac(blocks: list[nn.Module], config: ParallelConfig) -> str:
+    """Recompute activations of every ``ac_every_n_blocks``-th block in backward instead of storing them."""
+    if config.activation_checkpointing == "none":
+        return ""
+    from torch.distributed._composable import checkpoint
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    chosen = blocks[:: config.ac_every_n_blocks]
+    for block in chosen:
+        if config.activation_checkpointing == "ops":
+            checkpoint(block, context_fn=lambda: create_selective_checkpoint_contexts(save_matmuls))
+        else:
+            checkpoint(block)
+    what = "matmul outputs saved, the rest recomputed" if config.activation_checkpointing == "ops" else "full"
+    return f"activation checkpointing ({what}) on {len(chosen)} of {len(blocks)} blocks"
+
+
+def apply_compile(blocks: list[nn.Module], config: ParallelConfig) -> str:
+    """torch.compile each block, in place (nn.Module.compile), so parameter names gain no "_orig_mod." prefix.
+
+    Blocks of one model share their shapes, so one compiled graph serves them all. The whole
+    model is not compiled as one graph: in torch 2.13, tracing it with DTensor parameters
+    (tensor parallel, DDP) recurses without end.
+    """
+    if config.compile == "none":
+        return ""
+    for block in blocks:
+        block.compile(backend=config.compile_backend)
+    return f"torch.compile ({config.compile_backend}) per block"
+
+
+def apply_fsdp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig) -> str:
+    """FSDP2 on each block, then on the root for the parameters outside the blocks.
+
+    A 1-D ``dp_mesh`` shards across all its ranks (FSDP); a 2-D (replicate, shard) mesh shards
+    within groups and all-reduces across them (HSDP).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # bf16 compute and all-gathers halve memory traffic; gradients are reduced in fp32 so the
+    # sum over many ranks does not lose the small contributions.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.bf16_params else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.cpu_offload else OffloadPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
+    # The root's parameters are needed again right at the start of backward: keep them gathered.
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+    kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
+    details = [f"reshard_after_forward={config.reshard_after_forward}"]
+    if config.bf16_params:
+        details.append("bf16 params, fp32 reduce")
+    if config.cpu_offload:
+        details.append("CPU offload")
+    return f"{kind} over {'x'.join(map(str, dp_mesh.shape))} ranks per block and at the root ({', '.join(details)})"
+
+
+def apply_ddp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig) -> str:
+    """Full replicas with gradients all-reduced per block, so each block's reduction overlaps the backward of the next."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.bf16_params else MixedPrecisionPolicy()
+    for block in blocks:
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+    replicate(root, mesh=dp_mesh, mp_policy=mp_policy)
+    return f"DDP over {dp_mesh.size()} replicas, gradients all-reduced per block" + (" (bf16 params, fp32 reduce)" if config.bf16_params else "")

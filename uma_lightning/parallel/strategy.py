@@ -1,0 +1,213 @@
+"""``MeshStrategy``: one Lightning strategy for DDP, FSDP2, tensor parallel and their hybrids.
+
+The strategy owns a dp_replicate x dp_shard x tp device mesh (``mesh.py``). After the module's
+``configure_model()`` has built the model, it looks up the parallel plan registered for each of
+the module's submodules (``plans/``) and applies it; a module that parallelizes itself in
+``configure_model()``, as Lightning's ModelParallelStrategy expects, is left as it is.
+
+Registered names (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``):
+
+    ddp      dp_replicate = all processes                   full replicas, all-reduced gradients
+    fsdp     dp_shard = all processes                       FSDP2 fully_shard per block and at the root
+    tp       tp = all processes                             DTensor tensor + sequence parallel
+    hsdp     dp_shard = processes per node, dp_replicate = nodes
+    fsdp_tp  tp = processes per node, dp_shard = nodes
+
+Other layouts take explicit sizes (``configs/strategy/*.yaml``). Lightning's own ``ddp`` and
+``fsdp`` entries are replaced on import; its classes stay available by class path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import timedelta
+from typing import Optional
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from uma_lightning.parallel.apply import ActivationCheckpointing, Compile, ParallelConfig
+from uma_lightning.parallel.mesh import MeshShape, MeshSize, build_mesh, describe_sizes, resolve_mesh_shape
+from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
+
+log = logging.getLogger("uma_lightning")
+
+
+class MeshStrategy(ModelParallelStrategy):
+    def __init__(
+        self,
+        dp_replicate: MeshSize = 1,
+        dp_shard: MeshSize = "auto",
+        tp: MeshSize = 1,
+        activation_checkpointing: ActivationCheckpointing = "none",
+        ac_every_n_blocks: int = 1,
+        compile: Compile = "none",
+        compile_backend: str = "inductor",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        """
+        Args:
+            dp_replicate: Data-parallel replica groups: a number, "auto" (what the other sizes leave) or "node" (processes per node).
+            dp_shard: Ranks that shard parameters, gradients and optimizer state within a replica group.
+            tp: Tensor-parallel ranks, which split every layer and see the same batch.
+            activation_checkpointing: none, full (recompute whole blocks) or ops (keep matmul outputs, recompute the rest).
+            ac_every_n_blocks: Checkpoint every n-th block only (1: all of them).
+            compile: torch.compile: none, or blocks (each transformer block).
+            compile_backend: torch.compile backend (inductor generates kernels; aot_eager only traces, for debugging).
+            reshard_after_forward: FSDP frees gathered parameters after each block's forward (less memory, one more all-gather in backward).
+            cpu_offload: FSDP keeps parameters, gradients and optimizer state in CPU memory.
+            save_distributed_checkpoint: Each rank saves its own shard (a folder); False gathers one file on rank 0.
+            process_group_backend: nccl, gloo...; None picks the device's default.
+            timeout: Collective timeout.
+        """
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.mesh_sizes: dict[str, MeshSize] = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        self.plan_config = ParallelConfig(
+            activation_checkpointing=activation_checkpointing,
+            ac_every_n_blocks=ac_every_n_blocks,
+            compile=compile,
+            compile_backend=compile_backend,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+        )
+        self.shape: MeshShape | None = None
+
+    # ---- the mesh ------------------------------------------------------------------------------
+
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        # Called when the Trainer is built, once devices and nodes are known: a mesh that does not
+        # fit the world fails here, before any process is launched.
+        if self.parallel_devices:
+            self.shape = resolve_mesh_shape(self.mesh_sizes, self.world_size, self.num_processes)
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        assert self.shape is not None
+        self._device_mesh = build_mesh(self.shape, self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh  # Lightning's convention: module.device_mesh
+        self._log(
+            f"strategy: {describe(self.shape)} on mesh {self.shape} ({self.world_size} processes, "
+            f"{self._get_process_group_backend()} backend; sizes asked: {describe_sizes(self.mesh_sizes)})"
+        )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        # Tensor-parallel ranks see the same batch; only data-parallel ranks get different samples.
+        # tp is the innermost mesh dimension, so the ranks of one tp group are consecutive.
+        return {"num_replicas": self.shape.dp, "rank": self.global_rank // self.shape.tp}
+
+    # ---- the plan ------------------------------------------------------------------------------
+
+    def check_module(self, module: nn.Module) -> None:
+        """Raise a one-line ValueError if ``module`` cannot be laid out on this mesh.
+
+        Before ``configure_model()`` has run, a module with ``build_model()`` (PretrainModule and
+        its subclasses) is built on the meta device for the check, which costs no memory.
+        """
+        assert self.shape is not None, "the Trainer sets the mesh shape"
+        targets = _planned_submodules(module)
+        if not targets and callable(getattr(module, "build_model", None)):
+            with torch.device("meta"):
+                built = module.build_model()
+            targets = [(built, plan_for(built))] if plan_for(built) else []
+        if not targets:
+            raise ValueError(_no_plan_message(module))
+        for model, plan in targets:
+            plan.check(model, self.shape, self.plan_config)
+
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        # Cast before sharding: FSDP keeps the dtype its parameters have when it wraps them.
+        self.model = self.precision_plugin.convert_module(self.model)
+        self._parallelize(self.lightning_module, bf16_params=trainer.precision == "bf16-mixed")
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: nn.Module, bf16_params: bool) -> None:
+        if _is_parallelized(module):
+            # configure_model() parallelized it itself (Lightning's convention), or an earlier stage did.
+            self._log(f"parallel plan: none applied, {type(module).__name__}'s model is already parallelized")
+            return
+        targets = _planned_submodules(module)
+        if not targets:
+            raise ValueError(_no_plan_message(module))
+        config = dataclasses.replace(self.plan_config, bf16_params=bf16_params)
+        for model, plan in targets:
+            plan.check(model, self.shape, config)
+            model_class = type(model).__name__  # before data parallelism renames the class (FSDPRobotTransformer...)
+            applied = plan.parallelize(model, self.device_mesh, config)
+            self._log(f"parallel plan {plan.name} on {model_class}: {'; '.join(applied) or 'nothing to apply on one process'}")
+
+    def _log(self, message: str) -> None:
+        if self.is_global_zero:
+            log.info(message)
+
+
+def describe(shape: MeshShape) -> str:
+    """FSDP, HSDP, DDP, TP or their product, from the sizes that are above one."""
+    if shape.dp_replicate > 1 and shape.dp_shard > 1:
+        data = "HSDP"
+    elif shape.dp_shard > 1:
+        data = "FSDP"
+    elif shape.dp_replicate > 1:
+        data = "DDP"
+    else:
+        data = ""
+    parts = [p for p in (data, "TP" if shape.tp > 1 else "") if p]
+    return " x ".join(parts) or "one process"
+
+
+def _planned_submodules(module: nn.Module) -> list[tuple[nn.Module, Plan]]:
+    return [(child, plan_for(child)) for child in module.children() if plan_for(child) is not None]
+
+
+def _is_parallelized(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters()) or any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _no_plan_message(module: nn.Module) -> str:
+    children = ", ".join(f"{name}: {type(child).__name__}" for name, child in module.named_children()) or "none"
+    return (
+        f"no parallel plan for any submodule of {type(module).__name__} (submodules: {children}; plans exist for "
+        f"{', '.join(registered_classes())}); register one with uma_lightning.parallel.register_plan"
+    )
+
+
+PRESETS: dict[str, tuple[str, dict]] = {
+    # Replicas hold whole tensors, so a DDP checkpoint is one file, loadable without a process group.
+    "ddp": ("data parallel: full replicas, all-reduced gradients", {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "save_distributed_checkpoint": False}),
+    "fsdp": ("FSDP2: parameters, gradients and optimizer state sharded over all processes", {"dp_replicate": 1, "dp_shard": "auto", "tp": 1}),
+    "tp": ("tensor parallel over all processes", {"dp_replicate": 1, "dp_shard": 1, "tp": "auto"}),
+    "hsdp": ("HSDP: shard within each node, replicate across nodes", {"dp_replicate": "auto", "dp_shard": "node", "tp": 1}),
+    "fsdp_tp": ("tensor parallel within each node, FSDP across nodes", {"dp_replicate": 1, "dp_shard": "auto", "tp": "node"}),
+}
+
+
+def register_strategies() -> None:
+    for name, (description, init_args) in PRESETS.items():
+        StrategyRegistry.register(name, MeshStrategy, description=description, override=True, **init_args)
+    # Lightning refuses the name "fsdp" off GPU because it meant its FSDP1 strategy; it means ours now.
+    if "fsdp" in FSDPStrategy._registered_strategies:
+        FSDPStrategy._registered_strategies.remove("fsdp")
