@@ -100,7 +100,7 @@ def test_policy_acts_in_robot_units_batched(stages):
 
 
 def test_validation_reports_action_errors_token_accuracy_and_closed_loop_success(stages):
-    metrics = trainer(stages["root"] / "validate", 1, callbacks=[ClosedLoopEval(n_episodes=3)]).validate(
+    metrics = trainer(stages["root"] / "validate", 1, callbacks=[ClosedLoopEval(n_episodes=3, execute_steps=6)]).validate(
         stages["posttrain"], stages["post_data"], verbose=False
     )[0]
     for name in ("val/loss", "val/action_mse", "val/action_l1", "val/action_mse/gripper", "val/action_mse/step_5", "val/success_rate", "val/goal_distance"):
