@@ -82,7 +82,7 @@ def all_callbacks(profiled_step: int) -> list[dict]:
     for fragment in ("default", "diagnostics", "profile"):
         trainer = yaml.safe_load((REPO / "configs" / "trainer" / f"{fragment}.yaml").read_text())["trainer"]
         callbacks += trainer.get("callbacks", []) + trainer.get("callbacks+", [])
-    callbacks = [c for c in callbacks if not c["class_path"].endswith("ModelCheckpoint")]
+    callbacks = [c for c in callbacks if not c["class_path"].endswith(("ShardedCheckpoint", "Preemption"))]
     for callback in callbacks:
         if callback["class_path"].endswith("ProfilerTraces"):
             callback["init_args"] = {**callback.get("init_args", {}), "skip_first": profiled_step - 1, "warmup": 1,

@@ -10,7 +10,7 @@ from the previous one's checkpoint), then rolls out on the same held-out simulat
 Prints success rates with 95 % Wilson intervals and the mean final distance to the target.
 
     python benchmarks/closed_loop.py                        # train everything (about 20 min on 2 CPU cores)
-    python benchmarks/closed_loop.py --episodes 200 --posttrain runs/bench/posttrain/checkpoints/last.ckpt
+    python benchmarks/closed_loop.py --episodes 200 --posttrain runs/bench/posttrain/checkpoints
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def train(stage: str, workdir: Path, steps: int, init_from: Path | None) -> Path
     started = time.monotonic()
     subprocess.run(command, check=True, cwd=workdir)
     print(f"{stage}: {steps} steps in {time.monotonic() - started:.0f}s", flush=True)
-    return run_dir / "checkpoints" / "last.ckpt"
+    return run_dir / "checkpoints"  # means its newest valid checkpoint
 
 
 def expert_policy(n_episodes: int, seed: int):

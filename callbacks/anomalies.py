@@ -43,7 +43,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 
-from uma_lightning.callbacks.rollback import last_checkpoint, restore_training_state
+from uma_lightning.callbacks.rollback import roll_back
 from uma_lightning.tracking import log_artifact, log_step_metrics
 
 log = logging.getLogger("uma_lightning")
@@ -207,14 +207,14 @@ class GradientAnomalies(Callback):
         if not self._rollback:
             return
         self._rollback = False
-        path = last_checkpoint(trainer)
-        if path is None:
-            log.warning("anomaly: no checkpoint to roll back to yet; the step was skipped instead")
-            return
         anomalous_step = trainer.global_step - 1
-        self._logging_step = restore_training_state(trainer, path)
-        log.warning("anomaly: rolled back from step %d to step %d (%s); %d samples are left out from now on",
-                    anomalous_step, self._logging_step, path, len(self.blocked_samples))
+        step = roll_back(trainer, pl_module)
+        if step is None:
+            log.warning("anomaly: no sharded checkpoint to roll back to yet; the step was skipped instead")
+            return
+        self._logging_step = step
+        log.warning("anomaly: rolled back from step %d to step %d; %d samples are left out from now on",
+                    anomalous_step, step, len(self.blocked_samples))
 
     # ---- actions ----------------------------------------------------------------------------------
 

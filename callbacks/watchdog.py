@@ -39,12 +39,12 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-import mlflow
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from uma_lightning.tracking import find_mlflow_logger
+from uma_lightning.tracking.mlflow_logger import flush_async_logging
 
 log = logging.getLogger("uma_lightning")
 
@@ -183,8 +183,7 @@ class HangWatchdog(Callback):
             return
         try:
             client, run_id = logger.experiment, logger.run_id
-            mlflow.set_tracking_uri(logger._tracking_uri)
-            mlflow.flush_async_logging()  # the metrics of the steps before the hang
+            flush_async_logging(logger._tracking_uri)  # the metrics of the steps before the hang
             client.set_tag(run_id, "watchdog.hang", json.dumps(event))
             client.log_artifacts(run_id, str(self._dump_dir), "hang")
             client.set_terminated(run_id, "FAILED")

@@ -24,6 +24,14 @@ def isolated_environment(tmp_path_factory):
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def no_tracking_uri_left_behind():
+    """``mlflow.set_tracking_uri`` exports $MLFLOW_TRACKING_URI: a test that calls it (a server
+    test) must not send the runs of later tests' child processes to its store."""
+    yield
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 @pytest.fixture(scope="session")
 def mlflow_store(tmp_path_factory):
     """One embedded MLflow store for the session's training runs: creating its tables takes seconds."""

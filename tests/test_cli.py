@@ -178,7 +178,7 @@ def test_research_subclass_trains_through_class_path(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert float(metrics["train/plain_loss"]) < float(metrics["train/loss"])  # smoothing adds a penalty
     assert (tmp_path / "run" / "config.yaml").is_file()
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-000000004" / "manifest.json").is_file()  # saved when training ended
 
 
 def test_console_script_runs(tmp_path):

@@ -233,6 +233,19 @@ def test_global_order_is_the_same_on_any_number_of_ranks(v21):
     assert keys_of(list(alone)) == single[6 * 8 :]
 
 
+def test_validation_gives_every_rank_the_same_number_of_batches(v21):
+    dm = datamodule(v21)
+    config = dm.val_dataloader().stream.config
+    single = list(RobotDataLoader(BatchStream(dm.val_sets, config), resumable=False))
+    assert len(single) % 3 == 1, "the test needs a batch count that 3 ranks do not divide"
+    ranks = [list(RobotDataLoader(BatchStream(dm.val_sets, config, rank=r, world_size=3), resumable=False)) for r in range(3)]
+    # Equal counts (a sharded forward would otherwise wait forever on the ranks with one batch less);
+    # every batch is seen, and the ranks past the end repeat the first ones.
+    assert [len(batches) for batches in ranks] == [(len(single) + 2) // 3] * 3
+    interleaved = [batch for step in zip(*ranks) for batch in step]
+    assert keys_of(interleaved) == keys_of(single + single[:2])
+
+
 class RecordingModule(L.LightningModule):
     """A linear policy on the state; records the samples each training step saw."""
 

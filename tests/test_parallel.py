@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 from torch import nn
 
 from test_cli import REPO, RECIPE, assert_short_error, run_main
+from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.models import RobotTransformer
 from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
@@ -257,14 +258,12 @@ def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
     (run,) = client.search_runs(client.get_experiment_by_name("pretrain").experiment_id)
     assert run.data.tags["world_size"] == "2" and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [0, 1, 2, 3]
-    # ModelCheckpoint saved: a folder of shards for the sharded strategies, one file for DDP
-    # whose keys are those of the unwrapped model.
-    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    if strategy == "ddp":
-        state = torch.load(last, weights_only=True)["state_dict"]
-        assert "model.backbone.layers.0.attn.wq.weight" in state and not any("_fsdp" in k or "_orig_mod" in k for k in state)
-    else:
-        assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # The final checkpoint: one shard per rank under every strategy, under the unwrapped model's names.
+    final = tmp_path / "run" / "checkpoints" / "step-000000004"
+    assert sorted(p.name for p in final.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    names = set(tensor_metadata(final))
+    assert "model/model.backbone.layers.0.attn.wq.weight" in names
+    assert not any("_fsdp" in k or "_orig_mod" in k or "checkpoint_wrapped" in k for k in names)
 
 
 # ---- multi-node launch -----------------------------------------------------------------------------
@@ -320,7 +319,10 @@ def test_launch_templates_are_valid():
 
 
 def test_throughput_counts_each_sample_once_under_tensor_parallel():
-    from uma_lightning.callbacks.throughput import _data_parallel_size
+    from uma_lightning.parallel.mesh import data_parallel_rank  # what ThroughputLogger multiplies by
+
+    def _data_parallel_size(trainer) -> int:
+        return data_parallel_rank(trainer)[1]
 
     # Tensor-parallel ranks share a batch: two TP ranks process one batch, two DDP ranks two.
     assert _data_parallel_size(Trainer(strategy="tp", accelerator="cpu", devices=2, logger=False)) == 1

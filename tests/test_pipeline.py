@@ -54,8 +54,9 @@ def fit_args(name: str, steps: int, *args) -> list[str]:
 
 
 def checkpoint(cwd: Path, name: str) -> Path:
-    path = cwd / "runs" / name / "checkpoints" / "last.ckpt"
-    assert path.exists(), f"no checkpoint of {name}"
+    """A stage's checkpoints directory, which means its newest valid checkpoint."""
+    path = cwd / "runs" / name / "checkpoints"
+    assert path.is_dir(), f"no checkpoints of {name}"
     return path
 
 
@@ -80,10 +81,10 @@ def test_pretrain_midtrain_posttrain_pipeline(tmp_path, monkeypatch, caplog, cap
     pretrained = checkpoint(tmp_path, "pretrain")
     log = uma_processes(
         *fit_args("midtrain", 6, "--model.init_from", str(pretrained), "--data.batch_size", "8"),
-        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp", cwd=tmp_path,
+        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "fsdp", cwd=tmp_path,
     )
-    assert "training: 6 steps, 2 process(es)" in log
-    assert re.search(rf"initialised RobotTransformer from {pretrained} \(raw weights\): \d+ tensors loaded, 0 new \(none\), 0 dropped", log)
+    assert "training: 6 steps, 2 process(es)" in log and "strategy: FSDP" in log
+    assert re.search(rf"initialised RobotTransformer from {pretrained}/step-000000030 \(raw weights\): \d+ tensors loaded, 0 new \(none\), 0 dropped", log)
     assert "context: 1 -> 2 observation steps, 8 -> 16-step action chunks; backbone RoPE positions 0..208" in log
     midtrained = checkpoint(tmp_path, "midtrain")
     log = uma_here(
@@ -91,7 +92,7 @@ def test_pretrain_midtrain_posttrain_pipeline(tmp_path, monkeypatch, caplog, cap
         caplog=caplog,
     )
     assert "training: 30 steps, 1 process(es)" in log
-    assert f"initialised RobotFlowTransformer from {midtrained}" in log and "3 dropped (action_dim_embed, action_embed, action_head)" in log
+    assert f"initialised RobotFlowTransformer from {midtrained}/step-000000006 (raw weights)" in log and "3 dropped (action_dim_embed, action_embed, action_head)" in log
     assert "closed loop (val): success" in log
     posttrained = checkpoint(tmp_path, "posttrain")
 

@@ -29,5 +29,5 @@ def test_pretrain_recipe_learns_and_is_tracked(tmp_path):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     # Chance level is ln(256) = 5.55 nats per action token; the model must clearly beat its start.
     assert last < first - 0.5, (first, last)
-    assert (tmp_path / "runs" / "pretrain" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "runs" / "pretrain" / "checkpoints" / "step-000000060" / "manifest.json").is_file()
     assert run.data.tags["recipe"].endswith("recipes/pretrain.yaml")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from uma_lightning import Policy
-from uma_lightning.callbacks import ClosedLoopEval, PredictionWriter
+from uma_lightning.callbacks import ClosedLoopEval, PredictionWriter, ShardedCheckpoint
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.lora import LoRALinear
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
@@ -50,7 +50,8 @@ def stages(tmp_path_factory):
         expert={"dim": 16, "ffn_dim": 32}, freeze=["image_tokenizer.*"], lora={"targets": LORA_TARGETS, "rank": 2}, ema_decay=0.5,
         optimizer={"lr": 1e-2, "warmup_steps": 1},
     )
-    run = trainer(root / "posttrain", 4)
+    # Also written as the recipes write checkpoints: sharded, in the background, at the end of training.
+    run = trainer(root / "posttrain", 4, enable_checkpointing=True, callbacks=[ShardedCheckpoint()])
     run.fit(posttrain, post_data)
     run.save_checkpoint(root / "posttrain.ckpt")
     return {"root": root, "pretrain": pretrain, "pre_data": pre_data, "posttrain": posttrain, "post_data": post_data}
@@ -74,6 +75,22 @@ def test_posttraining_freezes_adapts_and_keeps_an_average(stages):
     torch.testing.assert_close(policy.model.expert.layers[0].ffn.w1.weight, ema.expert.layers[0].ffn.w1.weight)
     merged = ema.backbone.layers[0].attn.wq
     torch.testing.assert_close(policy.model.backbone.layers[0].attn.wq.weight, merged.weight + merged.scale * merged.lora_b @ merged.lora_a)
+
+
+def test_sharded_checkpoint_reads_as_the_checkpoint_file(stages):
+    from_file = read_checkpoint(stages["root"] / "posttrain.ckpt")
+    from_run = read_checkpoint(stages["root"] / "posttrain" / "checkpoints")  # the run's newest valid checkpoint
+    assert from_run.path.endswith("step-000000004") and from_run.ema and from_run.module_class == from_file.module_class
+    assert from_run.weights.keys() == from_file.weights.keys()
+    for name, value in from_file.weights.items():
+        assert torch.equal(from_run.weights[name], value), name
+    # Hyperparameters and module class rebuild the same Policy.
+    policy, reference = Policy.from_checkpoint(from_run.path), Policy.from_checkpoint(from_file.path)
+    obs = {"images": torch.zeros(2, 2, 1, 64, 64, 3, dtype=torch.uint8), "state": torch.zeros(2, 2, 5), "instruction": ["go", "reach"]}
+    noise = torch.randn(2, 6, 3)
+    torch.testing.assert_close(policy(obs, noise=noise), reference(obs, noise=noise))
+    with pytest.raises(ValueError, match="a directory without checkpoints"):
+        read_checkpoint(stages["root"])
 
 
 def test_policy_acts_in_robot_units_batched(stages):

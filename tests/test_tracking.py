@@ -1,5 +1,6 @@
 """MLflow tracking against a real `mlflow server` on 127.0.0.1, read back through the MLflow client."""
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import yaml
 from mlflow import MlflowClient
 
 from uma_lightning.cli import UmaCLI
+from uma_lightning.tracking import MLflowLogger
 from test_cli import QUICK, RECIPE
 
 
@@ -95,7 +97,7 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
     assert tags["version.torch"].startswith("2.")
     assert tags["git.dirty"] in ("true", "false") and len(tags["git.commit"]) == 40
     assert Path(tags["checkpoint_dir"]) == (run_dir / "checkpoints").resolve()
-    assert (Path(tags["checkpoint_dir"]) / "last.ckpt").is_file()
+    assert (Path(tags["checkpoint_dir"]) / "step-000000004" / "manifest.json").is_file()
 
     # The config artifact is the run directory's config.yaml, byte for byte; provenance files beside it.
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml", "provenance"]
@@ -107,8 +109,6 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
 
 def test_default_store_is_embedded_sqlite_without_a_server(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    # mlflow.set_tracking_uri (called by the server test) exports this variable for child processes.
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     UmaCLI(["fit", "--config", RECIPE, *QUICK])
     store = tmp_path / "mlruns" / "mlflow.db"
     assert store.is_file()
@@ -118,3 +118,23 @@ def test_default_store_is_embedded_sqlite_without_a_server(tmp_path, monkeypatch
     assert (tmp_path / "runs" / "pretrain" / "config.yaml").is_file()
     artifact_dir = Path(run.info.artifact_uri.removeprefix("file://"))
     assert (artifact_dir / "config.yaml").is_file() and artifact_dir.is_relative_to(tmp_path / "mlruns")
+
+
+def test_a_continued_run_keeps_its_params_when_the_resumed_config_changed(tmp_path, caplog):
+    first = MLflowLogger(experiment_name="resume", store_dir=str(tmp_path / "mlruns"), synchronous=True)
+    first.log_hyperparams({"trainer": {"max_steps": 100, "precision": "32-true"}})
+    first.log_metrics({"train/loss": 1.0}, step=99)
+    first.finalize("failed")  # a preempted job
+    again = MLflowLogger(experiment_name="resume", store_dir=str(tmp_path / "mlruns"), synchronous=True)
+    again.continue_run(first.run_id)
+    with caplog.at_level(logging.WARNING):
+        again.log_hyperparams({"trainer": {"max_steps": 200, "precision": "32-true"}, "model.n_parameters": 5})
+    again.log_metrics({"train/loss": 0.5}, step=100)
+    again.finalize("success")
+    client = MlflowClient(again._tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert run.info.run_id == first.run_id and run.info.status == "FINISHED"
+    assert run.data.params == {"trainer/max_steps": "100", "trainer/precision": "32-true", "model.n_parameters": "5"}
+    assert run.data.tags["params_changed_on_resume"] == "trainer/max_steps"
+    assert "keeps its original values of changed params: trainer/max_steps" in caplog.text
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [99, 100]

@@ -30,6 +30,7 @@ from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
 
 from uma_lightning.callbacks import TrainingHalted
+from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
@@ -46,6 +47,7 @@ register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 TOOLS: dict[str, str] = {
     "data": "uma_lightning.data.tools:main",
     "parity": "uma_lightning.parallel.parity:main",
+    "ckpt": "uma_lightning.checkpoint.tools:main",
 }
 
 
@@ -108,6 +110,9 @@ class UmaCLI(LightningCLI):
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:
                 callback.dirpath = str(run_dir / "checkpoints")
+            if isinstance(callback, ShardedCheckpoint):
+                # Before RecordRunConfig's setup hook opens a new MLflow run.
+                callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
 
 

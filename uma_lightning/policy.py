@@ -1,6 +1,6 @@
 """``Policy``: a trained model as an inference object, from observations to action chunks in robot units.
 
-    policy = Policy.from_checkpoint("runs/posttrain/checkpoints/last.ckpt")
+    policy = Policy.from_checkpoint("runs/posttrain/checkpoints")
     actions = policy({"images": images, "state": state, "instruction": ["reach the red square"]})
 
 Observations (a batch of B; torch tensors or numpy arrays):

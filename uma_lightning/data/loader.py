@@ -60,9 +60,15 @@ class BatchStream(IterableDataset):
         self.position = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch), set by the loader
 
     def __len__(self) -> int:
-        if self.config.drop_last:  # every rank takes the same number of steps
+        # Every rank takes the same number of steps: sharded models run collectives in forward, so a
+        # rank with one batch more would wait forever. Without drop_last the ranks past the end wrap
+        # round to the first batches (as DistributedSampler pads), so a few samples count twice.
+        if self.config.drop_last:
             return self.n_batches // self.world_size
-        return len(range(self.rank, self.n_batches, self.world_size))
+        return -(-self.n_batches // self.world_size)
+
+    def _global_batch(self, local: int) -> int:
+        return (local * self.world_size + self.rank) % self.n_batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
@@ -76,8 +82,7 @@ class BatchStream(IterableDataset):
 
     def batch(self, order: EpochOrder, local: int) -> dict[str, Any]:
         """This rank's `local`-th batch of the epoch, collated."""
-        global_batch = local * self.world_size + self.rank
-        datasets, rows = order.batch(global_batch)
+        datasets, rows = order.batch(self._global_batch(local))
         samples, bad = [], []
         for d, row in zip(datasets.tolist(), rows.tolist()):
             try:
@@ -99,7 +104,7 @@ class BatchStream(IterableDataset):
             return
         rows_by_source: dict[int, list[int]] = {}
         for local in locals_:
-            datasets, rows = order.batch(local * self.world_size + self.rank)
+            datasets, rows = order.batch(self._global_batch(local))
             for d, row in zip(datasets.tolist(), rows.tolist()):
                 rows_by_source.setdefault(d, []).append(row)
         for d, rows in rows_by_source.items():
@@ -140,6 +145,10 @@ class RobotDataLoader(DataLoader):
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=pin_memory,
             multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+            # DataLoader draws its workers' base seed at every iter(): from this generator rather than the
+            # training process's, so loading never shifts the random numbers training sees (a resumed
+            # run would otherwise draw once more than the uninterrupted one).
+            generator=torch.Generator().manual_seed(stream.config.seed),
         )
         self.stream = stream
         self.resumable = resumable

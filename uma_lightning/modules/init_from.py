@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from uma_lightning.checkpoint import CheckpointError
+from uma_lightning.checkpoint.codec import decode
+from uma_lightning.checkpoint.state import MODEL, TRAINER, read_state, read_weights
+
 log = logging.getLogger("uma_lightning")
 
 MODEL_PREFIX = "model."
@@ -40,14 +44,15 @@ class KeyMapping:
 
 
 def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeights:
-    """Hyperparameters and model weights of a Lightning checkpoint file, read with ``weights_only=True``
-    (nothing is unpickled but tensors and plain containers). The EMA weights are taken when the
-    checkpoint has them and ``prefer_ema``."""
+    """Hyperparameters and model weights of a checkpoint: a sharded checkpoint directory, a run's
+    checkpoints directory (its newest valid checkpoint), or a Lightning checkpoint file, read with
+    ``weights_only=True``. Nothing is unpickled but tensors and plain containers. The EMA weights
+    are taken when the checkpoint has them and ``prefer_ema``."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.is_dir():
-        raise ValueError(f"{path}: a directory; give a Lightning checkpoint file (.ckpt)")
+        return _read_sharded(path, prefer_ema)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # a truncated or foreign file: name it, and say what was expected
@@ -62,6 +67,21 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeig
         raise ValueError(f"{path}: no weights under '{MODEL_PREFIX}' (keys look like {next(iter(state), 'none')!r}); not a uma-lightning model")
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     return CheckpointWeights(str(path), hparams, weights, use_ema, checkpoint.get("module_class"))
+
+
+def _read_sharded(path: Path, prefer_ema: bool) -> CheckpointWeights:
+    """The weights of a sharded checkpoint (``ShardedCheckpoint``), gathered whole on this process,
+    whatever strategy and number of processes wrote it."""
+    prefixes = (f"{MODEL}/{EMA_PREFIX}",) * prefer_ema + (f"{MODEL}/{MODEL_PREFIX}",)
+    try:
+        directory, prefix, tensors = read_weights(path, prefixes)
+        trainer_state = read_state(directory)[TRAINER]
+    except CheckpointError as err:
+        raise ValueError(f"{err}; give a checkpoint directory, a run's checkpoints directory or a .ckpt file") from None
+    hparams = decode(trainer_state.get("hyper_parameters"), {}) or {}
+    module_class = (trainer_state.get("module") or {}).get("module_class")
+    weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
+    return CheckpointWeights(str(directory), dict(hparams), weights, prefix.endswith(EMA_PREFIX), module_class)
 
 
 def check_weights(target: dict[str, torch.Tensor], source: CheckpointWeights, mapping: KeyMapping = KeyMapping(), model_name: str = "the model") -> None:

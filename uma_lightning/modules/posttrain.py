@@ -100,7 +100,6 @@ class PosttrainModule(StageModule):
             }
         )
         self.ema_model: nn.Module | None = None
-        self._ema_step = -1
 
     # ---- extension points -------------------------------------------------------------------
 
@@ -139,12 +138,15 @@ class PosttrainModule(StageModule):
             f"; EMA decay {self.hparams.ema_decay} for evaluation and export" if self.ema_model is not None else "",
         )
 
+    def optimizer_step(self, *args, **kwargs) -> None:
+        # The average moves inside the optimizer step, so that, like the weights, it changes only
+        # there: checkpoints (also those written in the background) see it consistent with them.
+        super().optimizer_step(*args, **kwargs)
+        if self.ema_model is not None:
+            self._update_ema(self.trainer.global_step)
+
     @torch.no_grad()
-    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
-        step = self.trainer.global_step
-        if self.ema_model is None or step == self._ema_step:  # no optimizer step since the last update
-            return
-        self._ema_step = step
+    def _update_ema(self, step: int) -> None:
         # Warm-up as in common EMA practice: early averages forget the random start quickly.
         decay = min(self.hparams.ema_decay, (1 + step) / (10 + step))
         for average, current in zip(self.ema_model.parameters(), self.model.parameters()):

@@ -22,6 +22,7 @@ tool holds every step's full gradients in memory. Runs use fp32 on the CPU.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -142,20 +143,18 @@ def main(argv: list[str]) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="uma-parity-") as tmp:
         work = Path(tmp)
-        job = work / "job.pt"
-        torch.save({"module": module, "batches": batches, "trainer_args": trainer_args}, job)
+        # Handed to the worker processes as arguments (pickled by multiprocessing, never written to disk).
+        job = {"module": module, "batches": batches, "trainer_args": trainer_args}
         log.info("parity: %d steps of global batch %d; references on one process", len(batches), global_batch)
         references = {dp: _train(job, None, work / f"reference{dp}.pt", micro_batches=dp) for dp in sorted({1, *map(data_parallel_size, strategies)})}
         results = {}
         for world_size in sorted({LAYOUTS[name][0] for name in strategies}):
             group = [name for name in strategies if LAYOUTS[name][0] == world_size]
             log.info("parity: %s on %d processes", ", ".join(group), world_size)
-            spec = {"job": str(job), "runs": [{"sizes": LAYOUTS[n][1], "out": str(work / f"{n}.pt")} for n in group], "strategy_args": strategy_args}
-            spec_path = work / f"group{world_size}.json"
-            spec_path.write_text(json.dumps(spec))
-            run_local_group(_worker, world_size, (str(spec_path),), args.timeout)
+            runs = [{"sizes": LAYOUTS[n][1], "out": str(work / f"{n}.pt")} for n in group]
+            run_local_group(_worker, world_size, (job, runs, strategy_args), args.timeout)
             for name in group:
-                run = torch.load(work / f"{name}.pt", weights_only=False)
+                run = torch.load(work / f"{name}.pt", weights_only=True)
                 results[name] = compare(name, references[1], references[data_parallel_size(name)], run)
     print_report(args.config, results, global_batch)
     if args.report:
@@ -188,23 +187,22 @@ def _resolve(config: str, overrides: list[str], steps: int):
 # ---- training runs ---------------------------------------------------------------------------------
 
 
-def _train(job: Path, strategy, out: Path, micro_batches: int = 1) -> dict:
-    """Train the job's module under ``strategy`` (None: one process, accumulating gradients over
-    ``micro_batches`` slices of each global batch); rank 0 saves the record to ``out``."""
-    spec = torch.load(job, weights_only=False)
+def _train(job: dict, strategy, out: Path, micro_batches: int = 1) -> dict:
+    """Train a fresh copy of the job's module under ``strategy`` (None: one process, accumulating
+    gradients over ``micro_batches`` slices of each global batch); rank 0 saves the record to ``out``."""
     recorder = _Recorder(out, micro_batches)
-    trainer = fit_on_batches(spec["module"], spec["batches"], strategy or "auto", [recorder], micro_batches, **spec["trainer_args"])
-    return torch.load(out, weights_only=False) if trainer.is_global_zero else {}
+    module = copy.deepcopy(job["module"])  # every run starts from the unconfigured module
+    trainer = fit_on_batches(module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"])
+    return torch.load(out, weights_only=True) if trainer.is_global_zero else {}
 
 
-def _worker(spec_path: str) -> None:
+def _worker(job: dict, runs: list[dict], strategy_args: dict) -> None:
     """One rank of a strategy group: trains each listed strategy in turn in the same process group."""
     from uma_lightning.parallel import MeshStrategy
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    spec = json.loads(Path(spec_path).read_text())
-    for run in spec["runs"]:
-        _train(Path(spec["job"]), MeshStrategy(**run["sizes"], **spec["strategy_args"]), Path(run["out"]))
+    for run in runs:
+        _train(job, MeshStrategy(**run["sizes"], **strategy_args), Path(run["out"]))
 
 
 class _Recorder(Callback):

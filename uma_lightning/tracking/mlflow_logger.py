@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-import mlflow
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
+from mlflow.exceptions import MlflowException
+
+log = logging.getLogger(__name__)
 
 
 def local_store_uri(store_dir: str | Path) -> str:
@@ -54,14 +58,55 @@ class MLflowLogger(LightningMLFlowLogger):
                 run_id=run_id,
                 synchronous=synchronous,
             )
+        self._continued = False
+
+    @rank_zero_only
+    def continue_run(self, run_id: str) -> None:
+        """Log into the existing run ``run_id`` instead of opening a new one: a job resumed from a
+        checkpoint continues its run, and the run's step axis. Call before anything is logged."""
+        if self._initialized:
+            if self._run_id != run_id:
+                log.warning("MLflow run %s is already open; cannot continue run %s in it", self._run_id, run_id)
+            return
+        try:
+            self._mlflow_client.get_run(run_id)
+        except MlflowException as err:
+            log.warning("cannot continue MLflow run %s (%s); a new run is opened", run_id, err)
+            return
+        self._run_id = run_id
+        self._continued = True
+        self._mlflow_client.update_run(run_id, status="RUNNING")
+        log.info("continuing MLflow run %s", run_id)
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        if not self._continued:
+            return super().log_hyperparams(params)
+        # MLflow refuses to change a param of an existing run: a resumed job whose config changed
+        # (say, more steps) keeps the original values and says which ones changed.
+        flat = _flatten_dict(_convert_params(params))
+        existing = self.experiment.get_run(self.run_id).data.params
+        changed = sorted(key for key, value in flat.items() if key in existing and existing[key] != str(value)[:250])
+        if changed:
+            log.warning("the continued MLflow run keeps its original values of changed params: %s", ", ".join(changed))
+            self.experiment.set_tag(self.run_id, "params_changed_on_resume", ", ".join(changed)[:5000])
+        super().log_hyperparams({key: value for key, value in flat.items() if key not in changed})
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
         if self._initialized:
             # Metrics go through MLflow's async queue; drain it before the run is marked finished.
-            mlflow.set_tracking_uri(self._tracking_uri)
-            mlflow.flush_async_logging()
+            flush_async_logging(self._tracking_uri)
         super().finalize(status)
+
+
+def flush_async_logging(tracking_uri: str) -> None:
+    """Drain MLflow's async logging queue of the store at ``tracking_uri``. Not through
+    ``mlflow.set_tracking_uri``, which also sets $MLFLOW_TRACKING_URI, so every process started
+    afterwards (the next run, a test's ``uma fit``) would log into this store."""
+    from mlflow.tracking._tracking_service.utils import _get_store
+
+    _get_store(tracking_uri).flush_async_logging()
 
 
 @contextmanager

@@ -1,0 +1,166 @@
+"""Checkpoint I/O of the `small` model (about 100 M parameters, with AdamW state) on CPU.
+
+Measured side by side in one run, alternating, medians over the repeats:
+
+- how long training is blocked by an asynchronous save: the time spent in ``save()`` plus in
+  ``wait_staged()`` before the next optimizer step, once right after the save (no overlap) and once
+  after a real forward and backward pass (the copy to host memory overlaps it, as in training),
+  after one untimed save that allocates the host-memory copy later saves reuse;
+- against how long a synchronous save blocks (write, fsync, checksums, manifest, commit);
+- save and load throughput against the disk's raw sequential write speed (64 MiB blocks and an
+  fsync, the same number of bytes). Loads read what was just written, so from the page cache.
+
+    python benchmarks/checkpoint_io.py [--repeats 3] [--dir /tmp/checkpoint_io]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import median, print_table  # noqa: E402
+
+from uma_lightning.checkpoint import CheckpointWriter, step_dirname  # noqa: E402
+from uma_lightning.checkpoint.state import encode_parts, load_module, model_and_optimizer  # noqa: E402
+from uma_lightning.data.spec import DataSpec  # noqa: E402
+from uma_lightning.modules import PretrainModule  # noqa: E402
+
+# The embedded planar-arm data's shapes.
+SPEC = DataSpec(cameras=("observation.images.top",), image_size=(64, 64), state_dim=5, action_dim=3, n_obs_steps=1, action_horizon=8, fps=10.0)
+
+
+def small_model() -> tuple[PretrainModule, torch.optim.Optimizer, dict]:
+    torch.manual_seed(0)
+    module = PretrainModule(spec=SPEC, size="small")
+    module.configure_model()
+    optimizer = module.build_optimizer([p for p in module.parameters() if p.requires_grad])
+    batch = {
+        "images": torch.randint(0, 256, (1, 1, 1, 64, 64, 3), dtype=torch.uint8),
+        "state": torch.randn(1, 1, SPEC.state_dim),
+        "actions": torch.rand(1, SPEC.action_horizon, SPEC.action_dim) * 2 - 1,
+        "action_mask": torch.ones(1, SPEC.action_horizon, dtype=torch.bool),
+        "instruction": ["reach the red square"],
+    }
+    forward_backward(module, batch)
+    optimizer.step()  # creates the AdamW state that checkpoints carry
+    optimizer.zero_grad()
+    return module, optimizer, batch
+
+
+def forward_backward(module: PretrainModule, batch: dict) -> None:
+    module.compute_loss(batch)["loss"].backward()
+
+
+def raw_write(path: Path, nbytes: int) -> float:
+    block = np.random.default_rng(0).integers(0, 256, 64 * 2**20, dtype=np.uint8).tobytes()
+    started = time.perf_counter()
+    with open(path, "wb") as file:
+        for offset in range(0, nbytes, len(block)):
+            file.write(block[: min(len(block), nbytes - offset)])
+        file.flush()
+        os.fsync(file.fileno())
+    elapsed = time.perf_counter() - started
+    path.unlink()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=args.dir))
+    try:
+        run(root, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(root: Path, repeats: int) -> None:
+    module, optimizer, batch = small_model()
+    state, tensors = encode_parts(model_and_optimizer(module, [optimizer]))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    n_parameters = sum(p.numel() for p in module.parameters())
+    print(f"small model: {n_parameters / 1e6:.1f} M parameters, {nbytes / 1e9:.2f} GB of model and optimizer state; "
+          f"{torch.get_num_threads()} threads, writing to {root}")
+    sync_writer = CheckpointWriter(root / "sync", 1, None, async_save=False, process_group=None)
+    async_writer = CheckpointWriter(root / "async", 1, None, async_save=True, process_group=None)
+    summary = {"epoch": 0, "world_size": 1}
+    times: dict[str, list[float]] = {name: [] for name in
+                                     ("raw write", "sync save", "async blocked, no overlap", "async blocked, overlapping",
+                                      "async until committed", "forward+backward", "forward+backward with staging", "load")}
+    # Warm-up, untimed: the first async save allocates the host-memory copy that later saves reuse.
+    async_writer.save(0, state, tensors, summary)
+    async_writer.wait()
+    step = 0
+    for repeat in range(repeats):
+        times["raw write"].append(raw_write(root / "raw.bin", nbytes))
+
+        step += 1
+        started = time.perf_counter()
+        sync_writer.save(step, state, tensors, summary)
+        times["sync save"].append(time.perf_counter() - started)
+
+        step += 1
+        started = time.perf_counter()
+        async_writer.save(step, state, tensors, summary)
+        async_writer.wait_staged()
+        times["async blocked, no overlap"].append(time.perf_counter() - started)
+        async_writer.wait()
+        times["async until committed"].append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        forward_backward(module, batch)
+        times["forward+backward"].append(time.perf_counter() - started)
+        optimizer.zero_grad()
+
+        step += 1
+        started = time.perf_counter()
+        async_writer.save(step, state, tensors, summary)
+        blocked = time.perf_counter() - started
+        computed = time.perf_counter()
+        forward_backward(module, batch)
+        times["forward+backward with staging"].append(time.perf_counter() - computed)
+        waited = time.perf_counter()
+        async_writer.wait_staged()  # where training waits: just before the optimizer step
+        times["async blocked, overlapping"].append(blocked + time.perf_counter() - waited)
+        optimizer.zero_grad()
+        async_writer.wait()
+
+        started = time.perf_counter()
+        load_module(module, root / "sync" / step_dirname(step - 2), [optimizer])
+        times["load"].append(time.perf_counter() - started)
+        print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(f"{name} {values[-1]:.2f} s" for name, values in times.items()), flush=True)
+    sync_writer.close()
+    async_writer.close()
+
+    med = {name: median(values) for name, values in times.items()}
+    gb = nbytes / 1e9
+    print_table(
+        f"checkpoint I/O, medians of {repeats}",
+        ["measurement", "seconds", "GB/s", "vs sync save", "vs raw write"],
+        [[name, med[name], gb / med[name] if name in ("raw write", "sync save", "async until committed", "load") else "",
+          med[name] / med["sync save"], med["raw write"] / med[name] if name in ("sync save", "async until committed", "load") else ""]
+         for name in times],
+    )
+    extra = med["forward+backward with staging"] - med["forward+backward"] + med["async blocked, overlapping"]
+    print(f"\ntraining blocked by an async save: {med['async blocked, no overlap'] / med['sync save']:.1%} of a synchronous save "
+          f"when the optimizer step follows at once, {med['async blocked, overlapping'] / med['sync save']:.1%} when the copy "
+          f"overlaps a forward and backward pass (goal <= 10%). That pass took {med['forward+backward with staging'] / med['forward+backward']:.2f}x "
+          f"as long, because the background copy and write share these {torch.get_num_threads()} cores: {extra / med['sync save']:.1%} "
+          f"of a synchronous save in all")
+    print(f"save throughput {gb / med['sync save']:.2f} GB/s = {med['raw write'] / med['sync save']:.2f}x raw sequential write "
+          f"({gb / med['raw write']:.2f} GB/s); load {gb / med['load']:.2f} GB/s = {med['raw write'] / med['load']:.2f}x raw write")
+
+
+if __name__ == "__main__":
+    main()

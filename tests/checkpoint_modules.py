@@ -1,0 +1,80 @@
+"""Test-only Lightning pieces for the resume tests: a module whose loss draws from every random generator,
+recorders that write what each step saw, and an injected crash."""
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback
+
+from uma_lightning.modules import PretrainModule
+
+
+class NoisyPretrain(PretrainModule):
+    """Draws from torch, numpy and python random in every step, like dropout or noise augmentation would:
+    a resumed run matches only if every generator is restored."""
+
+    def compute_loss(self, batch):
+        out = super().compute_loss(batch)
+        if self.training:
+            out["loss"] = out["loss"] + 1e-3 * (torch.rand(()) + float(np.random.rand()) + random.random())
+        return out
+
+
+class RecordSteps(Callback):
+    """Appends ``{"step", "loss", "samples"}`` per optimizer step to ``<dir>/steps-rank<r>.jsonl``."""
+
+    def __init__(self, dir: str):
+        self.dir = Path(dir)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.dir.mkdir(parents=True, exist_ok=True)
+        record = {"step": trainer.global_step, "loss": outputs["loss"].item(), "samples": batch["sample_id"].tolist()}
+        with open(self.dir / f"steps-rank{trainer.global_rank}.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def recorded_steps(dir: Path, rank: int = 0) -> list[dict]:
+    path = Path(dir) / f"steps-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class CrashAt(Callback):
+    """Raises after optimizer step ``step``, as a crash would, at most once per marker file."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"injected crash after step {self.step} (pid {os.getpid()})")
+
+
+class StallAfter(Callback):
+    """Makes the step after ``step`` take ``seconds`` (a hung collective, a stuck filesystem)."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            import time
+
+            time.sleep(self.seconds)
+
+
+class RollbackAt(Callback):
+    """Rolls back to the newest checkpoint after optimizer step ``step`` and keeps what it saw."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.rolled_back_to = None
+        self.weights_after = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.rolled_back_to = trainer.checkpoint_callback.rollback(trainer, pl_module)
+            self.weights_after = {k: v.clone() for k, v in pl_module.state_dict().items()}

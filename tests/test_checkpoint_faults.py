@@ -1,0 +1,113 @@
+"""Fault injection: SIGKILL the training process at random moments, some during a checkpoint write, and
+rerun the same command until it finishes. The result must be the uninterrupted run's, bit for bit, no
+unfinished or corrupt checkpoint may ever be loaded, and MLflow must show one run whose step axis
+simply continues."""
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+import forked_cli
+from test_checkpoint_resume import write_recipe as resume_recipe
+from uma_lightning.checkpoint import committed, read_manifest, verify
+from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+from uma_lightning.cli import UmaCLI
+
+MAX_STEPS = 30
+ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "0"]
+
+
+def write_recipe(path: Path) -> str:
+    progress = {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}}
+    trainer = {"max_steps": MAX_STEPS, "val_check_interval": 7, "limit_val_batches": 1, "logger": {"init_args": {"experiment_name": "faults"}}}
+    return resume_recipe(path, path.parent / "record", [progress], every_n_steps=2, trainer=trainer)
+
+
+def saved_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    entries = tensor_metadata(checkpoint)
+    tensors = {k: empty_like_saved(e) for k, e in entries.items() if k.startswith(("model/", "optimizer/"))}
+    load_tensors(tensors, checkpoint, None)
+    return tensors
+
+
+def staging_dirs(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.name.startswith(".staging-")] if root.is_dir() else []
+
+
+def assert_committed_checkpoints_are_valid(root: Path) -> None:
+    for _, path in committed(root):
+        assert verify(path) == [], f"a committed checkpoint is corrupt: {path}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result(tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path / "recipe.yaml")
+    monkeypatch.chdir(tmp_path)  # the MLflow store (./mlruns) of both runs
+    reference = UmaCLI(["fit", "--config", recipe, *ARGS, "--trainer.default_root_dir", str(tmp_path / "reference"), "--trainer.logger", "false"])
+    assert reference.trainer.global_step == MAX_STEPS
+
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    command = ["fit", "--config", recipe, *ARGS, "--trainer.default_root_dir", str(run_dir)]
+    chooser = random.Random(5)
+    kills = []  # (attempt, kind, seconds into training, newest committed step before the kill, staging dirs left)
+    attempt = 0
+    while len(kills) < 4 or not any(kind == "during a write" and left for _, kind, _, _, left in kills):
+        assert attempt < 8, f"could not kill during a checkpoint write: {kills}"
+        attempt += 1
+        process = forked_cli.start(command, tmp_path / f"attempt{attempt}.log", tmp_path)
+        kind = "during a write" if attempt % 2 else "at a random moment"
+        # Kill only once this attempt has trained (a checkpoint newer than it started from exists),
+        # so that every attempt moves the run forward.
+        start_step = max([step for step, _ in committed(checkpoints)], default=0)
+        deadline = time.monotonic() + 120
+        while max([step for step, _ in committed(checkpoints)], default=0) <= start_step:
+            assert process.is_alive(), (tmp_path / f"attempt{attempt}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.005)
+        began = time.monotonic()
+        if kind == "during a write":
+            while not staging_dirs(checkpoints) and process.is_alive():
+                time.sleep(0.0005)
+        else:
+            time.sleep(chooser.uniform(0.0, 1.0))
+        if not process.is_alive():
+            break  # finished before the kill: nothing more to interrupt
+        process.kill()  # SIGKILL
+        process.join()
+        newest = max([step for step, _ in committed(checkpoints)], default=0)
+        kills.append((attempt, kind, round(time.monotonic() - began, 3), newest, [p.name for p in staging_dirs(checkpoints)]))
+        assert_committed_checkpoints_are_valid(checkpoints)
+    print("kills:", json.dumps(kills))
+
+    final_log = tmp_path / "final.log"
+    assert forked_cli.run(command, final_log, tmp_path, timeout=300) == 0, final_log.read_text()[-3000:]
+    assert_committed_checkpoints_are_valid(checkpoints)
+    assert not staging_dirs(checkpoints)
+
+    # Every rerun resumed from a committed checkpoint that verified, never from a staging directory.
+    logs = [(tmp_path / f"attempt{a}.log").read_text() for a, *_ in kills[1:]] + [final_log.read_text()]
+    for text, (_, _, _, step_before, _) in zip(logs, kills):
+        assert f"resumed from {checkpoints / f'step-{step_before:09d}'}: step {step_before}" in text
+    assert f"trained {MAX_STEPS - kills[-1][3]} steps" in final_log.read_text()
+
+    final_checkpoint = checkpoints / f"step-{MAX_STEPS:09d}"
+    expected = saved_tensors(tmp_path / "reference" / "checkpoints" / f"step-{MAX_STEPS:09d}")
+    actual = saved_tensors(final_checkpoint)
+    assert actual.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(actual[k], expected[k])] == []
+
+    # One MLflow run for the whole job, finished, with a step axis that continues across restarts.
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("faults").experiment_id])
+    assert run.info.run_id == read_manifest(final_checkpoint)["mlflow_run_id"]
+    assert run.info.status == "FINISHED"
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert {m.step for m in losses} >= set(range(kills[-1][3], MAX_STEPS))  # the steps of the last attempt
+    assert max(m.step for m in losses) == MAX_STEPS - 1

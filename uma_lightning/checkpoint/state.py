@@ -1,0 +1,240 @@
+"""The whole training state of a Lightning run, gathered for a checkpoint and put back on resume.
+
+A checkpoint holds:
+
+- ``model/<name>``: the LightningModule's parameters and buffers under their plain names. Names come
+  from ``torch.distributed.checkpoint.state_dict``, which drops what wrappers add (``_orig_mod.`` from
+  torch.compile, ``_checkpoint_wrapped_module.`` from activation checkpointing, ``_fsdp_wrapped_module.``),
+  so a checkpoint of a compiled, checkpointed, sharded model loads into the plain model.
+- ``optimizer/...``: optimizer state keyed by parameter name (reshardable); param groups in JSON.
+- ``trainer``: global step, epoch, the fit loop's progress (which includes the gradient-accumulation
+  position and the train loader's position), LR schedulers, grad scaler, callback and data-module
+  states, the module's ``on_save_checkpoint`` extras, hyperparameters and the MLflow run id.
+- ``rng/<rank>/...``: the random generator states of every rank.
+
+Tensors go to torch.distributed.checkpoint files; everything else to ``state.json``, written by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import MLFlowLogger
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+from uma_lightning.checkpoint import rng
+from uma_lightning.checkpoint.codec import decode, encode, tensor_references
+from uma_lightning.checkpoint.manifest import CheckpointError, verify
+from uma_lightning.checkpoint.resume import choose_checkpoint
+from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+MODEL, OPTIMIZER, TRAINER, RNG = "model", "optimizer", "trainer", "rng"
+
+
+def collect(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(JSON-able state, tensors by checkpoint key) of this rank.
+
+    Parameters and optimizer state are the live tensors: they change only in the optimizer step, so a
+    background save may copy them until then. Everything else (buffers, which a forward pass may
+    update, RNG and trainer tensors) is copied here.
+    """
+    parts = model_and_optimizer(module, trainer.optimizers)
+    parts[TRAINER] = _trainer_state(trainer, module)
+    state, tensors = encode_parts(parts)
+    live = {_storage(p) for p in module.parameters()} | {_storage(t) for k, t in tensors.items() if k.startswith(OPTIMIZER + "/")}
+    tensors = {key: value if _storage(value) in live else value.detach().clone() for key, value in tensors.items()}
+    tensors.update({f"{RNG}/{trainer.global_rank}/{name}": value for name, value in rng.capture().items()})
+    return state, tensors
+
+
+def model_and_optimizer(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:
+    """Model and optimizer state under plain parameter names, sharded as the module is (DTensors under
+    FSDP2 or tensor parallelism)."""
+    model_state, optimizer_state = get_state_dict(module, optimizers)
+    return {MODEL: model_state, OPTIMIZER: optimizer_state}
+
+
+def encode_parts(parts: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    state, tensors = {}, {}
+    for name, value in parts.items():
+        state[name], part_tensors = encode(value, name)
+        tensors.update(part_tensors)
+    return state, tensors
+
+
+def read_state(directory: Path) -> dict:
+    try:
+        return json.loads((directory / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{directory / STATE_FILE}: unreadable: {err}") from None
+
+
+def read_weights(path: Path, prefixes: tuple[str, ...]) -> tuple[Path, str, dict[str, torch.Tensor]]:
+    """(checkpoint directory, prefix, tensors) of the tensors under the first of ``prefixes`` (checkpoint
+    keys such as ``"model/model."``) that has any, read whole on this process, however they were sharded.
+
+    ``path`` is one checkpoint directory, or a run's checkpoints directory, which means its newest valid
+    checkpoint. Raises CheckpointError when there is none, it is unusable, or no prefix matches.
+    """
+    path = Path(path)
+    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path)
+    if directory is None:
+        raise CheckpointError(f"{path}: a directory without checkpoints")
+    if directory == path:  # choose_checkpoint has verified the one it chose
+        problems = verify(directory)
+        if problems:
+            raise CheckpointError(f"{directory} is unusable: {'; '.join(problems)}")
+    entries = tensor_metadata(directory)
+    prefix = next((p for p in prefixes if any(key.startswith(p) for key in entries)), None)
+    if prefix is None:
+        raise CheckpointError(f"{directory}: no tensors under {' or '.join(map(repr, prefixes))}; see `uma ckpt inspect {directory}` for the names")
+    tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(prefix)}
+    load_tensors(tensors, directory, None)
+    return directory, prefix, tensors
+
+
+def load(trainer: pl.Trainer, module: pl.LightningModule, directory: Path, process_group: Optional[dist.ProcessGroup]) -> tuple[dict, Optional[dict]]:
+    """Load model and optimizer state from ``directory`` in place, into whatever sharding they have now.
+
+    Returns the trainer state (apply it with ``apply_trainer_state``) and this rank's saved RNG state,
+    or None when the checkpoint was written by a different number of ranks.
+    """
+    saved = read_state(directory)
+    entries = tensor_metadata(directory)
+    extra = {key: empty_like_saved(entries[key]) for key in tensor_references(saved[TRAINER])}
+    rng_prefix = f"{RNG}/{trainer.global_rank}/"
+    same_ranks = saved[TRAINER]["world_size"] == trainer.world_size
+    if same_ranks:
+        extra.update({key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(rng_prefix)})
+    load_module(module, directory, trainer.optimizers, process_group, extra=extra)
+    rng_state = {key.removeprefix(rng_prefix): value for key, value in extra.items() if key.startswith(rng_prefix)}
+    return decode(saved[TRAINER], extra), rng_state if same_ranks else None
+
+
+def load_module(
+    module: nn.Module,
+    directory: str | Path,
+    optimizers: list[torch.optim.Optimizer] = (),
+    process_group: Optional[dist.ProcessGroup] = None,
+    prefix: str = "",
+    extra: Optional[dict[str, torch.Tensor]] = None,
+) -> None:
+    """Load the weights (and the state of ``optimizers``) of ``directory`` into ``module`` in place,
+    resharding from however they were saved to however they are sharded now.
+
+    ``prefix`` selects a submodule of the saved module: ``load_module(net, path, prefix="model.")``
+    loads the network of a LightningModule (its ``model`` attribute) into a plain network.
+    ``extra`` tensors, keyed like the checkpoint, are filled too.
+    """
+    directory = Path(directory)
+    saved = read_state(directory)
+    current = model_and_optimizer(module, list(optimizers))
+    model_refs, model_tensors = encode({prefix + name: value for name, value in current[MODEL].items()}, MODEL)
+    saved_model = {key for key in tensor_metadata(directory) if key.startswith(f"{MODEL}/{prefix}")}
+    _check_same_parameters(directory, set(model_tensors), saved_model)
+    _, optimizer_tensors = encode(current[OPTIMIZER], OPTIMIZER)
+    wanted = tensor_references(saved[OPTIMIZER]) if optimizers else []
+    unknown = sorted(set(wanted) - set(optimizer_tensors))
+    if unknown:
+        raise CheckpointError(f"{directory}: optimizer state {unknown[:3]} does not match this run's optimizer (another optimizer type?)")
+    targets = {**model_tensors, **{key: optimizer_tensors[key] for key in wanted}, **(extra or {})}
+    load_tensors(targets, directory, process_group)
+    model_state = {name.removeprefix(prefix): value for name, value in decode(model_refs, targets).items()}
+    if optimizers:
+        set_state_dict(module, list(optimizers), model_state_dict=model_state, optim_state_dict=decode(saved[OPTIMIZER], targets))
+    else:
+        set_model_state_dict(module, model_state)
+
+
+def apply_trainer_state(trainer: pl.Trainer, module: pl.LightningModule, state: dict) -> None:
+    """Put back what ``_trainer_state`` gathered, so Lightning's loops continue where the checkpoint was taken."""
+    trainer.fit_loop.load_state_dict(state["loops"]["fit_loop"])
+    _rebuild_train_loader(trainer)
+    configs = trainer.lr_scheduler_configs
+    if len(configs) != len(state["lr_schedulers"]):
+        raise CheckpointError(f"checkpoint has {len(state['lr_schedulers'])} LR scheduler(s), this run {len(configs)}")
+    for config, scheduler_state in zip(configs, state["lr_schedulers"]):
+        config.scheduler.load_state_dict(scheduler_state)
+    trainer.precision_plugin.load_state_dict(state["precision"])
+    for callback in trainer.callbacks:
+        if callback.state_key in state["callbacks"]:
+            callback.load_state_dict(state["callbacks"][callback.state_key])
+    if trainer.datamodule is not None:
+        trainer.datamodule.load_state_dict(state["datamodule"])
+    module.on_load_checkpoint(state["module"])
+
+
+def _trainer_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
+    extras: dict[str, Any] = {}
+    module.on_save_checkpoint(extras)
+    return {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "world_size": trainer.world_size,
+        # Saves happen only right after an optimizer step, so no gradients are mid-accumulation;
+        # the position within an accumulation cycle is part of the fit loop's batch progress.
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "loops": {"fit_loop": trainer.fit_loop.state_dict()},
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "precision": trainer.precision_plugin.state_dict(),
+        "callbacks": {callback.state_key: state for callback in trainer.callbacks if (state := callback.state_dict())},
+        "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
+        "module": extras,
+        "hyper_parameters": _plain_hyperparameters(module),
+        "mlflow_run_id": mlflow_run_id(trainer),
+    }
+
+
+def mlflow_run_id(trainer: pl.Trainer) -> Optional[str]:
+    logger = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
+    return logger.run_id if logger is not None and trainer.is_global_zero else None
+
+
+def _plain_hyperparameters(module: pl.LightningModule) -> Optional[dict]:
+    """The hyperparameters, for tools that rebuild the model from a checkpoint; None (with a warning)
+    when they hold objects that JSON cannot hold."""
+    try:
+        encode(dict(module.hparams), "hyper_parameters")
+    except TypeError as err:
+        log.warning("checkpoint without hyperparameters: %s", err)
+        return None
+    return dict(module.hparams)
+
+
+def _check_same_parameters(directory: Path, expected: set[str], saved: set[str]) -> None:
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{directory}: the model does not match the checkpoint: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+        )
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _rebuild_train_loader(trainer: pl.Trainer) -> None:
+    """Make the fit loop build the train loader again, now that the loop holds the loader's saved position.
+
+    ``configure_optimizers`` asking for ``trainer.estimated_stepping_batches`` makes Lightning build the
+    train loader, and start iterating it, before any checkpoint is restored; Lightning then never hands
+    that loader its saved position (Lightning issue 20550). Dropping it makes the fit loop rebuild it
+    and load the position first.
+    """
+    fit_loop = trainer.fit_loop
+    if fit_loop._data_fetcher is not None:
+        fit_loop._data_fetcher.teardown()
+        fit_loop._data_fetcher = None
+    fit_loop._combined_loader = None

@@ -1,0 +1,130 @@
+"""Writing checkpoints: staged to host memory, written in the background, committed atomically, pruned.
+
+One save at a time: a new save first waits for the previous one to be committed. With ``async_save``
+the caller is blocked only until the state is copied to host memory, and not even that long if it
+calls ``wait_staged()`` just before the state next changes (the optimizer step): the copy then runs
+alongside the next forward and backward pass. Writing, checksums, the manifest, the commit and
+pruning happen on a background thread. That thread talks to the other ranks over its own gloo
+process group, so its collectives can never interleave with (and deadlock against) a barrier or an
+all-reduce on the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from uma_lightning.checkpoint.directory import commit, prune, staging_path, step_dirname
+from uma_lightning.checkpoint.manifest import CheckpointError, MANIFEST, describe_files, write_json_durably, write_manifest
+from uma_lightning.checkpoint.state import STATE_FILE
+from uma_lightning.checkpoint.storage import save_tensors
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointWriter:
+    def __init__(
+        self,
+        root: Path,
+        keep_last: int,
+        keep_every_n_steps: Optional[int],
+        async_save: bool,
+        process_group: Optional[dist.ProcessGroup],
+    ):
+        """
+        Args:
+            root: The run's checkpoints directory.
+            keep_last: Committed checkpoints to keep, newest first; older ones are deleted after each commit.
+            keep_every_n_steps: Also keep, for good, checkpoints whose step is a multiple of this.
+            async_save: Write in the background (see the module docstring); else block until committed.
+            process_group: A gloo group over all ranks used by nothing else; None in a single process.
+        """
+        self.root = root
+        self.keep_last = keep_last
+        self.keep_every_n_steps = keep_every_n_steps
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if async_save else None
+        self._stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False)) if async_save else None
+        self._pending: Optional[Future] = None
+        self._staged = threading.Event()
+        self._staged.set()
+
+    def save(self, step: int, state: dict, tensors: dict[str, torch.Tensor], summary: dict) -> None:
+        """Save ``tensors`` (this rank's, live) and ``state`` (JSON, written by rank 0) as the checkpoint of ``step``."""
+        self.wait()
+        if self._executor is None:
+            self._write(step, state, tensors, summary, time.monotonic(), 0.0)
+            return
+        self._staged.clear()
+        self._pending = self._executor.submit(self._stage_and_write, step, state, tensors, summary, time.monotonic())
+
+    def wait_staged(self) -> None:
+        """Block until the pending save no longer reads the live tensors; call before changing them."""
+        self._staged.wait()
+        if self._pending is not None and self._pending.done():
+            self.wait()  # a failure while staging surfaces here rather than at the next save
+
+    def wait(self) -> None:
+        """Block until the pending save is committed; raises what it failed with."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._stager.close()
+
+    def _stage_and_write(self, step: int, state: dict, tensors: dict, summary: dict, started: float) -> None:
+        try:
+            staged = self._stager.stage(tensors)
+        finally:
+            self._staged.set()
+        self._write(step, state, staged, summary, started, time.monotonic() - started)
+
+    def _write(self, step: int, state: dict, tensors: dict, summary: dict, started: float, staging_s: float) -> None:
+        staging = staging_path(self.root, step)
+        save_tensors(tensors, staging, self.process_group)
+        files = self._checksums_of_all_ranks(staging)
+        if self.rank != 0:
+            return
+        write_json_durably(staging / STATE_FILE, state)
+        files.update(describe_files(staging, [n for n in os.listdir(staging) if n not in files and n != MANIFEST]))
+        size = sum(entry["bytes"] for entry in files.values())
+        write_manifest(staging, files, {**summary, "step": step, "bytes": size})
+        final = self.root / step_dirname(step)
+        commit(staging, final)
+        removed = prune(self.root, self.keep_last, self.keep_every_n_steps)
+        elapsed = time.monotonic() - started
+        how = f"in the background, training blocked for at most {staging_s:.2f} s" if self._executor else "synchronously"
+        log.info("checkpoint of step %d saved to %s: %.1f MB in %.2f s (%s)%s", step, final, size / 1e6, elapsed, how,
+                 f"; deleted {', '.join(p.name for p in removed)}" if removed else "")
+
+    def _checksums_of_all_ranks(self, staging: Path) -> dict[str, dict]:
+        """Each rank checksums the files it wrote (DCP names them ``__<rank>_<n>.distcp``); rank 0 gets them all."""
+        try:
+            mine = describe_files(staging, [n for n in os.listdir(staging) if n.startswith(f"__{self.rank}_")])
+        except OSError as err:
+            mine = {"": {"error": f"rank {self.rank}: {err}"}}
+        if self.process_group is None:
+            gathered = [mine]
+        else:
+            gathered = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(gathered, mine, group=self.process_group)
+        errors = [entry["error"] for files in gathered for entry in files.values() if "error" in entry]
+        if errors:
+            raise CheckpointError(f"{staging}: could not checksum the written files: {'; '.join(errors)}")
+        return {name: entry for files in gathered for name, entry in files.items()}
