@@ -3,7 +3,9 @@
 from uma_lightning.callbacks.anomalies import GradientAnomalies, TrainingHalted
 from uma_lightning.callbacks.bad_data import BadDataCounter
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
+from uma_lightning.callbacks.closed_loop import ClosedLoopEval
 from uma_lightning.callbacks.memory import MemoryMonitor
+from uma_lightning.callbacks.predictions import PredictionWriter
 from uma_lightning.callbacks.preemption import Preemption
 from uma_lightning.callbacks.profiler import ProfilerTraces
 from uma_lightning.callbacks.progress import ProgressLog
@@ -14,9 +16,11 @@ from uma_lightning.callbacks.watchdog import HangWatchdog
 
 __all__ = [
     "BadDataCounter",
+    "ClosedLoopEval",
     "GradientAnomalies",
     "HangWatchdog",
     "MemoryMonitor",
+    "PredictionWriter",
     "Preemption",
     "ProfilerTraces",
     "ProgressLog",

@@ -7,6 +7,9 @@ __version__ = "0.1.0"
 # Imported on first use, so `import uma_lightning.models` stays free of Lightning and MLflow.
 _EXPORTS = {
     "PretrainModule": "uma_lightning.modules",
+    "MidtrainModule": "uma_lightning.modules",
+    "PosttrainModule": "uma_lightning.modules",
+    "Policy": "uma_lightning.policy",
     "OptimizerConfig": "uma_lightning.modules",
     "RobotDataModule": "uma_lightning.data",
     "DataSpec": "uma_lightning.data",

@@ -34,7 +34,7 @@ from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.sizes import ModelSize
-from uma_lightning.modules import PretrainModule
+from uma_lightning.modules import StageModule
 from uma_lightning.parallel import MeshStrategy  # also registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp
 from uma_lightning.tracking import RecordRunConfig
 
@@ -53,9 +53,9 @@ TOOLS: dict[str, str] = {
 
 
 class UmaCLI(LightningCLI):
-    """LightningCLI over ``PretrainModule`` and ``RobotDataModule`` (or any subclass given by class_path)."""
+    """LightningCLI over the stage modules (``StageModule`` subclasses) and ``RobotDataModule`` (or a subclass), by class_path."""
 
-    model_class: type = PretrainModule
+    model_class: type = StageModule
     datamodule_class: type = RobotDataModule
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True):
@@ -96,6 +96,8 @@ class UmaCLI(LightningCLI):
     def link_data_to_model(self, parser) -> None:
         # The model is built for the data's shapes, known once the data module has read its metadata.
         parser.link_arguments("data", "model.init_args.spec", compute_fn=lambda data: data.spec, apply_on="instantiate")
+        # Kept in checkpoints, so inference undoes the normalisation without the dataset.
+        parser.link_arguments("data", "model.init_args.normalization", compute_fn=lambda data: data.normalization(), apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         trainer = self.config[self.subcommand]["trainer"] if self.subcommand else self.config["trainer"]
@@ -103,6 +105,10 @@ class UmaCLI(LightningCLI):
             trainer["precision"] = _default_precision()
 
     def before_fit(self) -> None:
+        try:
+            self.model.check_init_from()
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"model.init_from: {err}") from None
         if isinstance(self.trainer.strategy, MeshStrategy):
             try:
                 self.trainer.strategy.check_module(self.model)

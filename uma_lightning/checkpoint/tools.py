@@ -21,9 +21,8 @@ from safetensors.torch import save_file
 from uma_lightning.checkpoint.codec import decode
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
-from uma_lightning.checkpoint.resume import choose_checkpoint
-from uma_lightning.checkpoint.state import MODEL, TRAINER, read_state
-from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+from uma_lightning.checkpoint.state import MODEL, TRAINER, read_state, read_weights
+from uma_lightning.checkpoint.storage import tensor_metadata
 
 
 def main(argv: list[str]) -> int:
@@ -88,18 +87,8 @@ def inspect_checkpoints(path: Path, show_all: bool = False) -> int:
 
 def export_weights(path: Path, output: Path, module: str = "model") -> int:
     """Write the network's weights, unsharded and under plain names, to a safetensors file."""
-    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path)
-    if directory is None:
-        raise CheckpointError(f"{path}: no checkpoint")
-    problems = verify(directory)
-    if problems:
-        raise CheckpointError(f"{directory} is unusable: {'; '.join(problems)}")
     prefix = f"{MODEL}/{module}." if module else f"{MODEL}/"
-    entries = tensor_metadata(directory)
-    tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(prefix)}
-    if not tensors:
-        raise CheckpointError(f"{directory}: no weights under {prefix!r}; see `uma ckpt inspect {directory}` for the names")
-    load_tensors(tensors, directory, None)
+    directory, _, tensors = read_weights(path, (prefix,))
     manifest = read_manifest(directory)
     hyperparameters = decode(read_state(directory)[TRAINER].get("hyper_parameters"), {})
     metadata = {"step": str(manifest["step"]), "source": str(directory), "hyper_parameters": json.dumps(hyperparameters)}

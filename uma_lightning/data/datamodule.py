@@ -8,15 +8,16 @@ import math
 import multiprocessing
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import lightning as L
 import torch
+from torch.utils.data import ConcatDataset, DataLoader
 
 from uma_lightning.data.dataset import FrameDataset, NormMode, Normalizer, Window
 from uma_lightning.data.generate import default_cache_dir, ensure_dataset
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
-from uma_lightning.data.loader import BadDataPolicy, BatchStream, RobotDataLoader
+from uma_lightning.data.loader import BadDataPolicy, BatchStream, RobotDataLoader, collate
 from uma_lightning.data.order import OrderConfig
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
@@ -96,6 +97,7 @@ class RobotDataModule(L.LightningDataModule):
         prefetch_batches: int = 2,
         multiprocessing_context: Optional[str] = None,
         device_prefetch: bool = True,
+        predict_split: Literal["train", "val"] = "val",
     ) -> None:
         """
         Args:
@@ -135,6 +137,7 @@ class RobotDataModule(L.LightningDataModule):
             multiprocessing_context: fork, forkserver or spawn for workers; None picks fork unless it is
                 unsafe (remote storage clients run threads; CUDA is initialised), then forkserver.
             device_prefetch: Copy the next batch to the GPU on a side stream while the current step runs.
+            predict_split: Episodes `uma predict` runs on: the held-out (val) or the training episodes.
         """
         super().__init__()
         for name, value in (("batch_size", batch_size), ("prefetch_factor", prefetch_factor), ("max_open_files", max_open_files)):
@@ -225,6 +228,27 @@ class RobotDataModule(L.LightningDataModule):
         )
         return self._loader(self.val_sets, config, resumable=False)
 
+    def test_dataloader(self) -> Union[RobotDataLoader, list]:
+        """The held-out episodes, as in validation: the embedded data has no third split."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """Every frame of the `predict_split` episodes, in order. A plain DataLoader over the frames:
+        Lightning's predict loop replaces its sampler (to record batch indices, and to split the
+        frames over ranks)."""
+        sets = self.val_sets if self.hparams.predict_split == "val" else self.train_sets
+        if not sets:
+            raise ValueError(f"predict_split={self.hparams.predict_split!r} has no episodes (val_episodes={self.hparams.val_episodes})")
+        workers = self.hparams.num_workers
+        return DataLoader(
+            ConcatDataset(sets),
+            batch_size=self.hparams.batch_size,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=self.pin_memory,
+            multiprocessing_context=self._start_method() if workers > 0 else None,
+        )
+
     def normalize_state(self, state: torch.Tensor, dataset: int = 0) -> torch.Tensor:
         """Raw robot state -> the normalised state a model trained on this data expects."""
         return self.normalizers[dataset][0].normalize(state)
@@ -232,6 +256,17 @@ class RobotDataModule(L.LightningDataModule):
     def denormalize_actions(self, actions: torch.Tensor, dataset: int = 0) -> torch.Tensor:
         """Normalised model actions -> raw robot actions of the given dataset's robot."""
         return self.normalizers[dataset][1].denormalize(actions)
+
+    def normalization(self) -> dict:
+        """The state and action normalisation of the first dataset (the model's robot) as plain values,
+        with the dimension names; models keep it in their checkpoints so that inference undoes it
+        without the dataset."""
+        features = self.metadata[0].features
+        state, action = self.normalizers[0]
+        return {
+            "state": {**state.to_dict(), "names": list(features[STATE_KEY]["names"])},
+            "action": {**action.to_dict(), "names": list(features[ACTION_KEY]["names"])},
+        }
 
     def _dataset(self, d: int, episodes: list[int]) -> FrameDataset:
         hp = self.hparams

@@ -65,6 +65,14 @@ class Normalizer:
         scale = np.where(scale > 1e-6, scale, 1.0)
         return cls(mode, np.asarray(offset, dtype=np.float32), np.asarray(scale, dtype=np.float32))
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (mode, offset, scale), for checkpoints and configs."""
+        return {"mode": self.mode, "offset": self.offset.tolist(), "scale": self.scale.tolist()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Normalizer:
+        return cls(values["mode"], np.asarray(values["offset"], dtype=np.float32), np.asarray(values["scale"], dtype=np.float32))
+
     def normalize(self, x: ArrayLike) -> ArrayLike:
         offset, scale = self._like(x)
         return (x - offset) / scale

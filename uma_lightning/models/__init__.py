@@ -1,16 +1,28 @@
 """Pure PyTorch models: no Lightning, no distributed code."""
 
-from uma_lightning.models.flops import count_parameters, training_flops_per_sample, training_flops_per_token
-from uma_lightning.models.robot import RobotModelConfig, RobotTransformer
+from uma_lightning.models.flops import (
+    count_parameters,
+    flow_training_flops_per_sample,
+    training_flops_per_sample,
+    training_flops_per_token,
+)
+from uma_lightning.models.flow import ActionExpertConfig, RobotFlowTransformer
+from uma_lightning.models.flow_matching import FlowMatchingConfig
+from uma_lightning.models.robot import RobotBase, RobotModelConfig, RobotTransformer
 from uma_lightning.models.sizes import load_size, preset_names
 from uma_lightning.models.transformer import Transformer, TransformerConfig
 
 __all__ = [
+    "ActionExpertConfig",
+    "FlowMatchingConfig",
+    "RobotBase",
+    "RobotFlowTransformer",
     "RobotModelConfig",
     "RobotTransformer",
     "Transformer",
     "TransformerConfig",
     "count_parameters",
+    "flow_training_flops_per_sample",
     "load_size",
     "preset_names",
     "training_flops_per_sample",

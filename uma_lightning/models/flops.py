@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from uma_lightning.models.robot import RobotModelConfig
 from uma_lightning.models.tokenizers import ByteTokenizer
+from uma_lightning.models.transformer import TransformerConfig
 
 
 def count_parameters(cfg: RobotModelConfig) -> int:
@@ -23,16 +24,24 @@ def count_parameters(cfg: RobotModelConfig) -> int:
     return b.n_layers * per_layer + b.dim + patch + embeddings + state + head
 
 
+def _linear_per_token(b: TransformerConfig) -> int:
+    """Multiply-adds of one token through one layer's projections and feed-forward."""
+    return b.dim * (b.n_heads + 2 * b.n_kv_heads) * b.head_dim + b.n_heads * b.head_dim * b.dim + 3 * b.dim * b.ffn_dim
+
+
+def _data_fed_flops(cfg: RobotModelConfig) -> int:
+    b, spec = cfg.backbone, cfg.spec
+    n_images = spec.n_obs_steps * len(spec.cameras)
+    return 2 * (n_images * cfg.patches_per_image * 3 * cfg.patch_size**2 * b.dim + spec.n_obs_steps * spec.state_dim * b.dim)
+
+
 def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
     """Forward FLOPs of one sample, split into the parts whose backward costs differ."""
-    b, spec = cfg.backbone, cfg.spec
-    seq, hd = cfg.seq_len, b.head_dim
-    n_images = spec.n_obs_steps * len(spec.cameras)
-    linear_per_token = b.dim * (b.n_heads + 2 * b.n_kv_heads) * hd + b.n_heads * hd * b.dim + 3 * b.dim * b.ffn_dim
+    b, seq = cfg.backbone, cfg.seq_len
     return {
-        "data_fed": 2 * (n_images * cfg.patches_per_image * 3 * cfg.patch_size**2 * b.dim + spec.n_obs_steps * spec.state_dim * b.dim),
-        "backbone_linear": 2 * b.n_layers * seq * linear_per_token,
-        "attention": 4 * b.n_layers * b.n_heads * seq * seq * hd,
+        "data_fed": _data_fed_flops(cfg),
+        "backbone_linear": 2 * b.n_layers * seq * _linear_per_token(b),
+        "attention": 4 * b.n_layers * b.n_heads * seq * seq * b.head_dim,
         "head": 2 * cfg.n_action_tokens * b.dim * cfg.n_action_bins,
     }
 
@@ -40,6 +49,29 @@ def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
 def training_flops_per_sample(cfg: RobotModelConfig) -> int:
     parts = forward_flops_per_sample(cfg)
     return 2 * parts["data_fed"] + 3 * (parts["backbone_linear"] + parts["attention"] + parts["head"])
+
+
+def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerConfig) -> int:
+    """Training FLOPs of one sample of the flow-matching model (``flow.py``), every parameter trainable:
+    the backbone over the prefix, the action expert over the chunk attending to prefix and chunk.
+
+    The expert reads only the keys and values of the backbone's last layer, so that layer's query,
+    attention, output projection and feed-forward run forward but get no backward.
+    """
+    b, prefix, horizon, action_dim = cfg.backbone, cfg.prefix_len, cfg.spec.action_horizon, cfg.spec.action_dim
+    w = expert.dim
+    data_fed = _data_fed_flops(cfg) + 2 * horizon * action_dim * w  # + the noisy actions' input projection
+    backbone_attention = 4 * b.n_heads * prefix * prefix * b.head_dim  # per layer
+    trained = (
+        2 * b.n_layers * prefix * _linear_per_token(b)
+        + b.n_layers * backbone_attention
+        + 2 * expert.n_layers * horizon * _linear_per_token(expert)
+        + 4 * expert.n_layers * expert.n_heads * horizon * (prefix + horizon) * expert.head_dim
+        + 2 * horizon * (2 * w * w + w * w + w * action_dim)  # action-time MLP and output projection
+    )
+    key_value_projection = 2 * b.dim * b.n_kv_heads * b.head_dim
+    forward_only = 2 * prefix * (_linear_per_token(b) - key_value_projection) + backbone_attention
+    return 2 * data_fed + 3 * trained - 2 * forward_only
 
 
 def training_flops_per_token(cfg: RobotModelConfig) -> float:

@@ -20,7 +20,7 @@ from torch import nn
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig, linear_cross_entropy
 from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer, ImagePatchTokenizer
-from uma_lightning.models.transformer import Transformer, TransformerConfig
+from uma_lightning.models.transformer import KVCache, Transformer, TransformerConfig
 
 
 @dataclass(frozen=True)
@@ -54,23 +54,24 @@ class RobotModelConfig:
         return self.prefix_len + self.n_action_tokens - 1
 
 
-class RobotTransformer(nn.Module):
-    def __init__(self, cfg: RobotModelConfig):
+class RobotBase(nn.Module):
+    """The modality tokenizers and the backbone every robot model shares; subclasses add an action head.
+
+    Parameter names are the same in every subclass, so a later training stage loads an earlier
+    stage's tokenizers and backbone by name.
+    """
+
+    def __init__(self, cfg: RobotModelConfig, max_seq_len: int):
         super().__init__()
         self.cfg = cfg
         dim, spec = cfg.backbone.dim, cfg.spec
         self.text_tokenizer = ByteTokenizer(cfg.max_text_len)
-        self.action_binner = ActionBinner(cfg.n_action_bins)
         self.text_embed = nn.Embedding(ByteTokenizer.vocab_size, dim)
         self.image_tokenizer = ImagePatchTokenizer(spec.image_size, cfg.patch_size, dim)
         self.camera_embed = nn.Embedding(len(spec.cameras), dim)
         self.state_proj = nn.Linear(spec.state_dim, dim)
-        self.action_embed = nn.Embedding(cfg.n_action_bins, dim)
-        self.action_dim_embed = nn.Embedding(spec.action_dim, dim)
-        self.backbone = Transformer(cfg.backbone, max_seq_len=cfg.seq_len)
-        self.action_head = nn.Linear(dim, cfg.n_action_bins, bias=False)
+        self.backbone = Transformer(cfg.backbone, max_seq_len=max_seq_len)
         self.kernels = KernelConfig()
-        self.init_weights()
 
     def set_kernels(self, kernels: KernelConfig) -> None:
         """Use these op implementations (attention, norms, rotary, SwiGLU, the loss) from the next forward on."""
@@ -78,12 +79,11 @@ class RobotTransformer(nn.Module):
         self.backbone.set_kernels(kernels)
 
     def init_weights(self) -> None:
-        for embedding in (self.text_embed, self.camera_embed, self.action_embed, self.action_dim_embed):
+        for embedding in (self.text_embed, self.camera_embed):
             nn.init.normal_(embedding.weight, std=0.02)
         nn.init.normal_(self.image_tokenizer.position, std=0.02)
         self.image_tokenizer.proj.reset_parameters()
         self.state_proj.reset_parameters()
-        nn.init.normal_(self.action_head.weight, std=0.02)
         self.backbone.init_weights()
 
     def embed_prefix(self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor) -> torch.Tensor:
@@ -95,10 +95,44 @@ class RobotTransformer(nn.Module):
         obs = torch.cat((patches.flatten(2, 3), self.state_proj(state).unsqueeze(2)), dim=2)
         return torch.cat((self.text_embed(text_ids), obs.flatten(1, 2)), dim=1)
 
-    def embed_actions(self, action_tokens: torch.Tensor) -> torch.Tensor:
-        """[B, n, dim] from flattened action-bin ids [B, n]; the dimension index is added per token."""
-        dims = torch.arange(action_tokens.shape[1], device=action_tokens.device) % self.cfg.spec.action_dim
-        return self.action_embed(action_tokens) + self.action_dim_embed(dims)
+    def prefix_padding_mask(self, text_mask: torch.Tensor) -> torch.Tensor:
+        """[B, prefix_len], True on real tokens: every token but the instruction's padding bytes."""
+        obs = torch.ones(text_mask.shape[0], self.cfg.prefix_len - text_mask.shape[1], dtype=torch.bool, device=text_mask.device)
+        return torch.cat((text_mask, obs), dim=1)
+
+    def encode_prefix(
+        self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Hidden states [B, prefix_len, dim] of the bidirectional prefix, and the cache of its keys and values."""
+        prefix = self.embed_prefix(images, state, text_ids)
+        cache = KVCache.empty(self.cfg.backbone.n_layers)
+        hidden = self.backbone(prefix, prefix_len=prefix.shape[1], key_padding_mask=self.prefix_padding_mask(text_mask), cache=cache)
+        return hidden, cache
+
+
+class RobotTransformer(RobotBase):
+    """Discretised action tokens predicted by the backbone itself, one token per action dimension per step."""
+
+    def __init__(self, cfg: RobotModelConfig):
+        super().__init__(cfg, max_seq_len=cfg.seq_len)
+        dim = cfg.backbone.dim
+        self.action_binner = ActionBinner(cfg.n_action_bins)
+        self.action_embed = nn.Embedding(cfg.n_action_bins, dim)
+        self.action_dim_embed = nn.Embedding(cfg.spec.action_dim, dim)
+        self.action_head = nn.Linear(dim, cfg.n_action_bins, bias=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        for embedding in (self.action_embed, self.action_dim_embed):
+            nn.init.normal_(embedding.weight, std=0.02)
+        nn.init.normal_(self.action_head.weight, std=0.02)
+
+    def embed_actions(self, action_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """[B, n, dim] from flattened action-bin ids [B, n] at token positions start.. of the chunk;
+        the dimension index is added per token."""
+        positions = torch.arange(start, start + action_tokens.shape[1], device=action_tokens.device)
+        return self.action_embed(action_tokens) + self.action_dim_embed(positions % self.cfg.spec.action_dim)
 
     def forward(
         self,
@@ -126,3 +160,18 @@ class RobotTransformer(nn.Module):
         if loss_targets is None:
             return self.action_head(hidden)
         return linear_cross_entropy(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy, per_sample=True)
+
+    def predict_actions(
+        self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Normalised action chunk [B, horizon, action_dim] by greedy decoding: the prefix is encoded once,
+        then each action token attends to the cached keys and values of everything before it."""
+        hidden, cache = self.encode_prefix(images, state, text_ids, text_mask)
+        last = hidden[:, -1]
+        tokens = []
+        for index in range(self.cfg.n_action_tokens):
+            tokens.append(self.action_head(last).argmax(-1))
+            if index + 1 < self.cfg.n_action_tokens:
+                last = self.backbone(self.embed_actions(tokens[-1][:, None], start=index), cache=cache)[:, -1]
+        bins = torch.stack(tokens, dim=1).view(-1, self.cfg.spec.action_horizon, self.cfg.spec.action_dim)
+        return self.action_binner.decode(bins)

@@ -64,6 +64,41 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tup
     return angles.cos(), angles.sin()
 
 
+@dataclass
+class LayerKV:
+    """Keys and values [B, n_kv_heads, length, head_dim] one layer computed for the tokens seen so far."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@dataclass
+class KVCache:
+    """What a backbone computed for tokens it has already seen, so later tokens attend to them without
+    recomputing them: autoregressive decoding, or the denoising steps of a flow-matching action expert,
+    which all attend to one observation prefix.
+
+    Pass an empty cache to ``Transformer.forward`` with the prefix to fill it; pass it again with new
+    tokens only. New tokens see every cached token and each other (one decoded token, or a whole action
+    chunk denoised as a block), and are appended. ``copy()`` gives a cache to extend while this one
+    stays as it is, without copying tensors.
+    """
+
+    layers: list[LayerKV]
+    key_padding_mask: torch.Tensor | None = None  # [B, length], True on real tokens
+
+    @classmethod
+    def empty(cls, n_layers: int) -> KVCache:
+        return cls([LayerKV() for _ in range(n_layers)])
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key_padding_mask is None else self.key_padding_mask.shape[1]
+
+    def copy(self) -> KVCache:
+        return KVCache([LayerKV(kv.keys, kv.values) for kv in self.layers], self.key_padding_mask)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -74,14 +109,24 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.kernels = KernelConfig()
 
-    def forward(self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 rather than the configured head count: tensor parallelism shards heads across ranks.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin, backend=self.kernels.rotary), apply_rotary(k, cos, sin, backend=self.kernels.rotary)
-        out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.kernels.attention)
+        if cache is not None and cache.keys is not None:
+            k, v = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
+            # Fewer queries than keys: SDPA takes that; the flash paths expect one length for both.
+            backend = "reference" if self.kernels.attention == "reference" else "sdpa"
+            out = attention(q, k, v, causal=False, key_padding_mask=key_padding_mask, backend=backend)
+        else:
+            out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.kernels.attention)
+        if cache is not None:
+            cache.keys, cache.values = k, v
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -107,8 +152,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask)
+    def forward(
+        self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=cache)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -145,9 +192,34 @@ class Transformer(nn.Module):
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
 
-    def forward(self, h: torch.Tensor, *, prefix_len: int = 0, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if h.shape[1] > self.max_seq_len:
-            raise ValueError(f"sequence of {h.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
-        for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask)
+    def forward(
+        self,
+        h: torch.Tensor,
+        *,
+        prefix_len: int = 0,
+        key_padding_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [B, S, dim] of token embeddings h [B, S, dim].
+
+        Without a cache, or with an empty one (which this call fills), tokens [0, prefix_len) see each
+        other and later tokens are causal. With a filled cache, h holds new tokens at positions
+        cache.length onwards, and ``key_padding_mask`` (if given) covers only them.
+        """
+        start = 0 if cache is None else cache.length
+        if start + h.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence of {start + h.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}")
+        # Tables from the first new position on, whole: under sequence parallelism h holds only this
+        # rank's slice of the tokens, and attention sees them all after its all-gather.
+        cos, sin = self.rope_cos[start:], self.rope_sin[start:]
+        layer_caches = [None] * len(self.layers)
+        if cache is not None:
+            if len(cache.layers) != len(self.layers):
+                raise ValueError(f"cache of {len(cache.layers)} layers given to a backbone of {len(self.layers)}")
+            new = key_padding_mask if key_padding_mask is not None else torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+            key_padding_mask = new if start == 0 else torch.cat((cache.key_padding_mask, new), dim=1)
+            cache.key_padding_mask = key_padding_mask
+            layer_caches = cache.layers
+        for layer, layer_cache in zip(self.layers, layer_caches):
+            h = layer(h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=layer_cache)
         return self.norm(h)

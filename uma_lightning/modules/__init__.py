@@ -1,5 +1,8 @@
-"""LightningModules, one per training stage; research code subclasses these."""
+"""LightningModules, one per training stage, sharing ``StageModule``; research code subclasses these."""
 
-from uma_lightning.modules.pretrain import OptimizerConfig, PretrainModule
+from uma_lightning.modules.base import OptimizerConfig, StageModule
+from uma_lightning.modules.midtrain import MidtrainModule
+from uma_lightning.modules.posttrain import LoraConfig, PosttrainModule
+from uma_lightning.modules.pretrain import PretrainModule
 
-__all__ = ["OptimizerConfig", "PretrainModule"]
+__all__ = ["LoraConfig", "MidtrainModule", "OptimizerConfig", "PosttrainModule", "PretrainModule", "StageModule"]

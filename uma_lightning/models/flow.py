@@ -1,0 +1,120 @@
+"""The robot transformer with a continuous action expert trained by flow matching, as in pi0.
+
+The observation prefix (instruction, camera patches, state) goes through the pretrained backbone
+once. The action expert is a second, narrower transformer with one layer per backbone layer; its
+tokens are the noisy action chunk (one token per step, with the flow time mixed in), and each of
+its layers attends to its own keys and values and to the backbone's keys and values of the prefix
+at the same depth:
+
+    backbone layer l:   prefix tokens  -> keys/values of the prefix (cached)
+    expert layer l:     action tokens  -> attend to [cached prefix | action tokens]
+
+The prefix never attends to the actions, so at inference its cache is computed once and every
+Euler step of the sampler reuses it. Training takes the same path with one noisy chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from uma_lightning.models.flow_matching import euler_sample, time_embedding
+from uma_lightning.models.robot import RobotBase, RobotModelConfig
+from uma_lightning.models.transformer import KVCache, Transformer, TransformerConfig
+
+
+@dataclass(frozen=True)
+class ActionExpertConfig:
+    """Width of the action expert; its depth, key/value heads and head size are the backbone's,
+    because each expert layer attends to the keys and values of a backbone layer."""
+
+    dim: Optional[int] = None  # None: the backbone's; a multiple of the backbone's head size
+    ffn_dim: Optional[int] = None  # None: the backbone's
+
+    def transformer_config(self, backbone: TransformerConfig) -> TransformerConfig:
+        dim = self.dim or backbone.dim
+        head_dim = backbone.head_dim
+        if dim % head_dim or (dim // head_dim) % backbone.n_kv_heads:
+            raise ValueError(
+                f"action expert dim {dim} must be a multiple of head size {head_dim} times the backbone's "
+                f"{backbone.n_kv_heads} key/value heads"
+            )
+        return TransformerConfig(
+            dim=dim,
+            n_layers=backbone.n_layers,
+            n_heads=dim // head_dim,
+            n_kv_heads=backbone.n_kv_heads,
+            ffn_dim=self.ffn_dim or backbone.ffn_dim,
+            norm_eps=backbone.norm_eps,
+            rope_theta=backbone.rope_theta,
+            name="action_expert",
+        )
+
+
+class RobotFlowTransformer(RobotBase):
+    def __init__(self, cfg: RobotModelConfig, expert: ActionExpertConfig | None = None):
+        super().__init__(cfg, max_seq_len=cfg.prefix_len)
+        # Only the prefix's keys and values are read, never its final hidden states: the final norm
+        # gets no gradient, which data-parallel wrappers would wait for.
+        self.backbone.norm.weight.requires_grad_(False)
+        self.expert_config = (expert or ActionExpertConfig()).transformer_config(cfg.backbone)
+        width, action_dim = self.expert_config.dim, cfg.spec.action_dim
+        self.action_in = nn.Linear(action_dim, width)
+        # Mixes each noisy action with the flow time (pi0's action-time MLP).
+        self.action_time_mlp = nn.Sequential(nn.Linear(2 * width, width), nn.SiLU(), nn.Linear(width, width))
+        self.expert = Transformer(self.expert_config, max_seq_len=cfg.prefix_len + cfg.spec.action_horizon)
+        self.action_out = nn.Linear(width, action_dim)
+        self.init_weights()
+
+    def set_kernels(self, kernels) -> None:
+        super().set_kernels(kernels)
+        self.expert.set_kernels(kernels)
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        for module in (self.action_in, self.action_time_mlp[0], self.action_time_mlp[2], self.action_out):
+            module.reset_parameters()
+        self.expert.init_weights()
+
+    def velocity(self, prefix_cache: KVCache, noisy_actions: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Predicted velocity [B, horizon, action_dim] of noisy chunks [B, horizon, action_dim] at times t [B].
+        The prefix cache is read, not extended."""
+        actions = self.action_in(noisy_actions)
+        times = time_embedding(t, actions.shape[-1]).to(actions.dtype)[:, None].expand_as(actions)
+        tokens = self.action_time_mlp(torch.cat((actions, times), dim=-1))
+        return self.action_out(self.expert(tokens, cache=prefix_cache.copy()))
+
+    def forward(
+        self,
+        images: torch.Tensor,
+        state: torch.Tensor,
+        text_ids: torch.Tensor,
+        text_mask: torch.Tensor,
+        noisy_actions: torch.Tensor,
+        t: torch.Tensor,
+    ) -> torch.Tensor:
+        """Predicted velocity [B, horizon, action_dim] (the training path)."""
+        _, cache = self.encode_prefix(images, state, text_ids, text_mask)
+        return self.velocity(cache, noisy_actions, t)
+
+    def predict_actions(
+        self,
+        images: torch.Tensor,
+        state: torch.Tensor,
+        text_ids: torch.Tensor,
+        text_mask: torch.Tensor,
+        steps: int = 10,
+        noise: torch.Tensor | None = None,
+        noise_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Normalised action chunk [B, horizon, action_dim]: ``steps`` Euler steps from noise (standard
+        normal times ``noise_scale`` unless given), all reading one cache of the prefix."""
+        _, cache = self.encode_prefix(images, state, text_ids, text_mask)
+        spec = self.cfg.spec
+        if noise is None:
+            shape = (images.shape[0], spec.action_horizon, spec.action_dim)
+            noise = noise_scale * torch.randn(shape, device=state.device, dtype=state.dtype)
+        return euler_sample(lambda x, t: self.velocity(cache, x, t), noise, steps)

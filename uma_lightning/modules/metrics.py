@@ -1,0 +1,52 @@
+"""Evaluation metrics of predicted action chunks, as torchmetrics (summed across processes on compute)."""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+
+class ActionError(Metric):
+    """Mean squared and absolute error of predicted action chunks, per action dimension and per step
+    of the chunk, over the real (unpadded) steps.
+
+    ``compute()`` returns a dict of scalars named by ``prefix``: ``{prefix}action_mse`` and
+    ``{prefix}action_l1`` over everything, ``{prefix}action_mse/<dimension name>`` (all steps of
+    the chunk), and ``{prefix}action_mse/step_<k>`` (all dimensions at chunk step k).
+    """
+
+    full_state_update = False
+
+    def __init__(self, horizon: int, dimension_names: list[str], prefix: str = ""):
+        super().__init__()
+        self.dimension_names = list(dimension_names)
+        self.prefix = prefix
+        shape = (horizon, len(self.dimension_names))
+        self.add_state("squared", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("absolute", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros(shape[0], dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, predicted: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """predicted and target [B, horizon, D] in the same units; mask [B, horizon] True on real steps."""
+        if predicted.shape != target.shape or predicted.shape[1:] != self.squared.shape:
+            raise ValueError(f"predicted {tuple(predicted.shape)} and target {tuple(target.shape)} must both be [B, {self.squared.shape[0]}, {self.squared.shape[1]}]")
+        real = torch.ones(predicted.shape[:2], dtype=torch.bool, device=predicted.device) if mask is None else mask.bool()
+        error = (predicted.double() - target.double()) * real[..., None]
+        self.squared += error.pow(2).sum(dim=0)
+        self.absolute += error.abs().sum(dim=0)
+        self.count += real.sum(dim=0)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        steps = self.count.clamp(min=1)[:, None]
+        total = self.count.sum().clamp(min=1)
+        mse, l1 = self.squared / steps, self.absolute / steps
+        out = {
+            f"{self.prefix}action_mse": self.squared.sum() / (total * mse.shape[1]),
+            f"{self.prefix}action_l1": self.absolute.sum() / (total * mse.shape[1]),
+        }
+        for index, name in enumerate(self.dimension_names):
+            out[f"{self.prefix}action_mse/{name}"] = self.squared[:, index].sum() / total
+            out[f"{self.prefix}action_l1/{name}"] = self.absolute[:, index].sum() / total
+        for step in range(mse.shape[0]):
+            out[f"{self.prefix}action_mse/step_{step}"] = mse[step].mean()
+        return {name: value.float() for name, value in out.items()}

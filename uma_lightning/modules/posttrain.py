@@ -1,0 +1,184 @@
+"""Post-training: behaviour cloning of a continuous action expert by flow matching, as pi0 does,
+on top of the pretrained backbone (``models/flow.py``, ``models/flow_matching.py``).
+
+Options, all from YAML: which parameters to freeze, LoRA adapters on chosen linear layers, and an
+exponential moving average of the weights that evaluation and export use. State and action
+normalisation (mean/std or quantile) is the data module's ``state_norm`` and ``action_norm``.
+Overrides the same extension points as every stage (see ``base.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig
+from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig, RobotFlowTransformer, flow_training_flops_per_sample
+from uma_lightning.models.flow_matching import noisy_sample, sample_time, velocity_loss
+from uma_lightning.models.lora import add_lora
+from uma_lightning.models.sizes import ModelSize
+from uma_lightning.modules.base import OptimizerConfig, StageModule
+from uma_lightning.modules.init_from import KeyMapping
+
+log = logging.getLogger("uma_lightning")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the linear layers whose names match ``targets`` (glob patterns)."""
+
+    targets: list[str] = field(default_factory=list)
+    rank: int = 8
+    alpha: float = 16.0
+
+
+class PosttrainModule(StageModule):
+    # The discrete action head of earlier stages is replaced by the action expert, which starts fresh.
+    key_mapping = KeyMapping(
+        fresh=("action_in.*", "action_time_mlp.*", "expert.*", "action_out.*", "*.lora_a", "*.lora_b"),
+        dropped=("action_embed.*", "action_dim_embed.*", "action_head.*"),
+    )
+
+    def __init__(
+        self,
+        spec: Optional[DataSpec] = None,
+        size: ModelSize = "tiny",
+        patch_size: int = 8,
+        max_text_len: int = 32,
+        kernels: Optional[KernelConfig] = None,
+        optimizer: Optional[OptimizerConfig] = None,
+        init_from: Optional[str] = None,
+        normalization: Optional[dict] = None,
+        expert: Optional[ActionExpertConfig] = None,
+        flow: Optional[FlowMatchingConfig] = None,
+        freeze: Optional[list[str]] = None,
+        lora: Optional[LoraConfig] = None,
+        ema_decay: Optional[float] = None,
+    ):
+        """
+        Args:
+            spec: Data shapes the model is built for; ``uma fit`` links it from the data module.
+            size: Backbone size: a preset name, a YAML file, or a dict of dimensions (the checkpoint's).
+            patch_size: Camera frames are cut into square patches of this many pixels.
+            max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
+            kernels: Implementation of each op (see ``PretrainModule``).
+            optimizer: AdamW and learning-rate schedule settings.
+            init_from: Checkpoint of an earlier stage (pretraining or mid-training) whose tokenizers and
+                backbone to start from; the action expert starts fresh.
+            normalization: State and action normalisation of the data; ``uma`` links it from the data module.
+            expert: Width of the action expert (its depth and heads follow the backbone).
+            flow: Flow-matching time distribution, and the sampler's Euler steps and noise scale at inference.
+            freeze: Glob patterns of parameter names that stop training, e.g. ``image_tokenizer.*``
+                or ``backbone.layers.[01].*``.
+            lora: LoRA adapters on chosen linear layers (their own weights freeze).
+            ema_decay: Keep an exponential moving average of the weights with this decay, used for
+                evaluation, prediction and export; None keeps none.
+        """
+        super().__init__(spec, size, patch_size, max_text_len, kernels, optimizer, init_from, normalization)
+        as_config = lambda value, kind: kind(**value) if isinstance(value, dict) else (value or kind())  # noqa: E731
+        self.expert_config = as_config(expert, ActionExpertConfig)
+        self.flow = as_config(flow, FlowMatchingConfig)
+        self.lora = as_config(lora, LoraConfig) if lora is not None else None
+        self.freeze = list(freeze or [])
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
+        self.hparams.update(
+            {
+                "expert": dataclasses.asdict(self.expert_config),
+                "flow": dataclasses.asdict(self.flow),
+                "freeze": self.freeze,
+                "lora": dataclasses.asdict(self.lora) if self.lora else None,
+                "ema_decay": ema_decay,
+            }
+        )
+        self.ema_model: nn.Module | None = None
+
+    # ---- extension points -------------------------------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        model = RobotFlowTransformer(self.model_config, self.expert_config)
+        self.use_kernels(model, [model.backbone, model.expert])
+        if self.lora and self.lora.targets:
+            add_lora(model, self.lora.targets, self.lora.rank, self.lora.alpha)
+        return model
+
+    def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Flow matching: the velocity from noise to the recorded chunk, at a Beta-distributed time."""
+        model = self.model
+        actions = batch["actions"]
+        text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=actions.device)
+        t = sample_time(actions.shape[0], self.flow, device=actions.device)
+        noisy, target = noisy_sample(actions, torch.randn_like(actions), t)
+        velocity = model(batch["images"], batch["state"], text_ids, text_mask, noisy, t)
+        return {"loss": velocity_loss(velocity, target, batch["action_mask"])}
+
+    # ---- model set-up: freezing, EMA ----------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()
+        if self.freeze:
+            freeze_parameters(self.model, self.freeze)
+        if self.hparams.ema_decay is not None:
+            self.ema_model = copy.deepcopy(self.model).requires_grad_(False)
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.model.parameters())
+        log.info(
+            "post-training %d of %d parameters (%.1f%%)%s%s", trainable, total, 100 * trainable / total,
+            f"; LoRA rank {self.lora.rank} on {self.lora.targets}" if self.lora and self.lora.targets else "",
+            f"; EMA decay {self.hparams.ema_decay} for evaluation and export" if self.ema_model is not None else "",
+        )
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        # The average moves inside the optimizer step, so that, like the weights, it changes only
+        # there: checkpoints (also those written in the background) see it consistent with them.
+        super().optimizer_step(*args, **kwargs)
+        if self.ema_model is not None:
+            self._update_ema(self.trainer.global_step)
+
+    @torch.no_grad()
+    def _update_ema(self, step: int) -> None:
+        # Warm-up as in common EMA practice: early averages forget the random start quickly.
+        decay = min(self.hparams.ema_decay, (1 + step) / (10 + step))
+        for average, current in zip(self.ema_model.parameters(), self.model.parameters()):
+            if current.requires_grad:
+                average.lerp_(current.detach(), 1.0 - decay)
+
+    @property
+    def inference_model(self) -> nn.Module:
+        return self.ema_model if self.ema_model is not None else self.model
+
+    def inference_options(self) -> dict[str, Any]:
+        return {"steps": self.flow.sample_steps, "noise_scale": self.flow.noise_scale}
+
+    # ---- facts about the model other components report --------------------------------------
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.model_config.prefix_len + self.spec.action_horizon
+
+    @property
+    def flops_per_sample(self) -> int:
+        return flow_training_flops_per_sample(self.model_config, self.expert_config.transformer_config(self.model_config.backbone))
+
+
+def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Stop training the parameters whose names match any glob pattern; returns their names.
+    A pattern that matches nothing is an error naming it."""
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [pattern for pattern in patterns if not fnmatch.filter(names, pattern)]
+    if unmatched:
+        raise ValueError(f"freeze pattern(s) {unmatched} match no parameter (names look like {names[0]!r})")
+    frozen = [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    return frozen
