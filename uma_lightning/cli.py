@@ -105,10 +105,11 @@ class UmaCLI(LightningCLI):
             trainer["precision"] = _default_precision()
 
     def before_fit(self) -> None:
-        try:
-            self.model.check_init_from()
-        except (ValueError, FileNotFoundError) as err:
-            raise ConfigError(f"model.init_from: {err}") from None
+        if isinstance(self.model, StageModule):  # `uma rl` learners start from their own checkpoints
+            try:
+                self.model.check_init_from()
+            except (ValueError, FileNotFoundError) as err:
+                raise ConfigError(f"model.init_from: {err}") from None
         if isinstance(self.trainer.strategy, MeshStrategy):
             try:
                 self.trainer.strategy.check_module(self.model)

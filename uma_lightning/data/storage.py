@@ -56,7 +56,12 @@ class ShardCache:
         """Local path of the file at `url`, downloading it first unless a good copy is cached."""
         pending = self._pending.pop(url, None)
         if pending is not None:
-            return pending.result()
+            path = pending.result()
+            try:
+                os.utime(path)  # handed out now: the LRU keeps it longest (it may sit prefetched a while)
+                return path
+            except FileNotFoundError:  # evicted between its prefetch and its use: fetched again below
+                pass
         return self._fetch(url)
 
     def prefetch(self, urls: Iterable[str]) -> None:
