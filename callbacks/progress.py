@@ -61,7 +61,10 @@ class ProgressLog(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        values = [f"{name} {float(value):.4f}" for name, value in sorted(trainer.callback_metrics.items()) if name.startswith("val/")]
+        # Headline metrics only (val/loss, val/action_mse, ...); the per-dimension and per-step
+        # breakdowns (val/action_mse/dq1, ...) would fill the line and stay in MLflow.
+        values = [f"{name} {float(value):.4f}" for name, value in sorted(trainer.callback_metrics.items())
+                  if name.startswith("val/") and name.count("/") == 1]
         if values:
             log.info("validation at step %d: %s", trainer.global_step, " | ".join(values))
 
