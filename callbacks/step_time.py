@@ -2,8 +2,11 @@
 
 Phases are cut at Lightning's hooks:
 
-    data_wait   end of the previous batch -> on_train_batch_start (fetching the batch, moving it to the device);
-                also logged as a fraction of the whole step, the number to watch for input-bound training
+    overhead    end of the previous batch -> the loop asks the loader for the next one (loggers, other
+                callbacks' batch-end work, the loop's own bookkeeping)
+    data_wait   the loop asks for the batch -> on_train_batch_start (waiting for the loader, moving the
+                batch to the device); also logged as a fraction of the whole step, batch end to batch
+                end, the number to watch for input-bound training
     forward     on_train_batch_start -> on_before_backward (training_step, zero_grad)
     backward    on_before_backward -> on_after_backward (DDP's gradient all-reduce overlaps it)
     optimizer   on_after_backward -> on_train_batch_end (clipping, optimizer and scheduler step)
@@ -11,7 +14,9 @@ Phases are cut at Lightning's hooks:
 
 On a GPU the compute phases are CUDA events, so they measure the device, not the host's kernel
 launches; they are read one batch later, when they have completed, so the callback never stalls
-the host. A gap that contains validation or a checkpoint save reports no data wait. Communication
+the host. The loader is timed through the training loop's fetch hooks (the ones Lightning's profiler
+uses, action ``train_dataloader_next``). A gap that contains validation or a checkpoint save reports
+no overhead or fraction, and the first batch of an epoch (worker start-up) none at all. Communication
 is separated only under Lightning's DDPStrategy (through a comm hook on DistributedDataParallel);
 with another strategy (the mesh strategies' per-block replicate or FSDP included), or when DDP
 already has a comm hook, the log says so once and it stays inside the phases above.
@@ -78,6 +83,7 @@ class _Step:
     log_step: int
     marks: dict
     data_wait: Optional[float]
+    overhead: Optional[float]  # None when the gap before the step held validation, a save or an epoch start
     comm: list
 
 
@@ -91,9 +97,11 @@ class StepTimeBreakdown(Callback):
         self._on_cuda = False
         self._comm: Optional[_CommTimer] = None
         self._previous_end: Optional[float] = None
+        self._fetch_start: Optional[float] = None
         self._interrupted = False
         self._marks: dict = {}
         self._data_wait: Optional[float] = None
+        self._overhead: Optional[float] = None
         self._pending: Optional[_Step] = None
         # Running totals over the steps whose data wait is known, for the whole run's wait share.
         self.total_data_wait = 0.0
@@ -120,7 +128,11 @@ class StepTimeBreakdown(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         now = time.perf_counter()
         clean = self._previous_end is not None and not self._interrupted
-        self._data_wait = now - self._previous_end if clean else None
+        # Without the loop's fetch hook (another Lightning version) the whole gap counts as data wait.
+        fetch_start = self._fetch_start or (self._previous_end if clean else None)
+        self._data_wait = now - fetch_start if self._previous_end is not None and fetch_start is not None else None
+        self._overhead = fetch_start - self._previous_end if clean else None
+        self._fetch_start = None
         self._interrupted = False
         self._marks = {"start": _mark(self._on_cuda)}
 
@@ -132,7 +144,7 @@ class StepTimeBreakdown(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self._marks["end"] = _mark(self._on_cuda)
-        step = _Step(current_log_step(trainer), self._marks, self._data_wait,
+        step = _Step(current_log_step(trainer), self._marks, self._data_wait, self._overhead,
                      self._comm.take() if self._comm else [])
         if self._on_cuda:
             ready, self._pending = self._pending, step
@@ -153,6 +165,23 @@ class StepTimeBreakdown(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A new epoch restarts the loader (worker start-up): not steady-state data wait.
         self._previous_end = None
+        self._time_fetches(trainer.fit_loop.epoch_loop)
+
+    def _time_fetches(self, loop) -> None:
+        """Note when the loop starts fetching each batch, through the hook it calls for its profiler."""
+        before_fetch = getattr(loop, "_on_before_fetch", None)
+        if before_fetch is None:
+            log.info("step time: this Lightning version has no fetch hook; data wait includes the time between steps")
+            return
+        if getattr(before_fetch, "step_time_breakdown", None) is self:
+            return
+
+        def on_before_fetch() -> None:
+            self._fetch_start = time.perf_counter()
+            before_fetch()
+
+        on_before_fetch.step_time_breakdown = self
+        loop._on_before_fetch = on_before_fetch
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         self._interrupted = True
@@ -170,11 +199,13 @@ class StepTimeBreakdown(Callback):
             "time/optimizer_ms": 1e3 * _seconds(marks["backward_end"], marks["end"]),
         }
         if step.data_wait is not None:
-            compute = _seconds(marks["start"], marks["end"])
-            self.total_data_wait += step.data_wait
-            self.total_step += step.data_wait + compute
             metrics["time/data_wait_ms"] = 1e3 * step.data_wait
-            metrics["time/data_wait_fraction"] = step.data_wait / (step.data_wait + compute)
+        if step.data_wait is not None and step.overhead is not None:
+            whole = step.overhead + step.data_wait + _seconds(marks["start"], marks["end"])
+            self.total_data_wait += step.data_wait
+            self.total_step += whole
+            metrics["time/overhead_ms"] = 1e3 * step.overhead
+            metrics["time/data_wait_fraction"] = step.data_wait / whole
         if self._comm is not None:
             metrics["time/comm_ms"] = 1e3 * sum(_seconds(start, end) for start, end in step.comm)
         log_step_metrics(trainer, metrics, step.log_step)

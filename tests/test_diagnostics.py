@@ -1,18 +1,22 @@
 """The pretrain recipe's diagnostics in one real run with the profiler switched on: throughput and
 MFU, step-time breakdown, memory, profiler traces and provenance, read back from MLflow."""
 
+import csv
 import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from mlflow import MlflowClient
 
-from uma_lightning.callbacks import ThroughputLogger
+from uma_lightning.callbacks import StepTimeBreakdown, ThroughputLogger
 from uma_lightning.callbacks.peak_flops import matmul_dtype, resolve_peak, table_entry, PEAK_TFLOPS
 from uma_lightning.cli import UmaCLI
 from uma_lightning.tracking.mlflow_logger import local_store_uri
@@ -128,17 +132,71 @@ def test_configured_peak_wins_and_a_bad_one_is_refused():
 
 def test_step_time_phases_add_up_to_the_measured_step(run):
     samples = history(run, "throughput/samples_per_sec")
-    phases = {name: history(run, f"time/{name}_ms") for name in ("data_wait", "forward", "backward", "optimizer")}
+    phases = {name: history(run, f"time/{name}_ms") for name in ("overhead", "data_wait", "forward", "backward", "optimizer")}
     assert sorted(phases["forward"]) == list(range(STEPS))
     for name in ("forward", "backward", "optimizer"):
         assert all(value > 0 for value in phases[name].values()), name
-    # Validation ran after steps 1 and 3 (0-based), so the gaps before steps 2 and 4 are not data wait.
-    assert sorted(phases["data_wait"]) == [1, 3, 5]
+    # The loader is timed from the loop's fetch, so validation (after steps 1 and 3, 0-based) does not
+    # count as data wait; the first batch pays for worker start-up and has none.
+    assert sorted(phases["data_wait"]) == [1, 2, 3, 4, 5]
+    assert all(value >= 0 for value in phases["data_wait"].values())
+    # The time between steps outside the loader is known only for gaps without validation.
+    assert sorted(phases["overhead"]) == [1, 3, 5]
+    fractions = history(run, "time/data_wait_fraction")
     batch = 4
-    for step in phases["data_wait"]:
+    for step in phases["overhead"]:
         step_ms = 1e3 * batch / samples[step]  # the throughput logger's own clock, batch end to batch end
         total = sum(phases[name][step] for name in phases)
         assert total == pytest.approx(step_ms, rel=0.05, abs=10), step
+        assert fractions[step] == pytest.approx(phases["data_wait"][step] / total, rel=1e-6)
+
+
+class _SlowBatches(torch.utils.data.Dataset):
+    """Each batch takes 60 ms to load."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.06)
+        return torch.randn(4)
+
+
+class _SlowBatchEnd(L.Callback):
+    """Work between steps that is not the loader's: 40 ms after every batch."""
+
+    def on_train_batch_end(self, *args) -> None:
+        time.sleep(0.04)
+
+
+class _Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_data_wait_is_the_loaders_time_not_the_work_between_steps(tmp_path):
+    breakdown = StepTimeBreakdown()
+    trainer = L.Trainer(
+        max_steps=6, logger=CSVLogger(tmp_path), log_every_n_steps=1, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[breakdown, _SlowBatchEnd()],
+    )
+    trainer.fit(_Regression(), torch.utils.data.DataLoader(_SlowBatches(), batch_size=1))
+    rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
+    timed = {int(row["step"]): row for row in rows if row["time/data_wait_ms"]}
+    assert sorted(timed) == [1, 2, 3, 4, 5]  # the first batch of the epoch has no previous end
+    for row in timed.values():
+        assert 55 <= float(row["time/data_wait_ms"]) < 100, row
+        assert 38 <= float(row["time/overhead_ms"]) < 100, row
+    waits = [float(row["time/data_wait_ms"]) / 1e3 for row in timed.values()]
+    assert breakdown.total_data_wait == pytest.approx(sum(waits))
+    assert 0.3 < breakdown.total_data_wait / breakdown.total_step < 0.7
 
 
 def test_memory_is_logged_every_step(run):
