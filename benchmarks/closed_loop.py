@@ -7,7 +7,10 @@ from the previous one's checkpoint), then rolls out on the same held-out simulat
 - the pre-trained and mid-trained policies (greedy decoding of action tokens), for reference;
 - uniform random actions, the baseline to beat; and the scripted expert, the ceiling.
 
-Prints success rates with 95 % Wilson intervals and the mean final distance to the target.
+Prints success rates with 95 % Wilson intervals and the mean final distance to the target, then how
+much each policy's first actions depend on what it is shown: the camera frame of another scene, another
+target named in the instruction, another draw of its sampling noise; beside the change in the expert's
+action when the named target changes. A policy that cannot see where its target is cannot succeed.
 
     python benchmarks/closed_loop.py                        # train everything (about 20 min on 2 CPU cores)
     python benchmarks/closed_loop.py --episodes 200 --posttrain runs/bench/posttrain/checkpoints
@@ -66,6 +69,40 @@ def expert_policy(n_episodes: int, seed: int):
     return results
 
 
+def input_sensitivity(policy: Policy, n_scenes: int, seed: int) -> dict[str, float]:
+    """Mean |change| of the first ``execute`` joint actions on held-out scenes, when one input changes."""
+    steps = policy.spec.n_obs_steps
+
+    def observation(obs: dict, image: np.ndarray, instruction: str) -> dict:
+        return {"images": np.stack([image] * steps)[None, :, None], "state": np.stack([obs["state"]] * steps)[None],
+                "instruction": [instruction]}
+
+    def joint_actions(obs: dict, noise_seed: int = 0) -> np.ndarray:
+        torch.manual_seed(noise_seed)
+        return policy(obs).numpy()[0, :4, :2]
+
+    changes: dict[str, list[float]] = {"camera frame of another scene": [], "another target named": [],
+                                       "another sampling-noise seed": [], "expert, another target named": []}
+    for index in range(n_scenes):
+        env, other_env = PlanarArmEnv(), PlanarArmEnv()
+        obs, _ = env.reset(seed=evaluation_seed(index, seed))
+        other_obs, _ = other_env.reset(seed=evaluation_seed(index + n_scenes, seed))
+        other_target = next(t for t in env.targets if t != env.goal)
+        named_other = f"reach the {other_target.colour} {other_target.shape}"
+        base = joint_actions(observation(obs, obs["image"], obs["instruction"]))
+        variants = {
+            "camera frame of another scene": joint_actions(observation(obs, other_obs["image"], obs["instruction"])),
+            "another target named": joint_actions(observation(obs, obs["image"], named_other)),
+            "another sampling-noise seed": joint_actions(observation(obs, obs["image"], obs["instruction"]), noise_seed=1),
+        }
+        for name, actions in variants.items():
+            changes[name].append(float(np.abs(actions - base).mean()))
+        expert = env.expert_action(noise_std=0.0)[:2]
+        env.goal = other_target
+        changes["expert, another target named"].append(float(np.abs(env.expert_action(noise_std=0.0)[:2] - expert).mean()))
+    return {name: float(np.mean(values)) for name, values in changes.items()}
+
+
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
@@ -78,6 +115,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/bench")
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0, help="selects the evaluation scenes")
+    parser.add_argument("--sensitivity-scenes", type=int, default=50, help="scenes of the input-sensitivity table")
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--midtrain-steps", type=int, default=200)
     parser.add_argument("--posttrain-steps", type=int, default=1000)
@@ -93,7 +131,7 @@ def main() -> None:
     midtrain = args.midtrain or train("midtrain", workdir, args.midtrain_steps, pretrain)
     posttrain = args.posttrain or train("posttrain", workdir, args.posttrain_steps, midtrain)
 
-    rows = []
+    rows, sensitivity = [], {}
     candidates = [("post-trained (flow matching, EMA)", posttrain), ("mid-trained (action tokens)", midtrain), ("pre-trained (action tokens)", pretrain)]
     for name, checkpoint in candidates:
         policy = Policy.from_checkpoint(str(checkpoint))
@@ -103,6 +141,7 @@ def main() -> None:
         results = run_episodes(lambda obs: policy(obs).numpy(), list(range(args.episodes)), policy.spec.n_obs_steps, execute, seed=args.seed)
         outcomes = [(r.success, r.goal_distance) for r in results]
         rows.append((name, outcomes, f"{policy.spec.action_horizon}-step chunks, {execute} executed, {time.monotonic() - started:.0f}s"))
+        sensitivity[name] = input_sensitivity(policy, args.sensitivity_scenes, args.seed)
     random_act = random_policy(16, 3, seed=args.seed)
     rows.append(("random actions", [(r.success, r.goal_distance) for r in run_episodes(random_act, list(range(args.episodes)), 1, 8, seed=args.seed)], "uniform in [-1, 1]"))
     rows.append(("scripted expert", expert_policy(args.episodes, args.seed), "acts from the true target position"))
@@ -117,6 +156,12 @@ def main() -> None:
         f"closed-loop success on {args.episodes} held-out planar-arm scenes (seed {args.seed})",
         ["policy", "successes", "rate", "95% interval", "final distance", "notes"],
         table,
+    )
+    changed = list(next(iter(sensitivity.values())))
+    print_table(
+        f"mean |change| of the first 4 predicted joint actions (robot units) on {args.sensitivity_scenes} held-out scenes when one input changes",
+        ["policy", *changed],
+        [[name, *(f"{values[key]:.4f}" for key in changed)] for name, values in sensitivity.items()],
     )
 
 
