@@ -152,21 +152,21 @@ def test_step_time_phases_add_up_to_the_measured_step(run):
 
 
 class _SlowBatches(torch.utils.data.Dataset):
-    """Each batch takes 60 ms to load."""
+    """Each batch takes 50 ms to load."""
 
     def __len__(self) -> int:
         return 8
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        time.sleep(0.06)
+        time.sleep(0.05)
         return torch.randn(4)
 
 
 class _SlowBatchEnd(L.Callback):
-    """Work between steps that is not the loader's: 40 ms after every batch."""
+    """Work between steps that is not the loader's: 150 ms after every batch."""
 
     def on_train_batch_end(self, *args) -> None:
-        time.sleep(0.04)
+        time.sleep(0.15)
 
 
 class _Regression(L.LightningModule):
@@ -192,11 +192,12 @@ def test_data_wait_is_the_loaders_time_not_the_work_between_steps(tmp_path):
     timed = {int(row["step"]): row for row in rows if row["time/data_wait_ms"]}
     assert sorted(timed) == [1, 2, 3, 4, 5]  # the first batch of the epoch has no previous end
     for row in timed.values():
-        assert 55 <= float(row["time/data_wait_ms"]) < 100, row
-        assert 38 <= float(row["time/overhead_ms"]) < 100, row
+        # Had the batch-end work counted as data wait, it would be over 200 ms.
+        assert 48 <= float(row["time/data_wait_ms"]) < 150, row
+        assert 148 <= float(row["time/overhead_ms"]) < 300, row
     waits = [float(row["time/data_wait_ms"]) / 1e3 for row in timed.values()]
     assert breakdown.total_data_wait == pytest.approx(sum(waits))
-    assert 0.3 < breakdown.total_data_wait / breakdown.total_step < 0.7
+    assert 0.1 < breakdown.total_data_wait / breakdown.total_step < 0.4
 
 
 def test_memory_is_logged_every_step(run):
