@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 
 from uma_lightning.cli import UmaCLI
 from uma_lightning.tracking import MLflowLogger
-from test_cli import QUICK, RECIPE
+from test_cli import QUICK, RECIPE, assert_short_error, run_main
 
 
 def free_port() -> int:
@@ -118,6 +118,15 @@ def test_default_store_is_embedded_sqlite_without_a_server(tmp_path, monkeypatch
     assert (tmp_path / "runs" / "pretrain" / "config.yaml").is_file()
     artifact_dir = Path(run.info.artifact_uri.removeprefix("file://"))
     assert (artifact_dir / "config.yaml").is_file() and artifact_dir.is_relative_to(tmp_path / "mlruns")
+
+
+def test_a_bad_metric_batching_interval_is_refused_before_any_metric_is_lost(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "5s")
+    with pytest.raises(ValueError, match=r"MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS must be a whole number of seconds .* got '5s'"):
+        MLflowLogger(store_dir=str(tmp_path / "mlruns"))
+    # Through `uma`: a short error naming the variable, exit status 2, no traceback.
+    code, _, err = run_main(["fit", "--config", RECIPE, *QUICK, "--trainer.default_root_dir", str(tmp_path / "run")], capsys)
+    assert_short_error(code, err, "$MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS must be a whole number of seconds", "'5s'")
 
 
 def test_a_continued_run_keeps_its_params_when_the_resumed_config_changed(tmp_path, caplog):

@@ -18,6 +18,7 @@ from mlflow.exceptions import MlflowException
 log = logging.getLogger(__name__)
 
 ASYNC_BUFFERING_SECONDS = 5
+BUFFERING_VARIABLE = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"
 
 
 def local_store_uri(store_dir: str | Path) -> str:
@@ -49,7 +50,10 @@ class MLflowLogger(LightningMLFlowLogger):
         # MLflow's async writer otherwise commits every logging call on its own, several per step, and
         # its thread takes CPU and the GIL from training; merging what arrives within a few seconds
         # into one write removes most of that. A value set in the environment is kept (0: no merging).
-        os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", str(ASYNC_BUFFERING_SECONDS))
+        buffering = os.environ.setdefault(BUFFERING_VARIABLE, str(ASYNC_BUFFERING_SECONDS))
+        if not buffering.isdigit():
+            # MLflow would only find out in its writer thread, which then dies and drops every metric.
+            raise ValueError(f"${BUFFERING_VARIABLE} must be a whole number of seconds (0: no merging), got {buffering!r}")
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(store_dir)
         # With an embedded store the artifacts live beside it; a server chooses its own location.
         embedded = uri.startswith("sqlite:")
