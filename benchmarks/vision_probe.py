@@ -9,10 +9,12 @@ not memorising). Two targets:
 - the end effector: one salient object, no language needed;
 - the named target: the object the instruction names, among 3 or 4 coloured shapes.
 
-It prints the held-out mean squared error over the targets' variance at intervals: 1 means nothing
-was learned beyond the mean position, 0 a perfect localisation.
+Each image tokenizer (``VisionConfig``: patches, keypoints, keypoints conditioned on the instruction
+by FiLM) is probed on each target. It prints the
+held-out mean squared error over the targets' variance at intervals: 1 means nothing was learned
+beyond the mean position, 0 a perfect localisation.
 
-    python benchmarks/vision_probe.py [--steps 300] [--lr 1e-3]
+    python benchmarks/vision_probe.py [--steps 300] [--lr 1e-3] [--tokenizers keypoints_film] [--targets 'named target']
 """
 
 from __future__ import annotations
@@ -29,9 +31,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import print_table  # noqa: E402
 
 from uma_lightning.data.spec import DataSpec  # noqa: E402
-from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size  # noqa: E402
+from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size  # noqa: E402
 from uma_lightning.sim.planar_arm import PlanarArmEnv  # noqa: E402
 
+TOKENIZERS = {
+    "patches": VisionConfig(),
+    "keypoints": VisionConfig(tokenizer="keypoints"),
+    "keypoints_film": VisionConfig(tokenizer="keypoints", film=True),
+}
 TARGETS = {
     "end effector": lambda env: env.arm_points()[2],
     "named target": lambda env: np.asarray(env.goal.position),
@@ -49,12 +56,12 @@ def scenes(first_seed: int, n: int, target: str) -> tuple[torch.Tensor, list[str
     return torch.as_tensor(np.stack(frames)), instructions, torch.as_tensor(np.stack(positions), dtype=torch.float32)
 
 
-def probe(target: str, steps: int, lr: float, batch_size: int, every: int) -> list[tuple[int, float]]:
+def probe(target: str, tokenizer: str, steps: int, lr: float, batch_size: int, every: int) -> list[tuple[int, float]]:
     torch.manual_seed(0)
     env = PlanarArmEnv()
     spec = DataSpec(cameras=("top",), image_size=(env.config.image_size,) * 2, state_dim=env.state_dim,
                     action_dim=env.action_dim, n_obs_steps=1, action_horizon=8, fps=env.fps)
-    model = RobotTransformer(RobotModelConfig(backbone=load_size("tiny"), spec=spec))
+    model = RobotTransformer(RobotModelConfig(backbone=load_size("tiny"), spec=spec, vision=TOKENIZERS[tokenizer]))
     head = torch.nn.Linear(model.cfg.backbone.dim, 2)
     optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=lr)
 
@@ -86,12 +93,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--tokenizers", nargs="+", default=list(TOKENIZERS), choices=list(TOKENIZERS))
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     args = parser.parse_args()
     curves = {}
-    for target in TARGETS:
-        started = time.monotonic()
-        curves[target] = probe(target, args.steps, args.lr, args.batch_size, args.every)
-        print(f"{target}: {args.steps} steps in {time.monotonic() - started:.0f}s", flush=True)
+    for target in args.targets:
+        for tokenizer in args.tokenizers:
+            started = time.monotonic()
+            curves[f"{target} ({tokenizer})"] = probe(target, tokenizer, args.steps, args.lr, args.batch_size, args.every)
+            print(f"{target}, {tokenizer}: {args.steps} steps in {time.monotonic() - started:.0f}s", flush=True)
     steps = [step for step, _ in next(iter(curves.values()))]
     print_table(
         f"held-out MSE / variance of the position, tiny model, batch {args.batch_size}, lr {args.lr} (1: nothing learned)",

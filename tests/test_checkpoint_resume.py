@@ -14,7 +14,7 @@ from checkpoint_helpers import checkpoint_tensors
 from checkpoint_modules import recorded_steps
 from test_cli import RECIPE
 from uma_lightning.cli import UmaCLI, main
-from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size
+from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size
 from uma_lightning.data.spec import DataSpec
 
 TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
@@ -123,7 +123,7 @@ def test_exported_weights_load_into_a_plain_model_with_the_same_outputs(referenc
         hparams = json.loads(file.metadata()["hyper_parameters"])
     config = RobotModelConfig(
         backbone=load_size(hparams["size"]), spec=DataSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hparams["spec"].items()}),
-        patch_size=hparams["patch_size"], max_text_len=hparams["max_text_len"], n_action_bins=hparams["n_action_bins"],
+        vision=VisionConfig(**hparams["vision"]), max_text_len=hparams["max_text_len"], n_action_bins=hparams["n_action_bins"],
     )
     plain = RobotTransformer(config)
     plain.load_state_dict(weights, strict=True)

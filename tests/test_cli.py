@@ -114,9 +114,9 @@ def test_unknown_key_on_the_command_line_suggests(capsys):
 
 
 def test_unknown_init_arg_of_the_model_suggests(tmp_path, capsys):
-    recipe = write_recipe(tmp_path, {"model": {"init_args": {"patch_sise": 4}}})
+    recipe = write_recipe(tmp_path, {"model": {"init_args": {"max_text_lenn": 16}}})
     code, _, err = run_main(["fit", "--config", recipe], capsys)
-    assert_short_error(code, err, recipe, "takes no argument 'patch_sise'", "did you mean 'patch_size'?")
+    assert_short_error(code, err, recipe, "takes no argument 'max_text_lenn'", "did you mean 'max_text_len'?")
 
 
 def test_wrong_type_names_key_and_value(capsys):

@@ -10,12 +10,13 @@ from uma_lightning.kernels import KernelConfig, attention
 from uma_lightning.models import (
     RobotModelConfig,
     RobotTransformer,
+    VisionConfig,
     count_parameters,
     load_size,
     preset_names,
     training_flops_per_sample,
 )
-from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer
+from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer, ImageKeypointTokenizer
 from uma_lightning.models.transformer import apply_rotary, rotary_tables
 
 SPEC = DataSpec(cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10)
@@ -23,7 +24,14 @@ SPEC = DataSpec(cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, ac
 
 def small_config(**overrides) -> RobotModelConfig:
     backbone = load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128})
-    return RobotModelConfig(backbone=backbone, spec=SPEC, patch_size=8, max_text_len=16, n_action_bins=32, **overrides)
+    return RobotModelConfig(backbone=backbone, spec=SPEC, max_text_len=16, n_action_bins=32, **overrides)
+
+
+VISION = {
+    "patches": VisionConfig(),
+    "keypoints": VisionConfig(tokenizer="keypoints", n_keypoints=6, channels=4),
+    "keypoints_film": VisionConfig(tokenizer="keypoints", n_keypoints=6, channels=4, film=True),
+}
 
 
 def random_inputs(model: RobotTransformer, batch: int = 3, seed: int = 0):
@@ -103,6 +111,62 @@ def test_action_binner_bins_and_clamps():
 # ---- the robot transformer --------------------------------------------------------------------
 
 
+def colour_keypoint_tokenizer(film: bool) -> ImageKeypointTokenizer:
+    """32x32 frames, one keypoint whose map is set by hand: feature channel 0 is the red pixels, 1 the green."""
+    tokenizer = ImageKeypointTokenizer((32, 32), n_keypoints=1, channels=2, dim=8, film=film)
+    first, second, third = (layer for layer in tokenizer.features if isinstance(layer, torch.nn.Conv2d))
+    with torch.no_grad():
+        for layer in (first, second, third):
+            layer.weight.zero_(), layer.bias.zero_()
+        tokenizer.keypoint_maps.weight.zero_()
+        for colour in (0, 1):
+            first.weight[colour, colour, 2, 2] = 1.0  # that colour channel at the centre tap
+            second.weight[colour, colour, 1, 1] = 1.0  # stride 2: the pixel at (2i, 2j)
+            third.weight[colour, colour, 1, 1] = 1.0
+            tokenizer.keypoint_maps.weight[0, colour] = 1.0
+        tokenizer.sharpness.fill_(20.0)  # a sharp softmax: all mass on the brightest cells
+    return tokenizer
+
+
+def square_centres(frames: torch.Tensor, squares: list[tuple[int, int]], channel: int) -> torch.Tensor:
+    """Paints 4x4 squares at (row, column) of the given colour channel; their centres on the 16x16 keypoint grid."""
+    grid = torch.linspace(-1, 1, 16)
+    for frame, (row, column) in zip(frames, squares):
+        frame[row : row + 4, column : column + 4, channel] = 255
+    return torch.stack([torch.stack((grid[c // 2 : c // 2 + 2].mean(), grid[r // 2 : r // 2 + 2].mean())) for r, c in squares])
+
+
+def test_keypoint_is_the_centre_of_what_its_feature_map_responds_to():
+    tokenizer = colour_keypoint_tokenizer(film=False)
+    frames = torch.zeros(2, 32, 32, 3, dtype=torch.uint8)
+    expected = square_centres(frames, [(8, 20), (24, 4)], channel=0)
+    with torch.no_grad():
+        tokenizer.keypoint_maps.weight[0, 1] = 0.0  # red only
+        torch.testing.assert_close(tokenizer.positions(frames)[:, 0], expected, atol=1e-4, rtol=0)
+        tokens = tokenizer(frames)
+        torch.testing.assert_close(tokens[:, 0], tokenizer.coordinates(expected) + tokenizer.identity[0], atol=1e-4, rtol=0)
+
+
+def test_film_lets_the_instruction_choose_what_a_keypoint_follows():
+    """The same frames, two instructions: each scales one colour's features up and the other's to zero."""
+    tokenizer = colour_keypoint_tokenizer(film=True)
+    frames = torch.zeros(2, 32, 32, 3, dtype=torch.uint8)
+    red = square_centres(frames, [(8, 20), (24, 4)], channel=0)
+    green = square_centres(frames, [(20, 8), (2, 26)], channel=1)
+    with torch.no_grad():
+        tokenizer.film.weight[0, 0], tokenizer.film.weight[1, 0] = 0.5, -0.5  # scales of channels 0 and 1
+        towards_red = torch.tensor([[1.0, -1.0, 0, 0, 0, 0, 0, 0]]).expand(2, -1)  # layer-normed: [2, -2, 0...]
+        torch.testing.assert_close(tokenizer.positions(frames, towards_red)[:, 0], red, atol=1e-4, rtol=0)
+        torch.testing.assert_close(tokenizer.positions(frames, -towards_red)[:, 0], green, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="conditioned on the instruction"):
+        tokenizer(frames)
+
+
+def test_unknown_image_tokenizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="vision.tokenizer must be 'patches' or 'keypoints', got 'keypoint'"):
+        VisionConfig(tokenizer="keypoint")
+
+
 def test_action_logits_are_causal_in_actions():
     torch.manual_seed(0)
     model = RobotTransformer(small_config())
@@ -117,21 +181,28 @@ def test_action_logits_are_causal_in_actions():
     assert not torch.allclose(new_logits[:, 6:], logits[:, 6:])
 
 
-def test_padding_bytes_do_not_leak_into_outputs():
+@pytest.mark.parametrize("vision", [VISION["patches"], VISION["keypoints_film"]], ids=["patches", "keypoints_film"])
+def test_padding_bytes_do_not_leak_into_outputs(vision):
     torch.manual_seed(0)
-    model = RobotTransformer(small_config())
+    model = RobotTransformer(small_config(vision=vision))
+    if vision.film:  # starts at zero, which would hide a leak through the instruction's conditioning
+        torch.nn.init.normal_(model.image_tokenizer.film.weight)
     images, state, text_ids, text_mask, actions = random_inputs(model)
     garbage = text_ids.masked_fill(~text_mask, 17)
     torch.testing.assert_close(model(images, state, garbage, text_mask, actions), model(images, state, text_ids, text_mask, actions))
 
 
-def test_parameter_count_matches_the_module():
-    cfg = small_config()
+
+
+@pytest.mark.parametrize("vision", VISION.values(), ids=VISION.keys())
+def test_parameter_count_matches_the_module(vision):
+    cfg = small_config(vision=vision)
     assert count_parameters(cfg) == sum(p.numel() for p in RobotTransformer(cfg).parameters())
 
 
-def test_training_flops_match_torch_flop_counter():
-    cfg = small_config()
+@pytest.mark.parametrize("vision", VISION.values(), ids=VISION.keys())
+def test_training_flops_match_torch_flop_counter(vision):
+    cfg = small_config(vision=vision)
     model = RobotTransformer(cfg)
     # The reference backend is plain matmuls, which the flop counter sees one by one.
     model.backbone.set_kernels(KernelConfig(attention="reference"))

@@ -16,6 +16,7 @@ from uma_lightning.models import (
     RobotModelConfig,
     RobotTransformer,
     Transformer,
+    VisionConfig,
     flow_training_flops_per_sample,
     load_size,
 )
@@ -30,7 +31,7 @@ BACKBONE = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 
 
 
 def config(**overrides) -> RobotModelConfig:
-    return RobotModelConfig(backbone=load_size(BACKBONE), spec=SPEC, patch_size=8, max_text_len=12, n_action_bins=16, **overrides)
+    return RobotModelConfig(backbone=load_size(BACKBONE), spec=SPEC, max_text_len=12, n_action_bins=16, **overrides)
 
 
 def observations(model, batch: int = 3, seed: int = 0):
@@ -131,8 +132,9 @@ def test_action_tokens_see_each_other_and_the_observations_but_not_padding():
         torch.testing.assert_close(model(images, state, garbage, text_mask, noisy, t), velocity)
 
 
-def test_flow_training_flops_match_torch_flop_counter():
-    cfg = config()
+@pytest.mark.parametrize("vision", [VisionConfig(), VisionConfig(tokenizer="keypoints", n_keypoints=6, channels=4, film=True)], ids=["patches", "keypoints_film"])
+def test_flow_training_flops_match_torch_flop_counter(vision):
+    cfg = config(vision=vision)
     model = RobotFlowTransformer(cfg, ActionExpertConfig(dim=16, ffn_dim=40))
     model.set_kernels(KernelConfig(attention="reference"))  # plain matmuls, which the counter sees one by one
     images, state, text_ids, text_mask = observations(model)
@@ -203,7 +205,7 @@ def test_another_model_family_or_other_shapes_fail_listing_the_keys():
     assert message.startswith("stage.ckpt: cannot initialise RobotTransformer from it;")
     assert "missing from the checkpoint: action_dim_embed.weight, action_embed.weight, action_head.weight" in message
     assert "not in this model: action_in.bias, action_in.weight" in message
-    wider = RobotTransformer(RobotModelConfig(backbone=load_size({**BACKBONE, "ffn_dim": 48}), spec=SPEC, patch_size=8, max_text_len=12, n_action_bins=16))
+    wider = RobotTransformer(RobotModelConfig(backbone=load_size({**BACKBONE, "ffn_dim": 48}), spec=SPEC, max_text_len=12, n_action_bins=16))
     with pytest.raises(ValueError, match=r"shapes differ: backbone.layers.0.ffn.w1.weight \(64, 32\) -> \(48, 32\)"):
         load_weights(wider, weights_of(pretrained))
     foreign = CheckpointWeights("vit.ckpt", {}, {"encoder.blocks.0.weight": torch.zeros(2)}, ema=False, module_class=None)

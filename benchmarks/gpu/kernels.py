@@ -65,7 +65,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from uma_lightning.data.spec import DataSpec  # noqa: E402
 from uma_lightning.kernels import KernelConfig, apply_rotary, attention, checks, linear_cross_entropy, rms_norm, swiglu  # noqa: E402
-from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size, training_flops_per_sample  # noqa: E402
+from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size, training_flops_per_sample  # noqa: E402
 
 PLAIN = KernelConfig(attention="sdpa", rms_norm="torch", swiglu="torch", rotary="torch", cross_entropy="torch")
 REFERENCE = KernelConfig(attention="reference", rms_norm="torch", swiglu="torch", rotary="torch", cross_entropy="torch")
@@ -216,7 +216,7 @@ def small_model_and_batch(device, kernels):
     backbone = load_size({"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256})
     torch.manual_seed(0)
     with torch.device(device):
-        model = RobotTransformer(RobotModelConfig(backbone=backbone, spec=spec, patch_size=8, max_text_len=16, n_action_bins=64))
+        model = RobotTransformer(RobotModelConfig(backbone=backbone, spec=spec, max_text_len=16, n_action_bins=64))
     model.set_kernels(kernels)
     return model, random_batch(model, batch=3, device=device)
 
@@ -426,7 +426,7 @@ def model_step_benchmark(report: Report, device, smoke: bool) -> None:
         # Two 224x224 cameras in 16-pixel patches, 14-D state and actions, a 50-step chunk: 1124 tokens.
         spec = DataSpec(cameras=("head", "wrist"), image_size=(224, 224), state_dim=14, action_dim=14, n_obs_steps=1, action_horizon=50, fps=50)
         batch_size, warmup, steps, patch = 8, 3, 10, 16
-    cfg = RobotModelConfig(backbone=load_size(size), spec=spec, patch_size=patch, max_text_len=32, n_action_bins=256)
+    cfg = RobotModelConfig(backbone=load_size(size), spec=spec, vision=VisionConfig(patch_size=patch), max_text_len=32, n_action_bins=256)
     flops_per_sample = training_flops_per_sample(cfg)
     rows = []
     for name, kernels, fused in (("plain PyTorch", PLAIN, False), ("auto", KernelConfig(), True)):

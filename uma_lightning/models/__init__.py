@@ -10,6 +10,7 @@ from uma_lightning.models.flow import ActionExpertConfig, RobotFlowTransformer
 from uma_lightning.models.flow_matching import FlowMatchingConfig
 from uma_lightning.models.robot import RobotBase, RobotModelConfig, RobotTransformer
 from uma_lightning.models.sizes import load_size, preset_names
+from uma_lightning.models.tokenizers import VisionConfig
 from uma_lightning.models.transformer import Transformer, TransformerConfig
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "RobotTransformer",
     "Transformer",
     "TransformerConfig",
+    "VisionConfig",
     "count_parameters",
     "flow_training_flops_per_sample",
     "load_size",

@@ -2,8 +2,10 @@
 
 FLOPs count matrix multiplies only (2 per multiply-add), as ``torch.utils.flop_counter`` does, and
 attention as the dense S x S product that SDPA computes. Training is forward + backward, where a
-backward costs twice its forward, except for layers fed directly by data (patch projection, state
-projection) whose input needs no gradient, so their backward costs once their forward.
+backward costs twice its forward, except for products with one operand that needs no gradient
+(layers fed directly by data: the patch projection, the keypoint net's first convolution, the state
+projection; and the keypoints' product with their fixed coordinate grid), whose backward costs once
+their forward.
 """
 
 from __future__ import annotations
@@ -17,11 +19,37 @@ def count_parameters(cfg: RobotModelConfig) -> int:
     b, spec = cfg.backbone, cfg.spec
     hd = b.head_dim
     per_layer = b.dim * (b.n_heads + 2 * b.n_kv_heads) * hd + b.n_heads * hd * b.dim + 3 * b.dim * b.ffn_dim + 2 * b.dim
-    patch = 3 * cfg.patch_size**2 * b.dim + b.dim + cfg.patches_per_image * b.dim
+    patch = _image_tokenizer_parameters(cfg)
     embeddings = (ByteTokenizer.vocab_size + len(spec.cameras) + cfg.n_action_bins + spec.action_dim) * b.dim
     state = spec.state_dim * b.dim + b.dim
     head = b.dim * cfg.n_action_bins
     return b.n_layers * per_layer + b.dim + patch + embeddings + state + head
+
+
+def _image_tokenizer_parameters(cfg: RobotModelConfig) -> int:
+    v, dim = cfg.vision, cfg.backbone.dim
+    if v.tokenizer == "patches":
+        return 3 * v.patch_size**2 * dim + dim + cfg.tokens_per_image * dim
+    c, k = v.channels, v.n_keypoints
+    convolutions = (3 * 25 * c + c) + (c * 9 * c + c) + (c * 9 * 2 * c + 2 * c) + 2 * c * k
+    film = dim * 4 * c + 4 * c if v.film else 0
+    return convolutions + film + 1 + 2 * dim + dim + k * dim  # + the sharpness
+
+
+def _image_tokenizer_flops(cfg: RobotModelConfig) -> tuple[int, int]:
+    """Forward FLOPs of the image tokenizer over one sample's frames: (once-backward part, twice-backward part)."""
+    v, dim, spec = cfg.vision, cfg.backbone.dim, cfg.spec
+    n_images = spec.n_obs_steps * len(spec.cameras)
+    if v.tokenizer == "patches":
+        return 2 * n_images * cfg.tokens_per_image * 3 * v.patch_size**2 * dim, 0
+    height, width = spec.image_size
+    cells, c, k = (height // 2) * (width // 2), v.channels, v.n_keypoints
+    first_convolution = height * width * c * 3 * 25
+    expected_position = k * cells * 2
+    later_convolutions = cells * (c * 9 * c + 2 * c * 9 * c + k * 2 * c)
+    coordinates = k * 2 * dim
+    film = dim * 4 * c if v.film else 0
+    return 2 * n_images * (first_convolution + expected_position), 2 * n_images * (later_convolutions + coordinates + film)
 
 
 def _linear_per_token(b: TransformerConfig) -> int:
@@ -30,9 +58,8 @@ def _linear_per_token(b: TransformerConfig) -> int:
 
 
 def _data_fed_flops(cfg: RobotModelConfig) -> int:
-    b, spec = cfg.backbone, cfg.spec
-    n_images = spec.n_obs_steps * len(spec.cameras)
-    return 2 * (n_images * cfg.patches_per_image * 3 * cfg.patch_size**2 * b.dim + spec.n_obs_steps * spec.state_dim * b.dim)
+    spec = cfg.spec
+    return _image_tokenizer_flops(cfg)[0] + 2 * spec.n_obs_steps * spec.state_dim * cfg.backbone.dim
 
 
 def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
@@ -40,6 +67,7 @@ def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
     b, seq = cfg.backbone, cfg.seq_len
     return {
         "data_fed": _data_fed_flops(cfg),
+        "image_features": _image_tokenizer_flops(cfg)[1],
         "backbone_linear": 2 * b.n_layers * seq * _linear_per_token(b),
         "attention": 4 * b.n_layers * b.n_heads * seq * seq * b.head_dim,
         "head": 2 * cfg.n_action_tokens * b.dim * cfg.n_action_bins,
@@ -48,7 +76,7 @@ def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
 
 def training_flops_per_sample(cfg: RobotModelConfig) -> int:
     parts = forward_flops_per_sample(cfg)
-    return 2 * parts["data_fed"] + 3 * (parts["backbone_linear"] + parts["attention"] + parts["head"])
+    return 2 * parts["data_fed"] + 3 * (parts["image_features"] + parts["backbone_linear"] + parts["attention"] + parts["head"])
 
 
 def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerConfig) -> int:
@@ -63,7 +91,8 @@ def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerCon
     data_fed = _data_fed_flops(cfg) + 2 * horizon * action_dim * w  # + the noisy actions' input projection
     backbone_attention = 4 * b.n_heads * prefix * prefix * b.head_dim  # per layer
     trained = (
-        2 * b.n_layers * prefix * _linear_per_token(b)
+        _image_tokenizer_flops(cfg)[1]
+        + 2 * b.n_layers * prefix * _linear_per_token(b)
         + b.n_layers * backbone_attention
         + 2 * expert.n_layers * horizon * _linear_per_token(expert)
         + 4 * expert.n_layers * expert.n_heads * horizon * (prefix + horizon) * expert.head_dim

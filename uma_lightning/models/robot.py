@@ -2,7 +2,7 @@
 
 Token layout of one sample (the prefix attends bidirectionally, actions causally):
 
-    [ instruction bytes | obs step 1: camera patches..., state | ... | obs step T | action tokens ]
+    [ instruction bytes | obs step 1: camera tokens..., state | ... | obs step T | action tokens ]
     '------------------------------- prefix --------------------------------------'
 
 Actions are flattened to horizon x action_dim tokens (one per dimension per step, as RT-2 and
@@ -12,14 +12,14 @@ action token i+1, so the last prefix token predicts the first action.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig, linear_cross_entropy
-from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer, ImagePatchTokenizer
+from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer, VisionConfig, build_image_tokenizer
 from uma_lightning.models.transformer import KVCache, Transformer, TransformerConfig
 
 
@@ -27,18 +27,17 @@ from uma_lightning.models.transformer import KVCache, Transformer, TransformerCo
 class RobotModelConfig:
     backbone: TransformerConfig
     spec: DataSpec
-    patch_size: int = 8
+    vision: VisionConfig = field(default_factory=VisionConfig)
     max_text_len: int = 32
     n_action_bins: int = 256
 
     @property
-    def patches_per_image(self) -> int:
-        height, width = self.spec.image_size
-        return (height // self.patch_size) * (width // self.patch_size)
+    def tokens_per_image(self) -> int:
+        return self.vision.tokens_per_image(self.spec.image_size)
 
     @property
     def tokens_per_obs_step(self) -> int:
-        return len(self.spec.cameras) * self.patches_per_image + 1  # + the state token
+        return len(self.spec.cameras) * self.tokens_per_image + 1  # + the state token
 
     @property
     def prefix_len(self) -> int:
@@ -54,6 +53,15 @@ class RobotModelConfig:
         return self.prefix_len + self.n_action_tokens - 1
 
 
+class InstructionPooling(nn.Module):
+    """The mean embedding of an instruction's real bytes: [B, L, dim] and mask [B, L] -> [B, dim].
+    A module of its own so a parallel plan can set the layouts of its inputs."""
+
+    def forward(self, text: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
+        weights = text_mask.unsqueeze(-1).to(text.dtype)
+        return (text * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+
 class RobotBase(nn.Module):
     """The modality tokenizers and the backbone every robot model shares; subclasses add an action head.
 
@@ -67,7 +75,8 @@ class RobotBase(nn.Module):
         dim, spec = cfg.backbone.dim, cfg.spec
         self.text_tokenizer = ByteTokenizer(cfg.max_text_len)
         self.text_embed = nn.Embedding(ByteTokenizer.vocab_size, dim)
-        self.image_tokenizer = ImagePatchTokenizer(spec.image_size, cfg.patch_size, dim)
+        self.image_tokenizer = build_image_tokenizer(cfg.vision, spec.image_size, dim)
+        self.instruction_pooling = InstructionPooling() if cfg.vision.film else None  # what conditions the image tokenizer
         self.camera_embed = nn.Embedding(len(spec.cameras), dim)
         self.state_proj = nn.Linear(spec.state_dim, dim)
         self.backbone = Transformer(cfg.backbone, max_seq_len=max_seq_len)
@@ -81,19 +90,22 @@ class RobotBase(nn.Module):
     def init_weights(self) -> None:
         for embedding in (self.text_embed, self.camera_embed):
             nn.init.normal_(embedding.weight, std=0.02)
-        nn.init.normal_(self.image_tokenizer.position, std=0.02)
-        self.image_tokenizer.proj.reset_parameters()
+        self.image_tokenizer.reset_parameters()
         self.state_proj.reset_parameters()
         self.backbone.init_weights()
 
-    def embed_prefix(self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor) -> torch.Tensor:
-        """[B, prefix_len, dim] from images [B, T, C, H, W, 3] uint8, state [B, T, state_dim], text ids [B, L]."""
+    def embed_prefix(self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
+        """[B, prefix_len, dim] from images [B, T, C, H, W, 3] uint8, state [B, T, state_dim], text ids and mask [B, L]."""
         batch, steps, cameras = images.shape[:3]
-        patches = self.image_tokenizer(images.flatten(0, 2))  # [B*T*C, P, dim]
-        patches = patches.view(batch, steps, cameras, -1, patches.shape[-1])
-        patches = patches + self.camera_embed.weight[None, None, :, None, :]
-        obs = torch.cat((patches.flatten(2, 3), self.state_proj(state).unsqueeze(2)), dim=2)
-        return torch.cat((self.text_embed(text_ids), obs.flatten(1, 2)), dim=1)
+        text = self.text_embed(text_ids)
+        instruction = None
+        if self.instruction_pooling is not None:
+            instruction = self.instruction_pooling(text, text_mask).repeat_interleave(steps * cameras, dim=0)  # once per image
+        camera = self.image_tokenizer(images.flatten(0, 2), instruction)  # [B*T*C, tokens per image, dim]
+        camera = camera.view(batch, steps, cameras, -1, camera.shape[-1])
+        camera = camera + self.camera_embed.weight[None, None, :, None, :]
+        obs = torch.cat((camera.flatten(2, 3), self.state_proj(state).unsqueeze(2)), dim=2)
+        return torch.cat((text, obs.flatten(1, 2)), dim=1)
 
     def prefix_padding_mask(self, text_mask: torch.Tensor) -> torch.Tensor:
         """[B, prefix_len], True on real tokens: every token but the instruction's padding bytes."""
@@ -104,7 +116,7 @@ class RobotBase(nn.Module):
         self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
     ) -> tuple[torch.Tensor, KVCache]:
         """Hidden states [B, prefix_len, dim] of the bidirectional prefix, and the cache of its keys and values."""
-        prefix = self.embed_prefix(images, state, text_ids)
+        prefix = self.embed_prefix(images, state, text_ids, text_mask)
         cache = KVCache.empty(self.cfg.backbone.n_layers)
         hidden = self.backbone(prefix, prefix_len=prefix.shape[1], key_padding_mask=self.prefix_padding_mask(text_mask), cache=cache)
         return hidden, cache
@@ -152,7 +164,7 @@ class RobotTransformer(RobotBase):
         each sample's token mean, so data-parallel shards average to the whole batch's loss. Inside ``forward``, so wrappers
         that hook it (FSDP, DDP) see the head's weight used.
         """
-        prefix = self.embed_prefix(images, state, text_ids)
+        prefix = self.embed_prefix(images, state, text_ids, text_mask)
         h = torch.cat((prefix, self.embed_actions(action_tokens[:, :-1])), dim=1)
         real = torch.ones(h.shape[0], h.shape[1] - text_mask.shape[1], dtype=torch.bool, device=h.device)
         hidden = self.backbone(h, prefix_len=prefix.shape[1], key_padding_mask=torch.cat((text_mask, real), dim=1))

@@ -32,6 +32,7 @@ from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig, convert_to_float8
 from uma_lightning.models import RobotModelConfig, load_size
 from uma_lightning.models.sizes import ModelSize
+from uma_lightning.models.tokenizers import VisionConfig
 from uma_lightning.modules.init_from import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
@@ -64,7 +65,7 @@ class StageModule(L.LightningModule):
         self,
         spec: Optional[DataSpec] = None,
         size: ModelSize = "tiny",
-        patch_size: int = 8,
+        vision: Optional[VisionConfig] = None,
         max_text_len: int = 32,
         kernels: Optional[KernelConfig] = None,
         optimizer: Optional[OptimizerConfig] = None,
@@ -75,7 +76,8 @@ class StageModule(L.LightningModule):
         Args:
             spec: Data shapes the model is built for; ``uma fit`` links it from the data module.
             size: Backbone size: a preset name (tiny, small, 1b, 7b), a YAML file, or a dict of dimensions.
-            patch_size: Camera frames are cut into square patches of this many pixels.
+            vision: How camera frames become tokens: ``tokenizer`` patches (``patch_size``) or
+                keypoints (``n_keypoints``, ``channels``); see ``VisionConfig``.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
             kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
                 sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu,
@@ -90,9 +92,8 @@ class StageModule(L.LightningModule):
         if spec is None:
             raise ValueError(f"{type(self).__name__} needs the data spec: pass spec=datamodule.spec (uma fit links it for you)")
         self.spec = DataSpec(**spec) if isinstance(spec, dict) else spec
-        self.model_config = RobotModelConfig(
-            backbone=load_size(size), spec=self.spec, patch_size=patch_size, max_text_len=max_text_len
-        )
+        vision = VisionConfig(**vision) if isinstance(vision, dict) else vision or VisionConfig()
+        self.model_config = RobotModelConfig(backbone=load_size(size), spec=self.spec, vision=vision, max_text_len=max_text_len)
         self.kernels = KernelConfig(**kernels) if isinstance(kernels, dict) else kernels or KernelConfig()
         if isinstance(optimizer, dict):
             optimizer = OptimizerConfig(**optimizer)
@@ -104,7 +105,7 @@ class StageModule(L.LightningModule):
             {
                 "spec": dataclasses.asdict(self.spec),
                 "size": dataclasses.asdict(self.model_config.backbone),
-                "patch_size": patch_size,
+                "vision": dataclasses.asdict(vision),
                 "max_text_len": max_text_len,
                 "kernels": dataclasses.asdict(self.kernels),
                 "optimizer": dataclasses.asdict(self.optimizer_config),

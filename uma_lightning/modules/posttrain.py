@@ -25,6 +25,7 @@ from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig, RobotFl
 from uma_lightning.models.flow_matching import noisy_sample, sample_time, velocity_loss
 from uma_lightning.models.lora import add_lora
 from uma_lightning.models.sizes import ModelSize
+from uma_lightning.models.tokenizers import VisionConfig
 from uma_lightning.modules.base import OptimizerConfig, StageModule
 from uma_lightning.modules.init_from import KeyMapping
 
@@ -51,7 +52,7 @@ class PosttrainModule(StageModule):
         self,
         spec: Optional[DataSpec] = None,
         size: ModelSize = "tiny",
-        patch_size: int = 8,
+        vision: Optional[VisionConfig] = None,
         max_text_len: int = 32,
         kernels: Optional[KernelConfig] = None,
         optimizer: Optional[OptimizerConfig] = None,
@@ -67,7 +68,8 @@ class PosttrainModule(StageModule):
         Args:
             spec: Data shapes the model is built for; ``uma fit`` links it from the data module.
             size: Backbone size: a preset name, a YAML file, or a dict of dimensions (the checkpoint's).
-            patch_size: Camera frames are cut into square patches of this many pixels.
+            vision: How camera frames become tokens: ``tokenizer`` patches (``patch_size``) or
+                keypoints (``n_keypoints``, ``channels``); see ``VisionConfig``.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
             kernels: Implementation of each op (see ``PretrainModule``).
             optimizer: AdamW and learning-rate schedule settings.
@@ -82,7 +84,7 @@ class PosttrainModule(StageModule):
             ema_decay: Keep an exponential moving average of the weights with this decay, used for
                 evaluation, prediction and export; None keeps none.
         """
-        super().__init__(spec, size, patch_size, max_text_len, kernels, optimizer, init_from, normalization)
+        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization)
         as_config = lambda value, kind: kind(**value) if isinstance(value, dict) else (value or kind())  # noqa: E731
         self.expert_config = as_config(expert, ActionExpertConfig)
         self.flow = as_config(flow, FlowMatchingConfig)

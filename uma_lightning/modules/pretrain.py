@@ -16,6 +16,7 @@ from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig
 from uma_lightning.models import RobotTransformer, training_flops_per_sample
 from uma_lightning.models.sizes import ModelSize
+from uma_lightning.models.tokenizers import VisionConfig
 from uma_lightning.modules.base import OptimizerConfig, StageModule
 
 
@@ -24,7 +25,7 @@ class PretrainModule(StageModule):
         self,
         spec: Optional[DataSpec] = None,
         size: ModelSize = "tiny",
-        patch_size: int = 8,
+        vision: Optional[VisionConfig] = None,
         max_text_len: int = 32,
         n_action_bins: int = 256,
         kernels: Optional[KernelConfig] = None,
@@ -36,7 +37,8 @@ class PretrainModule(StageModule):
         Args:
             spec: Data shapes the model is built for; ``uma fit`` links it from the data module.
             size: Backbone size: a preset name (tiny, small, 1b, 7b), a YAML file, or a dict of dimensions.
-            patch_size: Camera frames are cut into square patches of this many pixels.
+            vision: How camera frames become tokens: ``tokenizer`` patches (``patch_size``) or
+                keypoints (``n_keypoints``, ``channels``); see ``VisionConfig``.
             max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
             n_action_bins: Each normalised action dimension is discretised into this many uniform bins.
             kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
@@ -46,7 +48,7 @@ class PretrainModule(StageModule):
             init_from: Checkpoint of an earlier run to start from (weights only). None: random weights.
             normalization: State and action normalisation of the data; ``uma`` links it from the data module.
         """
-        super().__init__(spec, size, patch_size, max_text_len, kernels, optimizer, init_from, normalization)
+        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization)
         self.model_config = dataclasses.replace(self.model_config, n_action_bins=n_action_bins)
         self.hparams.update({"n_action_bins": n_action_bins})
 

@@ -72,6 +72,17 @@ def apply_tp(model: RobotTransformer, tp_mesh) -> str:
             "action_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         },
     )
+    if model.instruction_pooling is not None:
+        parallelize_module(
+            model,
+            tp_mesh,
+            {
+                # The pooling mixes the replicated byte embeddings with the plain text_mask: done on local
+                # tensors, and its result enters the replicated image tokenizer as a replicated DTensor.
+                "instruction_pooling": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None), use_local_output=True),
+                "image_tokenizer": PrepareModuleInput(input_layouts=(Replicate(), Replicate()), desired_input_layouts=(Replicate(), Replicate())),
+            },
+        )
     parallelize_module(model.backbone, tp_mesh, {"": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False)})
     for block in model.backbone.layers:
         parallelize_module(
