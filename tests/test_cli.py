@@ -119,6 +119,14 @@ def test_unknown_init_arg_of_the_model_suggests(tmp_path, capsys):
     assert_short_error(code, err, recipe, "takes no argument 'max_text_lenn'", "did you mean 'max_text_len'?")
 
 
+def test_unknown_key_of_a_dataclass_argument_names_it_and_suggests(tmp_path, capsys):
+    recipe = write_recipe(tmp_path, {"model": {"init_args": {"vision": {"tokenizr": "keypoints"}}}})
+    code, _, err = run_main(["fit", "--config", recipe], capsys)
+    assert_short_error(code, err, recipe, "unknown key 'model.vision.tokenizr': model.vision takes no key 'tokenizr'", "did you mean 'tokenizer'?")
+    code, _, err = run_main(["fit", "--config", RECIPE, "--model.optimizer", '{"lrr": 1}'], capsys)
+    assert_short_error(code, err, "model.optimizer takes no key 'lrr'", "did you mean 'lr'?")
+
+
 def test_wrong_type_names_key_and_value(capsys):
     code, _, err = run_main(["fit", "--config", RECIPE, "--trainer.max_steps", "ten"], capsys)
     assert_short_error(code, err, "trainer.max_steps: expected int, got 'ten'")

@@ -7,10 +7,12 @@ the config file that set the offending key, and suggests the nearest valid name.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
 import re
+import typing
 from pathlib import Path
 
 import yaml
@@ -52,6 +54,13 @@ def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = (), 
         class_path = class_match.group(1)
         if option := re.search(r"Option '([^']+)' is not accepted", problem):
             name = option.group(1)
+            group, *nested = key.split(".")
+            if nested:  # a key of a dataclass argument, e.g. model.vision
+                full = f"{key}.{name}"
+                return (
+                    f"{located.where(full, name)}unknown key {full!r}: {key} takes no key {name!r}"
+                    f"{_did_you_mean(name, _nested_fields(class_path, nested))}"
+                )
             full = f"{key}.init_args.{name}"
             return (
                 f"{located.where(full, name)}unknown key {full!r}: {class_path} takes no argument {name!r}"
@@ -119,6 +128,20 @@ def _init_params(class_path: str) -> list[str]:
         if "__init__" in vars(klass):
             params += [p for p in inspect.signature(klass.__init__).parameters if p not in ("self", "args", "kwargs")]
     return params
+
+
+def _nested_fields(class_path: str, path: list[str]) -> list[str]:
+    """Field names of the dataclass at ``path`` inside ``class_path``'s arguments (``["vision"]``), or []."""
+    annotation = _import(class_path)
+    for name in path:
+        hints = {}
+        for klass in inspect.getmro(annotation) if inspect.isclass(annotation) else ():
+            if "__init__" in vars(klass):
+                hints = {**typing.get_type_hints(klass.__init__), **hints}
+        annotation = next((t for t in typing.get_args(hints.get(name)) or (hints.get(name),) if dataclasses.is_dataclass(t)), None)
+        if annotation is None:
+            return []
+    return [field.name for field in dataclasses.fields(annotation)]
 
 
 def _class_candidates(class_path: str) -> list[str]:
