@@ -58,6 +58,14 @@ class ProgressLog(Callback):
             log.info("trained %d steps in %s", steps, _duration(time.monotonic() - self._start))
 
     @rank_zero_only
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning skips the training loop (and its start and end hooks) when a resumed run is
+        # already at max_steps, e.g. after a crash between the last checkpoint and the exit.
+        if self._start is None and 0 < trainer.max_steps <= trainer.global_step:
+            log.info("trained 0 steps: the run is already at step %d (trainer.max_steps %d); raise max_steps to train on",
+                     trainer.global_step, trainer.max_steps)
+
+    @rank_zero_only
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return

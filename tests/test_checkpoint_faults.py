@@ -39,6 +39,10 @@ def staging_dirs(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.name.startswith(".staging-")] if root.is_dir() else []
 
 
+def file_stamps(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
 def assert_committed_checkpoints_are_valid(root: Path) -> None:
     for _, path in committed(root):
         assert verify(path) == [], f"a committed checkpoint is corrupt: {path}"
@@ -111,3 +115,14 @@ def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result
     losses = client.get_metric_history(run.info.run_id, "train/loss")
     assert {m.step for m in losses} >= set(range(kills[-1][3], MAX_STEPS))  # the steps of the last attempt
     assert max(m.step for m in losses) == MAX_STEPS - 1
+
+    # A kill after the last checkpoint but before the exit leaves the MLflow run unfinished; the
+    # rerun then has nothing to train, must say so, leave the checkpoints alone and finish the run.
+    client.set_terminated(run.info.run_id, status="KILLED")
+    checkpoints_before = file_stamps(checkpoints)
+    rerun_log = tmp_path / "rerun.log"
+    assert forked_cli.run(command, rerun_log, tmp_path, timeout=300) == 0, rerun_log.read_text()[-3000:]
+    assert f"trained 0 steps: the run is already at step {MAX_STEPS} (trainer.max_steps {MAX_STEPS})" in rerun_log.read_text()
+    assert file_stamps(checkpoints) == checkpoints_before
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == len(losses)

@@ -13,7 +13,7 @@ import pytest
 from uma_lightning.data.generate import CAMERA, Rollout, rollout_expert
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, DatasetError, LeRobotMetadata
 from uma_lightning.data.writer import LeRobotWriter
-from uma_lightning.data.video import VideoError, decode_frames_at, decode_video, encode_video
+from uma_lightning.data.video import VideoError, decode_frames_at, decode_video, encode_video, rgb_to_yuv420p
 from uma_lightning.sim import PlanarArmConfig, PlanarArmEnv
 
 FPS = 10.0
@@ -83,6 +83,18 @@ def test_video_encoding_is_deterministic(tmp_path, rollouts):
     encode_video(rollouts[0].frames, tmp_path / "a.mp4", FPS)
     encode_video(rollouts[0].frames, tmp_path / "b.mp4", FPS)
     assert sha256(tmp_path / "a.mp4") == sha256(tmp_path / "b.mp4")
+
+
+def test_colour_conversion_gives_bt601_limited_range_with_block_mean_chroma():
+    red, green, blue, white = (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)
+    expected_yuv = {red: (81, 90, 240), green: (145, 54, 34), blue: (41, 240, 110), white: (235, 128, 128), (0, 0, 0): (16, 128, 128)}
+    for rgb, (y, cb, cr) in expected_yuv.items():
+        planes = rgb_to_yuv420p(np.full((2, 4, 3), rgb, dtype=np.uint8))
+        assert planes.shape == (3, 4)
+        assert planes[:2].tolist() == [[y] * 4] * 2 and planes[2].tolist() == [cb, cb, cr, cr]
+    # A 2x2 block half red, half blue: its chroma is the mean of the two colours'.
+    block = np.array([[red, blue], [blue, red]], dtype=np.uint8)
+    assert rgb_to_yuv420p(block)[2:].reshape(-1).tolist() == [165, 175]
 
 
 def test_frames_at_timestamps_match_the_decoded_frames(tmp_path, rollouts):

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # Bump whenever the simulator, expert or file format changes what gets written: the version is
 # part of the cache folder name, so stale datasets are never reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 DATASET_NAMES = ("planar_arm",)
 CAMERA = "observation.images.top"
 

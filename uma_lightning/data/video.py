@@ -41,11 +41,35 @@ class VideoError(RuntimeError):
     """A video file is missing, unreadable, or lacks a requested frame."""
 
 
+# BT.601 limited range (what decoders assume for an untagged stream), in units of 1/2**16.
+_Y_FROM_RGB = np.array([16829, 33039, 6416])
+_CB_FROM_RGB = np.array([-9714, -19070, 28784])
+_CR_FROM_RGB = np.array([28784, -24103, -4681])
+
+
+def rgb_to_yuv420p(image: np.ndarray) -> np.ndarray:
+    """uint8 RGB [H, W, 3] -> the planar yuv420p layout PyAV takes, uint8 [H * 3 / 2, W].
+
+    Integer arithmetic in numpy rather than FFmpeg's swscale: the result is the same on every
+    CPU and FFmpeg build (swscale's SIMD paths and threading are not bit-identical across them),
+    so the encoded bytes depend only on the frames. Chroma is computed from each 2x2 block's mean.
+    """
+    rgb = image.astype(np.int64)
+    height, width = image.shape[:2]
+    luma = (rgb @ _Y_FROM_RGB + (16 << 16) + (1 << 15)) >> 16
+    blocks = rgb.reshape(height // 2, 2, width // 2, 2, 3).sum(axis=(1, 3))  # 4x the block mean
+    cb = (blocks @ _CB_FROM_RGB + (128 << 18) + (1 << 17)) >> 18
+    cr = (blocks @ _CR_FROM_RGB + (128 << 18) + (1 << 17)) >> 18
+    planes = [luma.reshape(-1), cb.reshape(-1), cr.reshape(-1)]
+    return np.concatenate(planes).astype(np.uint8).reshape(height * 3 // 2, width)
+
+
 class VideoStreamWriter:
     """Appends uint8 RGB frames [T, H, W, 3] to one H.264 (yuv420p) mp4; several episodes may share a file.
 
-    A short GOP keeps random access cheap; a single encoder thread and no B-frames make the output
-    bytes a pure function of the input, so regenerating a dataset reproduces the same files.
+    A short GOP keeps random access cheap. The colour conversion is ours (`rgb_to_yuv420p`), the
+    encoder runs one thread without B-frames and the muxer writes no version string, so the
+    output bytes are a pure function of the input: regenerating a dataset reproduces the same files.
     """
 
     def __init__(self, path: str | Path, fps: float, height: int, width: int, crf: int = 20, gop: int = 2, preset: str = "fast"):
@@ -55,7 +79,7 @@ class VideoStreamWriter:
         self.rate = Fraction(fps).limit_denominator(1001)
         self.shape = (height, width, 3)
         self.frames = 0
-        self._container = av.open(str(self.path), mode="w")
+        self._container = av.open(str(self.path), mode="w", options={"fflags": "+bitexact"})
         self._stream = self._container.add_stream("libx264", rate=self.rate)
         self._stream.width, self._stream.height, self._stream.pix_fmt = width, height, "yuv420p"
         self._stream.options = {"crf": str(crf), "g": str(gop), "bf": "0", "preset": preset, "threads": "1"}
@@ -67,7 +91,7 @@ class VideoStreamWriter:
             raise ValueError(f"{self.path}: frames must be uint8 [T >= 1, {', '.join(map(str, self.shape))}], got {frames.dtype} {frames.shape}")
         start = self.frames
         for image in frames:
-            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            frame = av.VideoFrame.from_ndarray(rgb_to_yuv420p(image), format="yuv420p")
             frame.pts, frame.time_base = self.frames, 1 / self.rate
             self._container.mux(self._stream.encode(frame))
             self.frames += 1
