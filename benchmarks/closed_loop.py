@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -39,12 +40,12 @@ from uma_lightning.sim.planar_arm import PlanarArmEnv  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train(stage: str, workdir: Path, steps: int, init_from: Path | None) -> Path:
+def train(stage: str, workdir: Path, steps: int, init_from: Path | None, extra: list[str]) -> Path:
     run_dir = workdir / stage
     command = [
         str(Path(sys.executable).parent / "uma"), "fit", "--config", str(REPO / "recipes" / f"{stage}.yaml"),
         "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(run_dir), "--trainer.logger", "false",
-        "--trainer.val_check_interval", str(max(steps // 4, 1)),
+        "--trainer.val_check_interval", str(max(steps // 4, 1)), *extra,
     ]
     if init_from is not None:
         command += ["--model.init_from", str(init_from)]
@@ -122,14 +123,16 @@ def main() -> None:
     parser.add_argument("--pretrain", type=Path, help="use this pretraining checkpoint instead of training")
     parser.add_argument("--midtrain", type=Path, help="use this mid-training checkpoint instead of training")
     parser.add_argument("--posttrain", type=Path, help="use this post-training checkpoint instead of training")
+    parser.add_argument("--stage-args", default="", help="more uma fit arguments for every stage, e.g. \"--model.vision '{tokenizer: keypoints}'\"")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-    pretrain = args.pretrain or train("pretrain", workdir, args.pretrain_steps, None)
-    midtrain = args.midtrain or train("midtrain", workdir, args.midtrain_steps, pretrain)
-    posttrain = args.posttrain or train("posttrain", workdir, args.posttrain_steps, midtrain)
+    extra = shlex.split(args.stage_args)
+    pretrain = args.pretrain or train("pretrain", workdir, args.pretrain_steps, None, extra)
+    midtrain = args.midtrain or train("midtrain", workdir, args.midtrain_steps, pretrain, extra)
+    posttrain = args.posttrain or train("posttrain", workdir, args.posttrain_steps, midtrain, extra)
 
     rows, sensitivity = [], {}
     candidates = [("post-trained (flow matching, EMA)", posttrain), ("mid-trained (action tokens)", midtrain), ("pre-trained (action tokens)", pretrain)]

@@ -79,10 +79,10 @@ def test_v30_holds_many_episodes_per_file_and_reads_the_same_samples_as_v21(v21,
     tasks = pq.read_table(v30 / "meta" / "tasks.parquet").to_pandas()
     assert tasks.index.name == "task" and tasks.loc[old.tasks[0], "task_index"] == 0
 
-    a, b = FrameDataset(old, n_obs_steps=2, action_horizon=3), FrameDataset(new, n_obs_steps=2, action_horizon=3)
+    a, b = (FrameDataset(meta, n_obs_steps=2, action_horizon=3, environment_state=True) for meta in (old, new))
     for row in range(0, len(a), 7):
         x, y = a[row], b[row]
-        for key in ("state", "actions", "obs_mask", "action_mask", "episode_index", "frame_index", "sample_id"):
+        for key in ("state", "actions", "obs_mask", "action_mask", "episode_index", "frame_index", "sample_id", "environment_state"):
             assert torch.equal(x[key], y[key]), key
         assert x["instruction"] == y["instruction"]
         # Re-encoded once more by the conversion: close, not equal.

@@ -43,6 +43,7 @@ BATCH_KEYS = {
     "frame_index",
     "sample_id",
     "dataset_index",
+    "environment_state",  # the embedded dataset records one
 }
 
 
@@ -101,8 +102,9 @@ def test_history_and_chunk_are_padded_and_masked_at_episode_edges(meta):
 
 
 def test_sample_dtypes_and_shapes(meta):
-    sample = FrameDataset(meta, n_obs_steps=2, action_horizon=4)[0]
+    sample = FrameDataset(meta, n_obs_steps=2, action_horizon=4, environment_state=True)[0]
     assert set(sample) == BATCH_KEYS
+    assert set(FrameDataset(meta, n_obs_steps=2, action_horizon=4)[0]) == BATCH_KEYS - {"environment_state"}  # only when asked for
     assert sample["images"].dtype == torch.uint8 and sample["images"].shape == (2, 1, 32, 32, 3)
     assert sample["state"].dtype == torch.float32 and sample["state"].shape == (2, 5)
     assert sample["actions"].dtype == torch.float32 and sample["actions"].shape == (4, 3)
@@ -261,7 +263,8 @@ def test_datamodule_worker_batches_follow_the_contract(tiny_root):
         persistent_workers=False,
     )
     assert dm.spec == DataSpec(
-        cameras=(CAMERA,), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10.0
+        cameras=(CAMERA,), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10.0,
+        environment_state_dim=2,
     )
     dm.setup("fit")
     for batch in (next(iter(dm.train_dataloader())), next(iter(dm.val_dataloader()))):
@@ -275,6 +278,7 @@ def test_datamodule_worker_batches_follow_the_contract(tiny_root):
             "episode_index": (torch.int64, (8,)),
             "frame_index": (torch.int64, (8,)),
             "sample_id": (torch.int64, (8,)),
+            "environment_state": (torch.float32, (8, 2)),
         }
         assert {k: (batch[k].dtype, tuple(batch[k].shape)) for k in expected} == expected
         assert isinstance(batch["instruction"], list) and len(batch["instruction"]) == 8

@@ -198,12 +198,13 @@ def test_ddp_fsdp_tp_match_one_process(tmp_path):
     assert results["ddp"]["bitwise_vs_accumulation"]
 
 
-def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer(tmp_path):
-    """The FiLM pooling mixes replicated embeddings with the plain text mask: the TP plan must handle it.
-    Losses and every step's gradients match one process; the final update is not judged, since AdamW
-    amplifies the rounding of near-zero gradients of the zero-initialised conditioning beyond its tolerance."""
+def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environment_state_head(tmp_path):
+    """The FiLM pooling mixes replicated embeddings with the plain text mask, and the environment-state
+    head reads the gathered hidden states: the TP plan must handle both. Losses and every step's
+    gradients match one process; the final update is not judged, since AdamW amplifies the rounding
+    of near-zero gradients of the zero-initialised conditioning beyond its tolerance."""
     vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
-    _, results = run_parity(tmp_path, "tp", "--model.vision", json.dumps(vision))
+    _, results = run_parity(tmp_path, "tp", "--model.vision", json.dumps(vision), "--model.environment_state_weight", "0.5")
     assert results["tp"]["initial_param_diff"] == 0.0
     assert results["tp"]["max_loss_diff"] <= TOLERANCES["tp"].loss
     assert results["tp"]["first_divergence"] is None, results["tp"]

@@ -175,6 +175,8 @@ class RobotDataModule(L.LightningDataModule):
             n_obs_steps=n_obs_steps,
             action_horizon=action_horizon,
             fps=first.fps,
+            # Only when every dataset of a mixture records it with the same size: a batch holds it for all samples or none.
+            environment_state_dim=first.environment_state_dim if len({m.environment_state_dim for m in self.metadata}) == 1 else 0,
         )
         for source, meta in zip(sources[1:], self.metadata[1:]):
             shape = (len(meta.cameras), meta.image_size, meta.state_dim, meta.action_dim, meta.fps)
@@ -280,6 +282,7 @@ class RobotDataModule(L.LightningDataModule):
             max_open_files=hp.max_open_files,
             window=Window.of_steps(hp.n_obs_steps, hp.action_horizon, self.metadata[d].fps),
             dataset_index=d,
+            environment_state=self.spec.environment_state_dim > 0,
         )
 
     def _loader(self, sets: Optional[list[FrameDataset]], config: OrderConfig, resumable: bool) -> RobotDataLoader:

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from uma_lightning.data.cache import LRU
-from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, DatasetError, EpisodeData, LeRobotMetadata
+from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, STATE_KEY, DatasetError, EpisodeData, LeRobotMetadata
 from uma_lightning.data.video import VideoError, VideoReader
 
 NormMode = Literal["mean_std", "min_max", "quantile"]
@@ -122,6 +122,7 @@ class FrameDataset(Dataset):
         max_open_files: int = 64,
         window: Window | None = None,
         dataset_index: int = 0,
+        environment_state: bool = False,
     ) -> None:
         n_total = len(metadata.episodes)
         self.episodes = tuple(range(n_total)) if episodes is None else tuple(int(e) for e in episodes)
@@ -140,6 +141,11 @@ class FrameDataset(Dataset):
         self.dataset_index = dataset_index
         self.state_normalizer = Normalizer.from_stats(state_norm, metadata.stats[STATE_KEY], STATE_KEY)
         self.action_normalizer = Normalizer.from_stats(action_norm, metadata.stats[ACTION_KEY], ACTION_KEY)
+        self.environment_state_normalizer = None  # samples carry the current frame's environment state when set
+        if environment_state:
+            if not metadata.environment_state_dim or ENV_STATE_KEY not in metadata.stats:
+                raise DatasetError(f"{metadata.root}: no {ENV_STATE_KEY!r} feature with statistics, which the environment-state loss needs")
+            self.environment_state_normalizer = Normalizer.from_stats("mean_std", metadata.stats[ENV_STATE_KEY], ENV_STATE_KEY)
         self.lengths = np.array([metadata.episodes[e].length for e in self.episodes], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
         self._pid: int | None = None
@@ -177,7 +183,7 @@ class FrameDataset(Dataset):
         self._check_times(episode, data, t, obs_rows, obs_mask, self.window.observation)
         self._check_times(episode, data, t, action_rows, action_mask, self.window.action)
         images = np.stack([self._frames(episode, camera, data.timestamp[obs_rows]) for camera in self.metadata.cameras], axis=1)
-        return {
+        sample = {
             "images": torch.from_numpy(images),
             "obs_mask": torch.from_numpy(obs_mask),
             "state": torch.from_numpy(data.state[obs_rows]),
@@ -189,6 +195,9 @@ class FrameDataset(Dataset):
             "sample_id": torch.tensor(int(data.global_index[t]), dtype=torch.int64),
             "dataset_index": torch.tensor(self.dataset_index, dtype=torch.int64),
         }
+        if data.environment_state is not None:
+            sample["environment_state"] = torch.from_numpy(data.environment_state[t])
+        return sample
 
     # ---- reading through the caches ------------------------------------------------------------
 
@@ -217,6 +226,8 @@ class FrameDataset(Dataset):
                 frame_index=raw.frame_index,
                 global_index=raw.global_index,
                 task_index=raw.task_index,
+                environment_state=None if self.environment_state_normalizer is None
+                else self.environment_state_normalizer.normalize(raw.environment_state).astype(np.float32),
             )
 
         return decoded.get(("episode", episode), load)

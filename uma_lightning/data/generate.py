@@ -88,22 +88,24 @@ class Rollout:
     actions: np.ndarray  # float32 [T, action_dim]
     instruction: str
     success: bool
+    environment_states: np.ndarray  # float32 [T, 2]: the named target's position
 
 
 def rollout_expert(env: PlanarArmEnv, seed: int) -> Rollout:
     """One scripted-expert episode; each recorded step pairs an observation with the action taken from it."""
     obs, _ = env.reset(seed=seed)
-    frames, states, actions = [], [], []
+    frames, states, actions, environment_states = [], [], [], []
     done, info = False, {"success": False}
     while not done:
         action = env.expert_action()
         frames.append(obs["image"])
         states.append(obs["state"])
         actions.append(action)
+        environment_states.append(env.environment_state())
         obs, _, terminated, truncated, info = env.step(action)
         done = terminated or truncated
     return Rollout(
-        np.stack(frames), np.stack(states), np.stack(actions).astype(np.float32), obs["instruction"], info["success"]
+        np.stack(frames), np.stack(states), np.stack(actions).astype(np.float32), obs["instruction"], info["success"], np.stack(environment_states)
     )
 
 
@@ -121,6 +123,7 @@ def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed
         image_size=(image_size, image_size),
         state_names=env.state_names,
         action_names=env.action_names,
+        environment_state_names=env.environment_state_names,
         robot_type="planar_arm",
     ) as writer:
         written = attempts = 0
@@ -133,7 +136,7 @@ def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed
             rollout = rollout_expert(env, episode_seed)
             if not rollout.success:  # only successful demonstrations are worth imitating
                 continue
-            writer.add_episode({CAMERA: rollout.frames}, rollout.states, rollout.actions, rollout.instruction)
+            writer.add_episode({CAMERA: rollout.frames}, rollout.states, rollout.actions, rollout.instruction, rollout.environment_states)
             written += 1
             if written % log_every == 0 or written == n_episodes:
                 logger.info("%d/%d episodes (%.1fs)", written, n_episodes, time.perf_counter() - start)

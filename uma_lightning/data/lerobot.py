@@ -45,6 +45,10 @@ V3_VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d
 V3_EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
+# What the simulator knew but the robot does not observe (LeRobot's name); here the named target's
+# position, the regression target of an optional auxiliary loss that teaches the vision pathway.
+ENV_STATE_KEY = "observation.environment_state"
+VECTOR_KEYS = (STATE_KEY, ACTION_KEY, ENV_STATE_KEY)  # float vectors per frame (the last optional)
 INDEX_KEYS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
 
 
@@ -90,10 +94,12 @@ class EpisodeData:
     frame_index: np.ndarray  # int64 [T]
     global_index: np.ndarray  # int64 [T], the "index" column
     task_index: np.ndarray  # int64 [T]
+    environment_state: np.ndarray | None = None  # float32 [T, environment_state_dim], when the dataset has it
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in ("state", "action", "timestamp", "frame_index", "global_index", "task_index"))
+        arrays = (self.state, self.action, self.timestamp, self.frame_index, self.global_index, self.task_index, self.environment_state)
+        return sum(array.nbytes for array in arrays if array is not None)
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,11 @@ class LeRobotMetadata:
         return int(self.features[STATE_KEY]["shape"][0])
 
     @property
+    def environment_state_dim(self) -> int:
+        """Size of the environment state each frame records; 0 when the dataset has none."""
+        return int(self.features[ENV_STATE_KEY]["shape"][0]) if ENV_STATE_KEY in self.features else 0
+
+    @property
     def action_dim(self) -> int:
         return int(self.features[ACTION_KEY]["shape"][0])
 
@@ -210,7 +221,8 @@ class LeRobotMetadata:
         Consecutive timestamps must be 1/fps apart within `tolerance_s`: a gap is a missing frame."""
         episode = self.episodes[episode_index]
         path = self.data_path(episode_index)
-        columns = self._read(episode_index, path, (STATE_KEY, ACTION_KEY, *INDEX_KEYS), open_parquet, check_schema=True)
+        optional = (ENV_STATE_KEY,) if self.environment_state_dim else ()
+        columns = self._read(episode_index, path, (STATE_KEY, ACTION_KEY, *optional, *INDEX_KEYS), open_parquet, check_schema=True)
         where = f"episode {episode_index}: {path}"
         length = episode.length
         if not np.array_equal(columns["frame_index"], np.arange(length)):
@@ -227,6 +239,8 @@ class LeRobotMetadata:
                 f"{where}: no frame at timestamp {before + 1.0 / self.fps:.6f}s (frames at {before:.6f}s and "
                 f"{after:.6f}s are not 1/{self.fps:g} s apart, tolerance {tolerance_s}s)"
             )
+        for key in (STATE_KEY, ACTION_KEY, *optional):  # vectors of one element are stored as scalar columns
+            columns[key] = columns[key].reshape(length, -1)
         return EpisodeData(
             index=episode_index,
             state=columns[STATE_KEY],
@@ -235,6 +249,7 @@ class LeRobotMetadata:
             frame_index=columns["frame_index"],
             global_index=columns["index"],
             task_index=columns["task_index"],
+            environment_state=columns.get(ENV_STATE_KEY),
         )
 
     def read_columns(self, episode_index: int, keys: Sequence[str]) -> dict[str, np.ndarray]:

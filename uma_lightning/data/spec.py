@@ -13,6 +13,12 @@ A collated training batch is a dict:
     frame_index   int64   [B]
     sample_id     int64   [B]                  global frame index in the dataset, stable across runs
     dataset_index int64   [B]                  which dataset of a mixture the sample comes from (0 without one)
+
+and, when every dataset records one (``environment_state_dim`` > 0):
+
+    environment_state float32 [B, environment_state_dim]  what the simulator knew at the sample's frame
+                                                (the named target's position), normalised; never a model
+                                                input, only the target of an auxiliary loss
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class DataSpec:
     n_obs_steps: int
     action_horizon: int
     fps: float
+    environment_state_dim: int = 0
 
     def __post_init__(self) -> None:
         # YAML and JSON give lists; keep the spec hashable and comparable.

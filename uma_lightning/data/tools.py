@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from uma_lightning.data.generate import default_cache_dir
-from uma_lightning.data.lerobot import ACTION_KEY, INDEX_KEYS, STATE_KEY, DatasetError, LeRobotMetadata
+from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, INDEX_KEYS, STATE_KEY, VECTOR_KEYS, DatasetError, LeRobotMetadata
 from uma_lightning.data.stats import compute_stats, stats_to_json
 from uma_lightning.data.storage import Storage, StorageError
 from uma_lightning.data.video import VideoError, VideoReader
@@ -154,11 +154,12 @@ def run_stats(metadata: LeRobotMetadata, cameras: bool, frame_stride: int, write
 
 def convert_dataset(metadata: LeRobotMetadata, target: Path, version: str, data_file_mb: float, video_file_mb: float) -> None:
     """Rewrite every episode (low-dimensional columns as they are, video decoded and re-encoded)."""
-    dropped = [k for k, f in metadata.features.items() if f["dtype"] != "video" and k not in (STATE_KEY, ACTION_KEY, *INDEX_KEYS)]
+    vectors = [key for key in VECTOR_KEYS if key in metadata.features]
+    dropped = [k for k, f in metadata.features.items() if f["dtype"] != "video" and k not in (*vectors, *INDEX_KEYS)]
     if dropped:
-        logger.warning("convert: columns %s are not carried over (the writer knows cameras, state and action)", dropped)
+        logger.warning("convert: columns %s are not carried over (the writer knows cameras, state, action and environment state)", dropped)
     features = metadata.features
-    names = {key: features[key].get("names") or [f"{key}.{i}" for i in range(features[key]["shape"][0])] for key in (STATE_KEY, ACTION_KEY)}
+    names = {key: features[key].get("names") or [f"{key}.{i}" for i in range(features[key]["shape"][0])] for key in vectors}
     start = last = time.perf_counter()
     readers: dict[Path, VideoReader] = {}  # v3.0 sources: one reader per file, decoding its episodes in order
     with LeRobotWriter(
@@ -168,6 +169,7 @@ def convert_dataset(metadata: LeRobotMetadata, target: Path, version: str, data_
         image_size=metadata.image_size,
         state_names=names[STATE_KEY],
         action_names=names[ACTION_KEY],
+        environment_state_names=names.get(ENV_STATE_KEY, ()),
         robot_type=metadata.info.get("robot_type", "unknown"),
         version=version,
         data_file_mb=data_file_mb,
@@ -185,7 +187,7 @@ def convert_dataset(metadata: LeRobotMetadata, target: Path, version: str, data_
                     readers = {path: VideoReader(path)}
                 times = episode.videos[camera][1] + data.timestamp.astype(np.float64)
                 frames[camera] = readers[path].frames_at(times, tolerance_s=1e-4)
-            writer.add_episode(frames, data.state, data.action, metadata.tasks[data.task_index[0]])
+            writer.add_episode(frames, data.state, data.action, metadata.tasks[data.task_index[0]], data.environment_state)
             now = time.perf_counter()
             if now - last >= 5.0 or episode.index + 1 == n:
                 logger.info("convert: %d/%d episodes (%.1fs)", episode.index + 1, n, now - start)

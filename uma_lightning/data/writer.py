@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from uma_lightning.data.lerobot import (
     ACTION_KEY,
     CHUNKS_SIZE,
+    ENV_STATE_KEY,
     INDEX_KEYS,
     STATE_KEY,
     V2_DATA_PATH,
@@ -29,6 +30,7 @@ from uma_lightning.data.lerobot import (
     V3_DATA_PATH,
     V3_EPISODES_PATH,
     V3_VIDEO_PATH,
+    VECTOR_KEYS,
     arrow_schema,
 )
 from uma_lightning.data.stats import array_stats, channel_histogram, histogram_stats, stats_to_json
@@ -57,6 +59,7 @@ class LeRobotWriter:
         image_size: tuple[int, int],
         state_names: Sequence[str],
         action_names: Sequence[str],
+        environment_state_names: Sequence[str] = (),
         robot_type: str = "unknown",
         crf: int = 20,
         version: Version = "v2.1",
@@ -78,7 +81,9 @@ class LeRobotWriter:
         self.version = version
         self.data_file_bytes = int(data_file_mb * 2**20)
         self.video_file_bytes = int(video_file_mb * 2**20)
-        self.features = self._features(list(state_names), list(action_names))
+        self.features = self._features(list(state_names), list(action_names), list(environment_state_names))
+        # The float vectors every frame has, whose statistics meta/stats.json keeps.
+        self.vector_keys = tuple(key for key in VECTOR_KEYS if key in self.features)
         self.schema = arrow_schema(self.features)
         self.partial = self.root.with_name(self.root.name + ".partial")
         if self.partial.exists():
@@ -88,8 +93,7 @@ class LeRobotWriter:
         self._tasks: dict[str, int] = {}
         self._episodes: list[dict[str, Any]] = []
         self._episode_stats: list[dict[str, Any]] = []
-        self._states: list[np.ndarray] = []
-        self._actions: list[np.ndarray] = []
+        self._vectors: dict[str, list[np.ndarray]] = {key: [] for key in self.vector_keys}
         self._histograms = {camera: np.zeros((3, 256), dtype=np.int64) for camera in self.cameras}
         self._total_frames = 0
         # v3.0: the open data file and one open video file per camera, with their (chunk, file) indices.
@@ -105,17 +109,20 @@ class LeRobotWriter:
             self._close_files()
             shutil.rmtree(self.partial, ignore_errors=True)
 
-    def add_episode(self, frames: Mapping[str, np.ndarray], state: np.ndarray, action: np.ndarray, task: str) -> int:
+    def add_episode(
+        self, frames: Mapping[str, np.ndarray], state: np.ndarray, action: np.ndarray, task: str, environment_state: np.ndarray | None = None
+    ) -> int:
         """Write one episode: per-camera uint8 frames [T, H, W, 3], state [T, state_dim],
-        action [T, action_dim] and its instruction. Returns the episode index."""
+        action [T, action_dim], its instruction and, when the writer was given
+        ``environment_state_names``, the environment state [T, environment_state_dim].
+        Returns the episode index."""
         episode_index = len(self._episodes)
-        state, action = self._check_episode(episode_index, frames, state, action, task)
-        length = len(state)
+        vectors = self._check_episode(episode_index, frames, {STATE_KEY: state, ACTION_KEY: action, ENV_STATE_KEY: environment_state}, task)
+        length = len(vectors[STATE_KEY])
         task_index = self._tasks.setdefault(task, len(self._tasks))
         frame_index = np.arange(length, dtype=np.int64)
         columns = {
-            STATE_KEY: state,
-            ACTION_KEY: action,
+            **vectors,
             "timestamp": (frame_index / self.fps).astype(np.float32),
             "frame_index": frame_index,
             "episode_index": np.full(length, episode_index, dtype=np.int64),
@@ -123,7 +130,7 @@ class LeRobotWriter:
             "task_index": np.full(length, task_index, dtype=np.int64),
         }
         table = pa.table([_to_arrow(columns[f.name], f.type) for f in self.schema], schema=self.schema)
-        stats = {STATE_KEY: array_stats(state), ACTION_KEY: array_stats(action)}
+        stats = {key: array_stats(values) for key, values in vectors.items()}
         row: dict[str, Any] = {"episode_index": episode_index, "tasks": [task], "length": length}
         if self.version == "v2.1":
             data_path = self.partial / self._v2_path(V2_DATA_PATH, episode_index)
@@ -143,8 +150,8 @@ class LeRobotWriter:
             self._histograms[camera] += histogram
             stats[camera] = histogram_stats(histogram)
 
-        self._states.append(state)
-        self._actions.append(action)
+        for key, values in vectors.items():
+            self._vectors[key].append(values)
         self._episodes.append(row)
         self._episode_stats.append({"episode_index": episode_index, "stats": stats_to_json(stats)})
         self._total_frames += length
@@ -156,10 +163,7 @@ class LeRobotWriter:
             raise ValueError(f"{self.root}: cannot finalize a dataset without episodes")
         self._close_files()
         meta = self.partial / "meta"
-        stats = {
-            STATE_KEY: array_stats(np.concatenate(self._states)),
-            ACTION_KEY: array_stats(np.concatenate(self._actions)),
-        }
+        stats = {key: array_stats(np.concatenate(values)) for key, values in self._vectors.items()}
         stats.update({camera: histogram_stats(h) for camera, h in self._histograms.items()})
         _write_json(meta / "stats.json", stats_to_json(stats))
         if self.version == "v2.1":
@@ -262,7 +266,7 @@ class LeRobotWriter:
 
     # ---- checks and layout ---------------------------------------------------------------------
 
-    def _features(self, state_names: list[str], action_names: list[str]) -> dict[str, Any]:
+    def _features(self, state_names: list[str], action_names: list[str], environment_state_names: list[str]) -> dict[str, Any]:
         height, width = self.image_size
         video_info = {
             "video.fps": self.fps,
@@ -285,27 +289,34 @@ class LeRobotWriter:
         }
         features[STATE_KEY] = {"dtype": "float32", "shape": [len(state_names)], "names": state_names}
         features[ACTION_KEY] = {"dtype": "float32", "shape": [len(action_names)], "names": action_names}
+        if environment_state_names:
+            features[ENV_STATE_KEY] = {"dtype": "float32", "shape": [len(environment_state_names)], "names": environment_state_names}
         features["timestamp"] = {"dtype": "float32", "shape": [1], "names": None}
         for key in INDEX_KEYS[1:]:
             features[key] = {"dtype": "int64", "shape": [1], "names": None}
         return features
 
-    def _check_episode(
-        self, episode: int, frames: Mapping[str, np.ndarray], state: Any, action: Any, task: str
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _check_episode(self, episode: int, frames: Mapping[str, np.ndarray], given: Mapping[str, Any], task: str) -> dict[str, np.ndarray]:
         where = f"{self.root} episode {episode}"
         if not isinstance(task, str) or not task.strip():
             raise ValueError(f"{where}: task must be a non-empty string, got {task!r}")
-        state = np.asarray(state, dtype=np.float32)
-        action = np.asarray(action, dtype=np.float32)
-        for key, values in ((STATE_KEY, state), (ACTION_KEY, action)):
+        extra = [key for key, values in given.items() if values is not None and key not in self.vector_keys]
+        if extra:
+            raise ValueError(f"{where}: {extra[0]} given, but the writer was created without its names")
+        vectors = {}
+        for key in self.vector_keys:
+            if given[key] is None:
+                raise ValueError(f"{where}: {key} is missing")
+            values = vectors[key] = np.asarray(given[key], dtype=np.float32)
             expected = self.features[key]["shape"][0]
             if values.ndim != 2 or values.shape[1] != expected or len(values) == 0:
                 raise ValueError(f"{where}: {key} must be [T >= 1, {expected}], got {values.shape}")
             if not np.all(np.isfinite(values)):
                 raise ValueError(f"{where}: {key} contains non-finite values")
-        if len(action) != len(state):
-            raise ValueError(f"{where}: {len(state)} states but {len(action)} actions")
+            if len(values) != len(vectors[STATE_KEY]):
+                rows = "actions" if key == ACTION_KEY else f"rows of {key}"
+                raise ValueError(f"{where}: {len(vectors[STATE_KEY])} states but {len(values)} {rows}")
+        state = vectors[STATE_KEY]
         if set(frames) != set(self.cameras):
             raise ValueError(f"{where}: frames for cameras {sorted(frames)}, expected {sorted(self.cameras)}")
         for camera, images in frames.items():
@@ -314,7 +325,7 @@ class LeRobotWriter:
                 raise ValueError(
                     f"{where}: {camera} frames must be uint8 {expected_shape}, got {images.dtype} {images.shape}"
                 )
-        return state, action
+        return vectors
 
     def _v2_path(self, template: str, episode_index: int, camera: str = "") -> str:
         return template.format(episode_chunk=episode_index // CHUNKS_SIZE, episode_index=episode_index, video_key=camera)
@@ -328,7 +339,7 @@ def _next_file(chunk_file: tuple[int, int]) -> tuple[int, int]:
 def _to_arrow(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
     if pa.types.is_fixed_size_list(arrow_type):
         return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), arrow_type.list_size)
-    return pa.array(values, type=arrow_type)
+    return pa.array(values.reshape(len(values)), type=arrow_type)  # a vector of one is a scalar column, as LeRobot stores it
 
 
 def _write_tasks_parquet(path: Path, tasks: Mapping[str, int]) -> None:

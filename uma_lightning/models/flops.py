@@ -23,7 +23,15 @@ def count_parameters(cfg: RobotModelConfig) -> int:
     embeddings = (ByteTokenizer.vocab_size + len(spec.cameras) + cfg.n_action_bins + spec.action_dim) * b.dim
     state = spec.state_dim * b.dim + b.dim
     head = b.dim * cfg.n_action_bins
-    return b.n_layers * per_layer + b.dim + patch + embeddings + state + head
+    return b.n_layers * per_layer + b.dim + patch + embeddings + state + head + _environment_state_head_parameters(cfg)
+
+
+def _environment_state_head_parameters(cfg: RobotModelConfig) -> int:
+    return (cfg.backbone.dim + 1) * cfg.spec.environment_state_dim if cfg.environment_state_head else 0
+
+
+def _environment_state_head_flops(cfg: RobotModelConfig) -> int:
+    return 2 * cfg.backbone.dim * cfg.spec.environment_state_dim if cfg.environment_state_head else 0
 
 
 def _image_tokenizer_parameters(cfg: RobotModelConfig) -> int:
@@ -70,7 +78,7 @@ def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
         "image_features": _image_tokenizer_flops(cfg)[1],
         "backbone_linear": 2 * b.n_layers * seq * _linear_per_token(b),
         "attention": 4 * b.n_layers * b.n_heads * seq * seq * b.head_dim,
-        "head": 2 * cfg.n_action_tokens * b.dim * cfg.n_action_bins,
+        "head": 2 * cfg.n_action_tokens * b.dim * cfg.n_action_bins + _environment_state_head_flops(cfg),
     }
 
 
@@ -83,8 +91,9 @@ def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerCon
     """Training FLOPs of one sample of the flow-matching model (``flow.py``), every parameter trainable:
     the backbone over the prefix, the action expert over the chunk attending to prefix and chunk.
 
-    The expert reads only the keys and values of the backbone's last layer, so that layer's query,
-    attention, output projection and feed-forward run forward but get no backward.
+    The expert reads only the keys and values of the backbone's last layer, so without an
+    environment-state head (which reads the last layer's output) that layer's query, attention,
+    output projection and feed-forward run forward but get no backward.
     """
     b, prefix, horizon, action_dim = cfg.backbone, cfg.prefix_len, cfg.spec.action_horizon, cfg.spec.action_dim
     w = expert.dim
@@ -97,9 +106,10 @@ def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerCon
         + 2 * expert.n_layers * horizon * _linear_per_token(expert)
         + 4 * expert.n_layers * expert.n_heads * horizon * (prefix + horizon) * expert.head_dim
         + 2 * horizon * (2 * w * w + w * w + w * action_dim)  # action-time MLP and output projection
+        + _environment_state_head_flops(cfg)
     )
     key_value_projection = 2 * b.dim * b.n_kv_heads * b.head_dim
-    forward_only = 2 * prefix * (_linear_per_token(b) - key_value_projection) + backbone_attention
+    forward_only = 0 if cfg.environment_state_head else 2 * prefix * (_linear_per_token(b) - key_value_projection) + backbone_attention
     return 2 * data_fed + 3 * trained - 2 * forward_only
 
 

@@ -57,9 +57,10 @@ class ActionExpertConfig:
 class RobotFlowTransformer(RobotBase):
     def __init__(self, cfg: RobotModelConfig, expert: ActionExpertConfig | None = None):
         super().__init__(cfg, max_seq_len=cfg.prefix_len)
-        # Only the prefix's keys and values are read, never its final hidden states: the final norm
-        # gets no gradient, which data-parallel wrappers would wait for.
-        self.backbone.norm.weight.requires_grad_(False)
+        # The action expert reads only the prefix's keys and values, not its final hidden states: without
+        # an environment-state head (which reads them) the final norm gets no gradient, which
+        # data-parallel wrappers would wait for.
+        self.backbone.norm.weight.requires_grad_(cfg.environment_state_head)
         self.expert_config = (expert or ActionExpertConfig()).transformer_config(cfg.backbone)
         width, action_dim = self.expert_config.dim, cfg.spec.action_dim
         self.action_in = nn.Linear(action_dim, width)
@@ -95,10 +96,14 @@ class RobotFlowTransformer(RobotBase):
         text_mask: torch.Tensor,
         noisy_actions: torch.Tensor,
         t: torch.Tensor,
-    ) -> torch.Tensor:
-        """Predicted velocity [B, horizon, action_dim] (the training path)."""
-        _, cache = self.encode_prefix(images, state, text_ids, text_mask)
-        return self.velocity(cache, noisy_actions, t)
+        *,
+        with_environment_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Predicted velocity [B, horizon, action_dim] (the training path); ``with_environment_state``
+        returns (velocity, the predicted environment state [B, dim])."""
+        hidden, cache = self.encode_prefix(images, state, text_ids, text_mask)
+        velocity = self.velocity(cache, noisy_actions, t)
+        return (velocity, self.predict_environment_state(hidden[:, -1])) if with_environment_state else velocity
 
     def predict_actions(
         self,

@@ -13,6 +13,7 @@ action token i+1, so the last prefix token predicts the first action.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,13 @@ class RobotModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     max_text_len: int = 32
     n_action_bins: int = 256
+    # A linear head on the last prefix token that predicts the data's environment state (see
+    # spec.py): an auxiliary target that teaches the vision pathway to locate what the task names.
+    environment_state_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.environment_state_head and not self.spec.environment_state_dim:
+            raise ValueError("environment_state_head needs data that records an environment state (spec.environment_state_dim is 0)")
 
     @property
     def tokens_per_image(self) -> int:
@@ -80,6 +88,7 @@ class RobotBase(nn.Module):
         self.camera_embed = nn.Embedding(len(spec.cameras), dim)
         self.state_proj = nn.Linear(spec.state_dim, dim)
         self.backbone = Transformer(cfg.backbone, max_seq_len=max_seq_len)
+        self.environment_state_head = nn.Linear(dim, spec.environment_state_dim) if cfg.environment_state_head else None
         self.kernels = KernelConfig()
 
     def set_kernels(self, kernels: KernelConfig) -> None:
@@ -93,6 +102,8 @@ class RobotBase(nn.Module):
         self.image_tokenizer.reset_parameters()
         self.state_proj.reset_parameters()
         self.backbone.init_weights()
+        if self.environment_state_head is not None:
+            self.environment_state_head.reset_parameters()
 
     def embed_prefix(self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
         """[B, prefix_len, dim] from images [B, T, C, H, W, 3] uint8, state [B, T, state_dim], text ids and mask [B, L]."""
@@ -111,6 +122,12 @@ class RobotBase(nn.Module):
         """[B, prefix_len], True on real tokens: every token but the instruction's padding bytes."""
         obs = torch.ones(text_mask.shape[0], self.cfg.prefix_len - text_mask.shape[1], dtype=torch.bool, device=text_mask.device)
         return torch.cat((text_mask, obs), dim=1)
+
+    def predict_environment_state(self, last_prefix_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, environment_state_dim] from the final hidden state [B, dim] of the last prefix token."""
+        if self.environment_state_head is None:
+            raise ValueError("this model has no environment-state head: build it with RobotModelConfig(environment_state_head=True)")
+        return self.environment_state_head(last_prefix_hidden)
 
     def encode_prefix(
         self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
@@ -155,7 +172,8 @@ class RobotTransformer(RobotBase):
         action_tokens: torch.Tensor,
         *,
         loss_targets: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        with_environment_state: bool = False,
+    ) -> Any:
         """Logits [B, n_action_tokens, n_bins] for every action token, given all previous ones.
 
         With ``loss_targets`` (bin ids [B, n_action_tokens], -100 where a token does not count) it
@@ -163,6 +181,8 @@ class RobotTransformer(RobotBase):
         cross-entropy kernel, which never holds all the logits. The loss is the mean over samples of
         each sample's token mean, so data-parallel shards average to the whole batch's loss. Inside ``forward``, so wrappers
         that hook it (FSDP, DDP) see the head's weight used.
+
+        ``with_environment_state`` returns (that output, the predicted environment state [B, dim]).
         """
         prefix = self.embed_prefix(images, state, text_ids, text_mask)
         h = torch.cat((prefix, self.embed_actions(action_tokens[:, :-1])), dim=1)
@@ -170,8 +190,10 @@ class RobotTransformer(RobotBase):
         hidden = self.backbone(h, prefix_len=prefix.shape[1], key_padding_mask=torch.cat((text_mask, real), dim=1))
         hidden = hidden[:, prefix.shape[1] - 1 :]  # the states that predict each action token
         if loss_targets is None:
-            return self.action_head(hidden)
-        return linear_cross_entropy(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy, per_sample=True)
+            out = self.action_head(hidden)
+        else:
+            out = linear_cross_entropy(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy, per_sample=True)
+        return (out, self.predict_environment_state(hidden[:, 0])) if with_environment_state else out
 
     def predict_actions(
         self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor

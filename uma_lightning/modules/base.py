@@ -4,7 +4,8 @@ subclass ``StageModule``; research code subclasses one of them and overrides one
 - ``build_model()``: the ``nn.Module`` to train (called once, inside the strategy's init context);
 - ``compute_loss(batch)``: a dict with the scalar ``"loss"``, any other scalars to log, and
   optionally ``"predicted_tokens"`` and ``"target_tokens"`` ([B, n] each, targets < 0 ignored), from
-  which evaluation measures each sample's token accuracy, averaged over all its samples;
+  which evaluation measures each sample's token accuracy, averaged over all its samples
+  (``add_environment_state_loss`` adds the optional auxiliary loss to such a dict);
 - ``build_optimizer(params)`` and ``build_scheduler(optimizer)``: what ``configure_optimizers`` returns.
 
 Evaluation (``uma validate``, ``uma test``, validation during ``uma fit``) logs the loss, token
@@ -25,6 +26,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
@@ -57,9 +59,13 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
 
 
+ENVIRONMENT_STATE_HEAD = ("environment_state_head.*",)
+
+
 class StageModule(L.LightningModule):
-    #: What may differ between this stage's model and an ``init_from`` checkpoint.
-    key_mapping = KeyMapping()
+    #: What may differ between this stage's model and an ``init_from`` checkpoint: the environment-state
+    #: head is optional in every stage.
+    key_mapping = KeyMapping(fresh=ENVIRONMENT_STATE_HEAD, dropped=ENVIRONMENT_STATE_HEAD)
 
     def __init__(
         self,
@@ -71,6 +77,7 @@ class StageModule(L.LightningModule):
         optimizer: Optional[OptimizerConfig] = None,
         init_from: Optional[str] = None,
         normalization: Optional[dict] = None,
+        environment_state_weight: float = 0.0,
     ):
         """
         Args:
@@ -87,13 +94,26 @@ class StageModule(L.LightningModule):
                 schedule and step start afresh). None starts from random weights.
             normalization: State and action normalisation of the data (mode, offset, scale, names);
                 ``uma`` links it from the data module, and checkpoints keep it for inference.
+            environment_state_weight: Weight of an auxiliary loss: the mean squared error of a linear
+                head on the last observation token predicting the data's (normalised) environment
+                state, e.g. where the named target is. 0 builds no head. Needs data that records one.
         """
         super().__init__()
         if spec is None:
             raise ValueError(f"{type(self).__name__} needs the data spec: pass spec=datamodule.spec (uma fit links it for you)")
         self.spec = DataSpec(**spec) if isinstance(spec, dict) else spec
+        if environment_state_weight < 0:
+            raise ValueError(f"environment_state_weight must be >= 0, got {environment_state_weight}")
+        if environment_state_weight and not self.spec.environment_state_dim:
+            raise ValueError(
+                f"environment_state_weight {environment_state_weight} needs data that records observation.environment_state; "
+                "this data has none (or not every dataset of the mixture has it)"
+            )
+        self.environment_state_weight = float(environment_state_weight)
         vision = VisionConfig(**vision) if isinstance(vision, dict) else vision or VisionConfig()
-        self.model_config = RobotModelConfig(backbone=load_size(size), spec=self.spec, vision=vision, max_text_len=max_text_len)
+        self.model_config = RobotModelConfig(
+            backbone=load_size(size), spec=self.spec, vision=vision, max_text_len=max_text_len, environment_state_head=environment_state_weight > 0
+        )
         self.kernels = KernelConfig(**kernels) if isinstance(kernels, dict) else kernels or KernelConfig()
         if isinstance(optimizer, dict):
             optimizer = OptimizerConfig(**optimizer)
@@ -111,6 +131,7 @@ class StageModule(L.LightningModule):
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": init_from,
                 "normalization": normalization,
+                "environment_state_weight": self.environment_state_weight,
             },
             logger=False,
         )
@@ -125,6 +146,15 @@ class StageModule(L.LightningModule):
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(batch)")
+
+    def add_environment_state_loss(self, out: dict[str, torch.Tensor], predicted: torch.Tensor | None, batch: dict) -> dict[str, torch.Tensor]:
+        """With a prediction of the environment state ([B, dim], None without the head), add its
+        weighted mean squared error to ``out["loss"]`` and report the parts (``action_loss``,
+        ``environment_state_mse``: 1.0 is no better than predicting the dataset mean)."""
+        if predicted is None:
+            return out
+        mse = F.mse_loss(predicted.float(), batch["environment_state"].float())
+        return {**out, "loss": out["loss"] + self.environment_state_weight * mse, "action_loss": out["loss"].detach(), "environment_state_mse": mse.detach()}
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
         cfg = self.optimizer_config

@@ -39,7 +39,7 @@ class ActionError(Metric):
     def compute(self) -> dict[str, torch.Tensor]:
         steps = self.count.clamp(min=1)[:, None]
         total = self.count.sum().clamp(min=1)
-        mse, l1 = self.squared / steps, self.absolute / steps
+        mse = self.squared / steps
         out = {
             f"{self.prefix}action_mse": self.squared.sum() / (total * mse.shape[1]),
             f"{self.prefix}action_l1": self.absolute.sum() / (total * mse.shape[1]),

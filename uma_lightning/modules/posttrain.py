@@ -26,7 +26,7 @@ from uma_lightning.models.flow_matching import noisy_sample, sample_time, veloci
 from uma_lightning.models.lora import add_lora
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.models.tokenizers import VisionConfig
-from uma_lightning.modules.base import OptimizerConfig, StageModule
+from uma_lightning.modules.base import ENVIRONMENT_STATE_HEAD, OptimizerConfig, StageModule
 from uma_lightning.modules.init_from import KeyMapping
 
 log = logging.getLogger("uma_lightning")
@@ -44,8 +44,8 @@ class LoraConfig:
 class PosttrainModule(StageModule):
     # The discrete action head of earlier stages is replaced by the action expert, which starts fresh.
     key_mapping = KeyMapping(
-        fresh=("action_in.*", "action_time_mlp.*", "expert.*", "action_out.*", "*.lora_a", "*.lora_b"),
-        dropped=("action_embed.*", "action_dim_embed.*", "action_head.*"),
+        fresh=("action_in.*", "action_time_mlp.*", "expert.*", "action_out.*", "*.lora_a", "*.lora_b", *ENVIRONMENT_STATE_HEAD),
+        dropped=("action_embed.*", "action_dim_embed.*", "action_head.*", *ENVIRONMENT_STATE_HEAD),
     )
 
     def __init__(
@@ -63,6 +63,7 @@ class PosttrainModule(StageModule):
         freeze: Optional[list[str]] = None,
         lora: Optional[LoraConfig] = None,
         ema_decay: Optional[float] = None,
+        environment_state_weight: float = 0.0,
     ):
         """
         Args:
@@ -83,8 +84,9 @@ class PosttrainModule(StageModule):
             lora: LoRA adapters on chosen linear layers (their own weights freeze).
             ema_decay: Keep an exponential moving average of the weights with this decay, used for
                 evaluation, prediction and export; None keeps none.
+            environment_state_weight: Weight of the auxiliary environment-state loss (see ``StageModule``); 0: none.
         """
-        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization)
+        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization, environment_state_weight)
         as_config = lambda value, kind: kind(**value) if isinstance(value, dict) else (value or kind())  # noqa: E731
         self.expert_config = as_config(expert, ActionExpertConfig)
         self.flow = as_config(flow, FlowMatchingConfig)
@@ -119,8 +121,11 @@ class PosttrainModule(StageModule):
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=actions.device)
         t = sample_time(actions.shape[0], self.flow, device=actions.device)
         noisy, target = noisy_sample(actions, torch.randn_like(actions), t)
-        velocity = model(batch["images"], batch["state"], text_ids, text_mask, noisy, t)
-        return {"loss": velocity_loss(velocity, target, batch["action_mask"])}
+        if self.environment_state_weight:
+            velocity, environment_state = model(batch["images"], batch["state"], text_ids, text_mask, noisy, t, with_environment_state=True)
+        else:
+            velocity, environment_state = model(batch["images"], batch["state"], text_ids, text_mask, noisy, t), None
+        return self.add_environment_state_loss({"loss": velocity_loss(velocity, target, batch["action_mask"])}, environment_state, batch)
 
     # ---- model set-up: freezing, EMA ----------------------------------------------------------
 

@@ -32,6 +32,7 @@ class PretrainModule(StageModule):
         optimizer: Optional[OptimizerConfig] = None,
         init_from: Optional[str] = None,
         normalization: Optional[dict] = None,
+        environment_state_weight: float = 0.0,
     ):
         """
         Args:
@@ -47,8 +48,9 @@ class PretrainModule(StageModule):
             optimizer: AdamW and learning-rate schedule settings.
             init_from: Checkpoint of an earlier run to start from (weights only). None: random weights.
             normalization: State and action normalisation of the data; ``uma`` links it from the data module.
+            environment_state_weight: Weight of the auxiliary environment-state loss (see ``StageModule``); 0: none.
         """
-        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization)
+        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization, environment_state_weight)
         self.model_config = dataclasses.replace(self.model_config, n_action_bins=n_action_bins)
         self.hparams.update({"n_action_bins": n_action_bins})
 
@@ -69,9 +71,15 @@ class PretrainModule(StageModule):
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
         targets = model.action_binner.encode(batch["actions"]).flatten(1)  # [B, horizon * action_dim]
         real = batch["action_mask"].repeat_interleave(self.spec.action_dim, dim=1)
-        loss, predicted = model(batch["images"], batch["state"], text_ids, text_mask, targets, loss_targets=targets.masked_fill(~real, -100))
+        inputs = (batch["images"], batch["state"], text_ids, text_mask, targets)
+        loss_targets = targets.masked_fill(~real, -100)
+        if self.environment_state_weight:
+            (loss, predicted), environment_state = model(*inputs, loss_targets=loss_targets, with_environment_state=True)
+        else:
+            (loss, predicted), environment_state = model(*inputs, loss_targets=loss_targets), None
         accuracy = (((predicted == targets) & real).sum(1) / real.sum(1).clamp(min=1)).mean()
-        return {"loss": loss, "token_accuracy": accuracy, "predicted_tokens": predicted, "target_tokens": targets.masked_fill(~real, -1)}
+        out = {"loss": loss, "token_accuracy": accuracy, "predicted_tokens": predicted, "target_tokens": targets.masked_fill(~real, -1)}
+        return self.add_environment_state_loss(out, environment_state, batch)
 
     @property
     def tokens_per_sample(self) -> int:

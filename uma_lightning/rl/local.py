@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 import signal
 import sys
 import time

@@ -25,6 +25,7 @@ INSTRUCTION_TEMPLATES: tuple[str, ...] = ("reach the {} {}", "move to the {} {}"
 
 STATE_NAMES: tuple[str, ...] = ("q1", "q2", "ee_x", "ee_y", "gripper")
 ACTION_NAMES: tuple[str, ...] = ("dq1", "dq2", "gripper")
+ENVIRONMENT_STATE_NAMES: tuple[str, ...] = ("goal_x", "goal_y")
 
 BACKGROUND = (205, 205, 205)
 LINK_COLOUR = (70, 70, 70)
@@ -120,6 +121,7 @@ class PlanarArmEnv:
 
     state_names = STATE_NAMES
     action_names = ACTION_NAMES
+    environment_state_names = ENVIRONMENT_STATE_NAMES
     state_dim = len(STATE_NAMES)
     action_dim = len(ACTION_NAMES)
     action_low = -1.0
@@ -196,6 +198,10 @@ class PlanarArmEnv:
         """Base, elbow and end-effector positions, shape [3, 2]."""
         elbow, end_effector = forward_kinematics(self.q, self.config.link_lengths)
         return np.stack([np.zeros(2), elbow, end_effector])
+
+    def environment_state(self) -> np.ndarray:
+        """What the robot does not observe directly: the named target's position, float32 [2]."""
+        return np.asarray(self.goal.position, dtype=np.float32)
 
     def goal_distance(self) -> float:
         """Distance from the end effector to the named target."""

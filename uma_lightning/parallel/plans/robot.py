@@ -8,7 +8,8 @@ Tensor parallel layout (Megatron style, with sequence parallelism):
 - sequence parallel: between those matmuls (norms, residual adds) each rank holds S / tp tokens.
 - the modality tokenizers and embeddings (under 1 % of the parameters) are replicated: every
   rank embeds the whole batch, then keeps its slice of the sequence for the backbone.
-- the action head is column-wise over the bins, its logits gathered so the loss sees them whole.
+- the action head is column-wise over the bins, its logits gathered so the loss sees them whole;
+  the optional environment-state head (a few outputs) is replicated and returns plain tensors.
 
 Every parameter becomes a DTensor on the tensor-parallel mesh, so gradient clipping, optimizers
 and checkpoints handle one kind of tensor.
@@ -72,6 +73,11 @@ def apply_tp(model: RobotTransformer, tp_mesh) -> str:
             "action_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         },
     )
+    if model.environment_state_head is not None:
+        distribute_module(model.environment_state_head, tp_mesh)
+        parallelize_module(
+            model, tp_mesh, {"environment_state_head": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)}
+        )
     if model.instruction_pooling is not None:
         parallelize_module(
             model,
