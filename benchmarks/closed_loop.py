@@ -13,6 +13,7 @@ target named in the instruction, another draw of its sampling noise; beside the 
 action when the named target changes. A policy that cannot see where its target is cannot succeed.
 
     python benchmarks/closed_loop.py                        # train everything (about 20 min on 2 CPU cores)
+    python benchmarks/closed_loop.py --config configs/vision/grounded.yaml   # the grounded-vision variant (about 35 min)
     python benchmarks/closed_loop.py --episodes 200 --posttrain runs/bench/posttrain/checkpoints
 """
 
@@ -123,13 +124,14 @@ def main() -> None:
     parser.add_argument("--pretrain", type=Path, help="use this pretraining checkpoint instead of training")
     parser.add_argument("--midtrain", type=Path, help="use this mid-training checkpoint instead of training")
     parser.add_argument("--posttrain", type=Path, help="use this post-training checkpoint instead of training")
+    parser.add_argument("--config", action="append", default=[], type=Path, help="a config fragment added to every stage, e.g. configs/vision/grounded.yaml")
     parser.add_argument("--stage-args", default="", help="more uma fit arguments for every stage, e.g. \"--model.vision '{tokenizer: keypoints}'\"")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-    extra = shlex.split(args.stage_args)
+    extra = [arg for fragment in args.config for arg in ("--config", str(fragment.resolve()))] + shlex.split(args.stage_args)
     pretrain = args.pretrain or train("pretrain", workdir, args.pretrain_steps, None, extra)
     midtrain = args.midtrain or train("midtrain", workdir, args.midtrain_steps, pretrain, extra)
     posttrain = args.posttrain or train("posttrain", workdir, args.posttrain_steps, midtrain, extra)

@@ -64,6 +64,14 @@ class ThroughputLogger(Callback):
         if self._peak:
             # Every device shares the work, tensor-parallel ones included.
             tflops = samples_per_sec / trainer.world_size * pl_module.flops_per_sample / 1e12
+            if tflops > self._peak:
+                # The peak cannot be below what the run achieves: a probe taken while other work held
+                # the CPU, or a wrong peak_tflops. The achieved rate is the better bound from now on.
+                log.warning(
+                    "MFU: %.3g TFLOP/s per device achieved, above the peak of %.3g (%s); using the achieved rate as the peak",
+                    tflops, self._peak, "the configured peak_tflops" if self.peak_tflops else "a matmul probe taken while the machine was busy",
+                )
+                self._peak = tflops
             rates["throughput/tflops_per_device"] = tflops
             rates["throughput/mfu_percent"] = 100 * tflops / self._peak
         pl_module.log_dict(rates, batch_size=batch_size)

@@ -71,6 +71,16 @@ def test_print_config_is_fully_resolved(capsys):
     }
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "midtrain", "posttrain"])
+def test_grounded_vision_fragment_adds_to_every_stage_recipe(stage, capsys):
+    code, out, err = run_main(["fit", "--config", str(REPO / f"recipes/{stage}.yaml"), "--config", str(REPO / "configs/vision/grounded.yaml"), "--print_config"], capsys)
+    assert code in (0, None), err
+    model, data = (yaml.safe_load(out)[key]["init_args"] for key in ("model", "data"))
+    assert model["vision"]["tokenizer"] == "keypoints" and model["vision"]["film"] and model["environment_state_weight"] == 10.0
+    assert model["optimizer"]["lr"] == 1e-3 and data["n_episodes"] == 2000
+    assert model["optimizer"]["warmup_steps"] == {"pretrain": 30, "midtrain": 30, "posttrain": 50}[stage]  # the recipe's, kept
+
+
 def test_any_key_can_be_overridden_on_the_command_line(capsys):
     config = resolved_config(["--model.size", "small", "--trainer.max_steps", "50", "--data.batch_size", "8"], capsys)
     assert config["model"]["init_args"]["size"]["dim"] == 768

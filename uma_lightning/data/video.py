@@ -42,26 +42,30 @@ class VideoError(RuntimeError):
 
 
 # BT.601 limited range (what decoders assume for an untagged stream), in units of 1/2**16.
-_Y_FROM_RGB = np.array([16829, 33039, 6416])
-_CB_FROM_RGB = np.array([-9714, -19070, 28784])
-_CR_FROM_RGB = np.array([28784, -24103, -4681])
+_Y_FROM_RGB = (16829, 33039, 6416)
+_CB_FROM_RGB = (-9714, -19070, 28784)
+_CR_FROM_RGB = (28784, -24103, -4681)
 
 
-def rgb_to_yuv420p(image: np.ndarray) -> np.ndarray:
-    """uint8 RGB [H, W, 3] -> the planar yuv420p layout PyAV takes, uint8 [H * 3 / 2, W].
+def _weighted(rgb: np.ndarray, weights: tuple[int, int, int]) -> np.ndarray:
+    return weights[0] * rgb[..., 0] + weights[1] * rgb[..., 1] + weights[2] * rgb[..., 2]
+
+
+def rgb_to_yuv420p(images: np.ndarray) -> np.ndarray:
+    """uint8 RGB [..., H, W, 3] -> the planar yuv420p layout PyAV takes, uint8 [..., H * 3 / 2, W].
 
     Integer arithmetic in numpy rather than FFmpeg's swscale: the result is the same on every
     CPU and FFmpeg build (swscale's SIMD paths and threading are not bit-identical across them),
     so the encoded bytes depend only on the frames. Chroma is computed from each 2x2 block's mean.
     """
-    rgb = image.astype(np.int64)
-    height, width = image.shape[:2]
-    luma = (rgb @ _Y_FROM_RGB + (16 << 16) + (1 << 15)) >> 16
-    blocks = rgb.reshape(height // 2, 2, width // 2, 2, 3).sum(axis=(1, 3))  # 4x the block mean
-    cb = (blocks @ _CB_FROM_RGB + (128 << 18) + (1 << 17)) >> 18
-    cr = (blocks @ _CR_FROM_RGB + (128 << 18) + (1 << 17)) >> 18
-    planes = [luma.reshape(-1), cb.reshape(-1), cr.reshape(-1)]
-    return np.concatenate(planes).astype(np.uint8).reshape(height * 3 // 2, width)
+    rgb = images.astype(np.int32)  # the largest sum, 4 pixels x 255 x 57568, fits in int32
+    *lead, height, width, _ = images.shape
+    luma = (_weighted(rgb, _Y_FROM_RGB) + (16 << 16) + (1 << 15)) >> 16
+    blocks = rgb.reshape(*lead, height // 2, 2, width // 2, 2, 3).sum(axis=(-4, -2))  # 4x the block mean
+    cb = (_weighted(blocks, _CB_FROM_RGB) + (128 << 18) + (1 << 17)) >> 18
+    cr = (_weighted(blocks, _CR_FROM_RGB) + (128 << 18) + (1 << 17)) >> 18
+    planes = [luma.reshape(*lead, -1), cb.reshape(*lead, -1), cr.reshape(*lead, -1)]
+    return np.concatenate(planes, axis=-1).astype(np.uint8).reshape(*lead, height * 3 // 2, width)
 
 
 class VideoStreamWriter:
@@ -90,8 +94,8 @@ class VideoStreamWriter:
         if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[1:] != self.shape or len(frames) == 0:
             raise ValueError(f"{self.path}: frames must be uint8 [T >= 1, {', '.join(map(str, self.shape))}], got {frames.dtype} {frames.shape}")
         start = self.frames
-        for image in frames:
-            frame = av.VideoFrame.from_ndarray(rgb_to_yuv420p(image), format="yuv420p")
+        for planes in rgb_to_yuv420p(frames):
+            frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
             frame.pts, frame.time_base = self.frames, 1 / self.rate
             self._container.mux(self._stream.encode(frame))
             self.frames += 1
