@@ -186,7 +186,8 @@ def test_parity_refuses_bad_arguments_before_training(capsys):
 @pytest.mark.slow
 def test_ddp_fsdp_tp_match_one_process(tmp_path):
     # One launch of two processes trains all three strategies; every second block is checkpointed.
-    code, results = run_parity(tmp_path, "ddp,fsdp,tp", "--activation-checkpointing", "ops", "--ac-every-n-blocks", "2")
+    # With the environment-state head, so the auxiliary loss is trained under each layout too.
+    code, results = run_parity(tmp_path, "ddp,fsdp,tp", "--activation-checkpointing", "ops", "--ac-every-n-blocks", "2", "--model.environment_state_weight", "0.5")
     for name, result in results.items():
         assert result["ok"], (name, result)
         assert result["initial_param_diff"] == 0.0
