@@ -148,8 +148,19 @@ def test_a_dataset_broken_at_normalisation_is_one_error_line(tmp_path):
     info = json.loads(info_path.read_text())
     info["features"][STATE_KEY]["names"] = ["shoulder", "elbow"]  # the state has 6 dimensions
     info_path.write_text(json.dumps(info))
+    # `uma fit` as the console script runs it, counting the process's native threads once the
+    # imports are done and again at exit: threads started in between (Arrow's pools, once) could
+    # abort the exit with "terminate called without an active exception".
+    script = (
+        "import atexit, os, sys\n"
+        "from uma_lightning.cli import main\n"
+        "threads = lambda: len(os.listdir('/proc/self/task'))\n"
+        "started = threads()\n"
+        "atexit.register(lambda: print('native threads started:', threads() - started))\n"
+        "main(sys.argv[1:])\n"
+    )
     result = subprocess.run(
-        [Path(sys.executable).parent / "uma", "fit", "--config", RECIPE, "--data.root", str(root), "--trainer.logger", "false"],
+        [sys.executable, "-c", script, "fit", "--config", RECIPE, "--data.root", str(root), "--trainer.logger", "false"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     lines = result.stderr.strip().splitlines()
@@ -158,3 +169,4 @@ def test_a_dataset_broken_at_normalisation_is_one_error_line(tmp_path):
         f"uma: error: {info_path}: feature '{STATE_KEY}' has 2 names for its shape [6] (6 dimensions): ['shoulder', 'elbow']"
     ), result.stderr
     assert sum("error" in line for line in lines) == 1, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "native threads started: 0"

