@@ -13,7 +13,8 @@ What this reproduces of lerobot 0.4's writer (`LeRobotDataset.save_episode` and 
   rolls over into the next chunk after `chunks_size` files;
 - v3.0: episode metadata is buffered and flushed every `META_BUFFER` episodes as a row group of the
   current meta/episodes file, with the episode's statistics as `stats/<feature>/<stat>` columns;
-- v2.1: one parquet file and one mp4 per episode and camera, in chunks of `chunks_size` episodes;
+- v2.1 (the layout of lerobot 0.3 and earlier): one parquet file and one mp4 per episode and camera,
+  in chunks of `chunks_size` episodes;
 - statistics per episode for every numeric feature (min, max, mean, std, count, quantiles q01 to q99;
   cameras per channel in [0, 1], shaped [3, 1, 1]), aggregated by count-weighted means into
   meta/stats.json;
