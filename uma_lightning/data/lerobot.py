@@ -196,7 +196,9 @@ class LeRobotMetadata:
         """The (height, width) samples carry for every camera: the largest camera's, so that no
         camera loses detail; smaller cameras are resized to it when read."""
         sizes = [self.camera_size(camera) for camera in self.cameras]
-        return max(sizes, key=lambda size: (size[0] * size[1], size)) if sizes else (0, 0)
+        if not sizes:
+            raise DatasetError(f"{self.storage.url('meta/info.json')}: no video feature; samples need at least one camera")
+        return max(sizes, key=lambda size: (size[0] * size[1], size))
 
     def feature_names(self, key: str) -> list[str]:
         """Names of a vector feature's dimensions, as meta/info.json gives them.
