@@ -3,12 +3,14 @@ each variant is read frame for frame and trained a few steps under the pretrain 
 broken where the CLI's config links read it stops `uma fit` with one clear line."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import av
 import numpy as np
+import pandas as pd
 import pytest
 
 import lerobot_conformance as conformance
@@ -119,6 +121,14 @@ def test_names_and_statistics_as_lerobot_leaves_them(written):
     # lerobot's extra quantiles and [3, 1, 1] camera statistics are read as written.
     h264 = LeRobotMetadata.load(written["v3.0-h264"])
     assert {"q01", "q10", "q50", "q90", "q99"} <= set(h264.stats[STATE_KEY]) and h264.stats[FRONT.key]["mean"].shape == (3, 1, 1)
+
+
+def test_task_text_in_a_named_pandas_index(written, tmp_path):
+    root = shutil.copytree(written["v3.0-av1"], tmp_path / "named")
+    tasks = pd.read_parquet(root / "meta" / "tasks.parquet")
+    tasks.index.name = "instruction"  # pandas keeps a named index as a column of that name
+    tasks.to_parquet(root / "meta" / "tasks.parquet")
+    assert LeRobotMetadata.load(root).tasks == conformance.TASKS
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
