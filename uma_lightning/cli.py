@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 import sys
 import warnings
 from argparse import SUPPRESS, ArgumentError
@@ -33,12 +34,16 @@ from uma_lightning.callbacks import TrainingHalted
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
+from uma_lightning.data.lerobot import DatasetError
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import StageModule
 from uma_lightning.parallel import MeshStrategy  # also registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp
 from uma_lightning.tracking import RecordRunConfig
 
 log = logging.getLogger("uma_lightning")
+
+# How jsonargparse words the ValueError it raises from an exception inside a link's compute_fn.
+_LINK_FAILURE = re.compile(r"Call to compute_fn of link '[^']*' with args")
 
 register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 
@@ -84,8 +89,14 @@ class UmaCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except (ValueError, TypeError, FileNotFoundError) as err:
-            # Raised by the configured classes' constructors: a config problem, not a crash.
+        except (ValueError, TypeError, FileNotFoundError, DatasetError) as err:
+            # Raised by the configured classes' constructors or by a link between them: a config or
+            # data problem, not a crash. jsonargparse wraps a link's exception in a message holding
+            # the repr of its arguments; report the exception itself.
+            while _LINK_FAILURE.match(str(err)) and err.__cause__ is not None:
+                err = err.__cause__
+            if isinstance(err, DatasetError):  # its message names the file and the key
+                raise ConfigError(str(err)) from err
             raise ConfigError(f"bad value in config: {problem_lines(str(err))[0]}") from err
 
     def add_arguments_to_parser(self, parser) -> None:

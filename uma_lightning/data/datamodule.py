@@ -263,11 +263,11 @@ class RobotDataModule(L.LightningDataModule):
         """The state and action normalisation of the first dataset (the model's robot) as plain values,
         with the dimension names; models keep it in their checkpoints so that inference undoes it
         without the dataset."""
-        features = self.metadata[0].features
+        meta = self.metadata[0]
         state, action = self.normalizers[0]
         return {
-            "state": {**state.to_dict(), "names": list(features[STATE_KEY]["names"])},
-            "action": {**action.to_dict(), "names": list(features[ACTION_KEY]["names"])},
+            "state": {**state.to_dict(), "names": meta.feature_names(STATE_KEY)},
+            "action": {**action.to_dict(), "names": meta.feature_names(ACTION_KEY)},
         }
 
     def _dataset(self, d: int, episodes: list[int]) -> FrameDataset:

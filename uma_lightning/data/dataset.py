@@ -242,9 +242,10 @@ class FrameDataset(Dataset):
         start = self.metadata.episodes[episode].videos[camera][1]
         try:
             reader = files.get(("video", str(path)), lambda: VideoReader(path))
-            return reader.frames_at(start + times, self.tolerance_s, cache=decoded)
+            frames = reader.frames_at(start + times, self.tolerance_s, cache=decoded)
         except VideoError as error:
             raise VideoError(f"episode {episode}: {error}") from error
+        return resize_frames(frames, self.metadata.image_size)
 
     def _check_times(
         self, episode: int, data: EpisodeData, t: int, rows: np.ndarray, inside: np.ndarray, offsets: tuple[float, ...]
@@ -257,6 +258,16 @@ class FrameDataset(Dataset):
                 f"episode {episode}: {self.metadata.data_path(episode)}: no frame at timestamp {wanted[k]:.6f}s "
                 f"(nearest is {data.timestamp[rows[k]]:.6f}s, tolerance {self.tolerance_s}s)"
             )
+
+
+def resize_frames(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """uint8 frames [N, h, w, 3] at (height, width) `size`: a camera smaller than a dataset's largest
+    is scaled up (bilinear) so that every camera of a sample has one shape."""
+    if frames.shape[1:3] == tuple(size):
+        return frames
+    pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
+    scaled = torch.nn.functional.interpolate(pixels, size=tuple(size), mode="bilinear", align_corners=False, antialias=True)
+    return scaled.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
 
 class _ParquetHandle(pq.ParquetFile):

@@ -67,7 +67,22 @@ def stats_to_json(stats: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, di
 
 
 def stats_from_json(stats: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, np.ndarray]]:
-    return {key: {name: np.asarray(value) for name, value in s.items()} for key, s in stats.items()}
+    """Numeric statistics per feature. Writers add their own (LeRobot: quantiles q01 to q99, image
+    statistics nested [3, 1, 1]); any that is not a numeric array is left out, since normalisation
+    names a statistic it needs and does not find."""
+    if not isinstance(stats, Mapping) or not all(isinstance(s, Mapping) for s in stats.values()):
+        raise ValueError("expected an object of features, each an object of statistics")
+    return {key: dict(_numeric_items(s)) for key, s in stats.items()}
+
+
+def _numeric_items(stats: Mapping[str, Any]):
+    for name, value in stats.items():
+        try:
+            array = np.asarray(value)
+        except ValueError:  # ragged nested lists
+            continue
+        if array.dtype.kind in "biuf":
+            yield name, array
 
 
 def compute_stats(

@@ -158,8 +158,7 @@ def convert_dataset(metadata: LeRobotMetadata, target: Path, version: str, data_
     dropped = [k for k, f in metadata.features.items() if f["dtype"] != "video" and k not in (*vectors, *INDEX_KEYS)]
     if dropped:
         logger.warning("convert: columns %s are not carried over (the writer knows cameras, state, action and environment state)", dropped)
-    features = metadata.features
-    names = {key: features[key].get("names") or [f"{key}.{i}" for i in range(features[key]["shape"][0])] for key in vectors}
+    names = {key: metadata.feature_names(key) for key in vectors}
     start = last = time.perf_counter()
     readers: dict[Path, VideoReader] = {}  # v3.0 sources: one reader per file, decoding its episodes in order
     with LeRobotWriter(
