@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule
 
 from uma_lightning.modules import PretrainModule
 
@@ -22,6 +22,23 @@ class NoisyPretrain(PretrainModule):
         if self.training:
             out["loss"] = out["loss"] + 1e-3 * (torch.rand(()) + float(np.random.rand()) + random.random())
         return out
+
+
+class LinearRegression(LightningModule):
+    """The smallest module a Trainer fits: one linear layer, eight batches of one sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=1)
 
 
 class RecordSteps(Callback):

@@ -34,6 +34,7 @@ from uma_lightning.checkpoint.codec import decode, encode, tensor_references
 from uma_lightning.checkpoint.manifest import CheckpointError, verify
 from uma_lightning.checkpoint.resume import choose_checkpoint
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+from uma_lightning.lightning_compat import forget_train_loader
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +234,4 @@ def _rebuild_train_loader(trainer: pl.Trainer) -> None:
     that loader its saved position (Lightning issue 20550). Dropping it makes the fit loop rebuild it
     and load the position first.
     """
-    fit_loop = trainer.fit_loop
-    if fit_loop._data_fetcher is not None:
-        fit_loop._data_fetcher.teardown()
-        fit_loop._data_fetcher = None
-    fit_loop._combined_loader = None
+    forget_train_loader(trainer)
