@@ -1,5 +1,5 @@
 """Test-only Lightning pieces for the resume tests: a module whose loss draws from every random generator,
-recorders that write what each step saw, and an injected crash."""
+recorders that write what each step saw, injected faults, and a hostile pickle."""
 
 import json
 import os
@@ -39,6 +39,15 @@ class LinearRegression(LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=1)
+
+
+class RunsCommand:
+    """Unpickling it runs ``touch <marker>``: what a hostile checkpoint index would hold."""
+
+    marker: Path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 class RecordSteps(Callback):
