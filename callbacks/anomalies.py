@@ -44,6 +44,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 
 from uma_lightning.callbacks.rollback import roll_back
+from uma_lightning.lightning_compat import set_log_step
 from uma_lightning.tracking import log_artifact, log_step_metrics
 
 log = logging.getLogger("uma_lightning")
@@ -156,7 +157,7 @@ class GradientAnomalies(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         if self._logging_step is not None:
             # Metrics after a rollback go on the restored step's axis (Lightning advances it after each step).
-            trainer.fit_loop.epoch_loop._batches_that_stepped = self._logging_step
+            set_log_step(trainer, self._logging_step)
             self._logging_step = None
         if self.blocked_samples:
             self._leave_out_blocked(trainer, batch)

@@ -25,6 +25,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
+from uma_lightning.lightning_compat import cluster_environment
 
 log = logging.getLogger("uma_lightning")
 
@@ -109,7 +110,7 @@ class Preemption(Callback):
 
     def _requeue_if_asked(self, signum: int) -> None:
         trainer = self._trainer
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = cluster_environment(trainer)
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue and signum == environment.requeue_signal):
             return
         if not trainer.is_global_zero:

@@ -34,7 +34,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from uma_lightning.tracking import current_log_step, log_step_metrics
+from uma_lightning.lightning_compat import fetch_hook, log_step, set_fetch_hook
+from uma_lightning.tracking import log_step_metrics
 
 log = logging.getLogger("uma_lightning")
 
@@ -144,7 +145,7 @@ class StepTimeBreakdown(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self._marks["end"] = _mark(self._on_cuda)
-        step = _Step(current_log_step(trainer), self._marks, self._data_wait, self._overhead,
+        step = _Step(log_step(trainer), self._marks, self._data_wait, self._overhead,
                      self._comm.take() if self._comm else [])
         if self._on_cuda:
             ready, self._pending = self._pending, step
@@ -165,11 +166,11 @@ class StepTimeBreakdown(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A new epoch restarts the loader (worker start-up): not steady-state data wait.
         self._previous_end = None
-        self._time_fetches(trainer.fit_loop.epoch_loop)
+        self._time_fetches(trainer)
 
-    def _time_fetches(self, loop) -> None:
+    def _time_fetches(self, trainer: Trainer) -> None:
         """Note when the loop starts fetching each batch, through the hook it calls for its profiler."""
-        before_fetch = getattr(loop, "_on_before_fetch", None)
+        before_fetch = fetch_hook(trainer)
         if before_fetch is None:
             log.info("step time: this Lightning version has no fetch hook; data wait includes the time between steps")
             return
@@ -181,7 +182,7 @@ class StepTimeBreakdown(Callback):
             before_fetch()
 
         on_before_fetch.step_time_breakdown = self
-        loop._on_before_fetch = on_before_fetch
+        set_fetch_hook(trainer, on_before_fetch)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         self._interrupted = True

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from uma_lightning.lightning_compat import mlflow_tracking_uri
 from uma_lightning.tracking import find_mlflow_logger
 from uma_lightning.tracking.mlflow_logger import flush_async_logging
 
@@ -183,7 +184,7 @@ class HangWatchdog(Callback):
             return
         try:
             client, run_id = logger.experiment, logger.run_id
-            flush_async_logging(logger._tracking_uri)  # the metrics of the steps before the hang
+            flush_async_logging(mlflow_tracking_uri(logger))  # the metrics of the steps before the hang
             client.set_tag(run_id, "watchdog.hang", json.dumps(event))
             client.log_artifacts(run_id, str(self._dump_dir), "hang")
             client.set_terminated(run_id, "FAILED")

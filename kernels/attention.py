@@ -32,18 +32,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from uma_lightning.kernels import flash
-from uma_lightning.kernels.dispatch import did_you_mean, log_once
-
-SDPA_KERNELS = {
-    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "sdpa_math": SDPBackend.MATH,
-}
-BACKENDS = ("auto", *flash.PACKAGES, "sdpa", *SDPA_KERNELS, "reference")
+from uma_lightning.kernels.dispatch import ATTENTION_BACKENDS, SDPA_KERNELS, did_you_mean, log_once
 
 
 def attention(
@@ -56,8 +48,9 @@ def attention(
     key_padding_mask: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}{did_you_mean(backend, BACKENDS)}; choose one of {', '.join(BACKENDS)}")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}{did_you_mean(backend, ATTENTION_BACKENDS)}; "
+                         f"choose one of {', '.join(ATTENTION_BACKENDS)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if not 0 <= prefix_len <= q.shape[2]:

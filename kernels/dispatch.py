@@ -17,12 +17,23 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend
+
+from uma_lightning.kernels import flash
 
 log = logging.getLogger("uma_lightning.kernels")
 
 OP_BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INSTALL_TRITON = "pip install triton (CUDA builds of torch ship it)"
+# Attention has backends of its own (described in attention.py); named here, where configs are checked.
+SDPA_KERNELS = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
+}
+ATTENTION_BACKENDS = ("auto", *flash.PACKAGES, "sdpa", *SDPA_KERNELS, "reference")
 
 
 @dataclass(frozen=True)
@@ -37,9 +48,7 @@ class KernelConfig:
     linear: str = "torch"
 
     def __post_init__(self) -> None:
-        from uma_lightning.kernels.attention import BACKENDS as attention_backends
-
-        allowed = {"attention": attention_backends, "linear": ("torch", "float8")}
+        allowed = {"attention": ATTENTION_BACKENDS, "linear": ("torch", "float8")}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             choices = allowed.get(field.name, OP_BACKENDS)
@@ -49,8 +58,6 @@ class KernelConfig:
 
     def _check_installed(self) -> None:
         """A backend asked for by name must be installed; ``auto`` never needs anything extra."""
-        from uma_lightning.kernels import flash
-
         if self.attention in flash.PACKAGES and not flash.installed(self.attention):
             raise ValueError(f"kernels.attention: {flash.install_hint(self.attention)}")
         for field in ("rms_norm", "swiglu", "rotary", "cross_entropy"):

@@ -1,5 +1,5 @@
 """Test-only Lightning pieces for the resume tests: a module whose loss draws from every random generator,
-recorders that write what each step saw, and an injected crash."""
+recorders that write what each step saw, injected faults, and a hostile pickle."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule
 
 from uma_lightning.modules import PretrainModule
 
@@ -22,6 +22,32 @@ class NoisyPretrain(PretrainModule):
         if self.training:
             out["loss"] = out["loss"] + 1e-3 * (torch.rand(()) + float(np.random.rand()) + random.random())
         return out
+
+
+class LinearRegression(LightningModule):
+    """The smallest module a Trainer fits: one linear layer, eight batches of one sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=1)
+
+
+class RunsCommand:
+    """Unpickling it runs ``touch <marker>``: what a hostile checkpoint index would hold."""
+
+    marker: Path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 class RecordSteps(Callback):

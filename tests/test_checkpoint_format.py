@@ -1,7 +1,6 @@
 """Checkpoint format: atomic commits, manifests that catch corruption, retention, loading without pickle."""
 
 import logging
-import os
 import pickle
 import re
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint_helpers import backbone, full_state, optimizer_for, save_module, train_step
+from checkpoint_modules import RunsCommand
 from uma_lightning.checkpoint import CheckpointError, CheckpointWriter, choose_checkpoint, committed, read_manifest, steps_to_keep, verify
 from uma_lightning.checkpoint.codec import decode, encode
 from uma_lightning.checkpoint.state import load_module
@@ -113,21 +113,16 @@ def test_unusable_checkpoints_are_reported_and_the_previous_one_is_used(tmp_path
         choose_checkpoint(tmp_path)
 
 
-class _RunsCommand:
-    def __reduce__(self):
-        return (os.system, (f"touch {_RunsCommand.marker}",))
-
-
 def test_loading_never_unpickles_objects(tmp_path):
     model, optimizer = trained(steps=1)
     save_module(tmp_path, 1, model, optimizer)
     checkpoint = tmp_path / "step-000000001"
     # A checkpoint index that would run a command if it were unpickled.
-    _RunsCommand.marker = tmp_path / "pwned"
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(_RunsCommand()))
+    RunsCommand.marker = tmp_path / "pwned"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCommand()))
     with pytest.raises(CheckpointError, match=r"\.metadata: not a valid checkpoint index: refusing to load posix.system"):
         load_module(backbone(), checkpoint)
-    assert not _RunsCommand.marker.exists()
+    assert not RunsCommand.marker.exists()
     # Entries that torch.distributed.checkpoint stores as pickled bytes are refused too.
     dcp.save({"model/w": torch.ones(2), "trainer/obj": {"a": "b"}}, checkpoint_id=tmp_path / "bytes", no_dist=True)
     with pytest.raises(CheckpointError, match=r"entries \['trainer/obj\.a'\] are pickled objects"):

@@ -32,6 +32,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from uma_lightning.callbacks import TrainingHalted
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
+from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
 from uma_lightning.data.lerobot import DatasetError
@@ -215,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(getattr(importlib.import_module(module), function)(args[1:]))
     try:
         UmaCLI(args)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError) as err:  # each names the file, key or value at fault
         print(f"uma: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except TrainingHalted as err:

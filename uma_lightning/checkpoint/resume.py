@@ -11,16 +11,19 @@ import torch.distributed as dist
 
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
+from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.tracking.mlflow_logger import MLflowLogger
 
 log = logging.getLogger(__name__)
 
 
 def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = None) -> Optional[Path]:
-    """The newest checkpoint under ``root`` that verifies against its manifest; None when there is none yet.
+    """The newest checkpoint under ``root`` that verifies against its manifest and whose index loads; None
+    when there is none yet.
 
-    Unusable checkpoints (no manifest, missing or altered files) are reported and skipped. With a
-    process group, every rank checksums a share of the files and all ranks agree on the answer.
+    Unusable checkpoints (no manifest, missing or altered files, an index the loader refuses) are
+    reported and skipped. With a process group, every rank checksums a share of the files and all
+    ranks agree on the answer.
     Raises CheckpointError when checkpoints exist but none is usable: starting over silently would
     throw the run away.
     """
@@ -32,10 +35,10 @@ def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = N
     world = dist.get_world_size(process_group) if process_group is not None else 1
     for step, path in reversed(candidates):
         started = time.monotonic()
-        problems = [_problems_in_my_share(path, rank, world)]
+        problems = [unusable_because(path, rank, world)]
         if process_group is not None:
             problems = [None] * world
-            dist.all_gather_object(problems, _problems_in_my_share(path, rank, world), group=process_group)
+            dist.all_gather_object(problems, unusable_because(path, rank, world), group=process_group)
         found = [problem for share in problems for problem in share]
         if not found:
             if rank == 0:
@@ -65,9 +68,19 @@ def continue_tracked_run(loggers, root: Path) -> Optional[str]:
     return None
 
 
-def _problems_in_my_share(path: Path, rank: int, world: int) -> list[str]:
+def unusable_because(path: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """What makes checkpoint ``path`` unusable, as far as the share of rank ``rank`` of ``world`` shows
+    (all of it by default); empty when it can be resumed from."""
     try:
         names = sorted(read_manifest(path)["files"])
     except CheckpointError as err:
         return [str(err)]
-    return verify(path, names=names[rank::world])
+    problems = verify(path, names=names[rank::world])
+    if rank == 0 and not problems:
+        # Files that match their manifest can still hold an index the loader refuses (one that would
+        # unpickle code, re-signed): found here, it is skipped like a failed checksum, not met mid-load.
+        try:
+            tensor_metadata(path)
+        except CheckpointError as err:
+            problems.append(str(err))
+    return problems

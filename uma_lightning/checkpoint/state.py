@@ -9,7 +9,8 @@ A checkpoint holds:
 - ``optimizer/...``: optimizer state keyed by parameter name (reshardable); param groups in JSON.
 - ``trainer``: global step, epoch, the fit loop's progress (which includes the gradient-accumulation
   position and the train loader's position), LR schedulers, grad scaler, callback and data-module
-  states, the module's ``on_save_checkpoint`` extras, hyperparameters and the MLflow run id.
+  states, what the callbacks' and the module's ``on_save_checkpoint`` hooks add, hyperparameters and
+  the MLflow run id.
 - ``rng/<rank>/...``: the random generator states of every rank.
 
 Tensors go to torch.distributed.checkpoint files; everything else to ``state.json``, written by rank 0.
@@ -34,6 +35,7 @@ from uma_lightning.checkpoint.codec import decode, encode, tensor_references
 from uma_lightning.checkpoint.manifest import CheckpointError, verify
 from uma_lightning.checkpoint.resume import choose_checkpoint
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+from uma_lightning.lightning_compat import forget_train_loader
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +168,25 @@ def apply_trainer_state(trainer: pl.Trainer, module: pl.LightningModule, state: 
     for config, scheduler_state in zip(configs, state["lr_schedulers"]):
         config.scheduler.load_state_dict(scheduler_state)
     trainer.precision_plugin.load_state_dict(state["precision"])
-    for callback in trainer.callbacks:
-        if callback.state_key in state["callbacks"]:
-            callback.load_state_dict(state["callbacks"][callback.state_key])
+    # In the order of Lightning's own restore: the module's hook, the data module, then each callback's
+    # hook and its state_dict.
+    extras = state["hooks"] if "hooks" in state else state["module"]  # "module": saved before callbacks' hooks were
+    module.on_load_checkpoint(extras)
     if trainer.datamodule is not None:
         trainer.datamodule.load_state_dict(state["datamodule"])
-    module.on_load_checkpoint(state["module"])
+    for callback in trainer.callbacks:
+        callback.on_load_checkpoint(trainer, module, extras)
+        if callback.state_key in state["callbacks"]:
+            callback.load_state_dict(state["callbacks"][callback.state_key])
 
 
 def _trainer_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
+    callback_states = {callback.state_key: state for callback in trainer.callbacks if (state := callback.state_dict())}
+    # As Lightning's own save does: the callbacks' hooks, then the module's, all writing into one dict.
+    # The hooks also tell callbacks that a save is under way (the hang watchdog counts it as progress).
     extras: dict[str, Any] = {}
+    for callback in trainer.callbacks:
+        callback.on_save_checkpoint(trainer, module, extras)
     module.on_save_checkpoint(extras)
     return {
         "global_step": trainer.global_step,
@@ -187,9 +198,9 @@ def _trainer_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
         "loops": {"fit_loop": trainer.fit_loop.state_dict()},
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
-        "callbacks": {callback.state_key: state for callback in trainer.callbacks if (state := callback.state_dict())},
+        "callbacks": callback_states,
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else {},
-        "module": extras,
+        "hooks": extras,
         "hyper_parameters": _plain_hyperparameters(module),
         "mlflow_run_id": mlflow_run_id(trainer),
     }
@@ -233,8 +244,4 @@ def _rebuild_train_loader(trainer: pl.Trainer) -> None:
     that loader its saved position (Lightning issue 20550). Dropping it makes the fit loop rebuild it
     and load the position first.
     """
-    fit_loop = trainer.fit_loop
-    if fit_loop._data_fetcher is not None:
-        fit_loop._data_fetcher.teardown()
-        fit_loop._data_fetcher = None
-    fit_loop._combined_loader = None
+    forget_train_loader(trainer)

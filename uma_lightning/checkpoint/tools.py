@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from uma_lightning.checkpoint.codec import decode
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
+from uma_lightning.checkpoint.resume import unusable_because
 from uma_lightning.checkpoint.state import MODEL, TRAINER, read_state, read_weights
 from uma_lightning.checkpoint.storage import tensor_metadata
 
@@ -51,7 +52,7 @@ def inspect_checkpoints(path: Path, show_all: bool = False) -> int:
     if not (path / "manifest.json").exists() and committed(path):
         problems = {}
         for step, directory in committed(path):
-            problems[directory] = verify(directory)
+            problems[directory] = unusable_because(directory)
             summary = read_manifest(directory) if not problems[directory] else {}
             status = "valid" if not problems[directory] else "UNUSABLE: " + "; ".join(problems[directory])
             size = f"{summary.get('bytes', 0) / 1e6:.1f} MB" if summary else "?"

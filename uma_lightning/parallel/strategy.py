@@ -26,11 +26,11 @@ from typing import Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from uma_lightning.lightning_compat import optimizers_to_device, release_strategy_name
 from uma_lightning.parallel.apply import ActivationCheckpointing, Compile, ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape, MeshSize, build_mesh, describe_sizes, resolve_mesh_shape
 from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
@@ -140,7 +140,7 @@ class MeshStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: nn.Module, bf16_params: bool) -> None:
         if _is_parallelized(module):
@@ -209,5 +209,4 @@ def register_strategies() -> None:
     for name, (description, init_args) in PRESETS.items():
         StrategyRegistry.register(name, MeshStrategy, description=description, override=True, **init_args)
     # Lightning refuses the name "fsdp" off GPU because it meant its FSDP1 strategy; it means ours now.
-    if "fsdp" in FSDPStrategy._registered_strategies:
-        FSDPStrategy._registered_strategies.remove("fsdp")
+    release_strategy_name(FSDPStrategy, "fsdp")

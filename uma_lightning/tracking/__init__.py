@@ -2,6 +2,6 @@
 
 from uma_lightning.tracking.mlflow_logger import MLflowLogger, find_mlflow_logger, log_artifact
 from uma_lightning.tracking.run_config import RecordRunConfig
-from uma_lightning.tracking.step_metrics import current_log_step, log_step_metrics
+from uma_lightning.tracking.step_metrics import log_step_metrics
 
-__all__ = ["MLflowLogger", "RecordRunConfig", "current_log_step", "find_mlflow_logger", "log_artifact", "log_step_metrics"]
+__all__ = ["MLflowLogger", "RecordRunConfig", "find_mlflow_logger", "log_artifact", "log_step_metrics"]

@@ -9,11 +9,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from mlflow.exceptions import MlflowException
+
+from uma_lightning.lightning_compat import (
+    continue_mlflow_run,
+    flat_params,
+    mlflow_client,
+    mlflow_run_opened,
+    mlflow_tracking_uri,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +81,19 @@ class MLflowLogger(LightningMLFlowLogger):
     def continue_run(self, run_id: str) -> None:
         """Log into the existing run ``run_id`` instead of opening a new one: a job resumed from a
         checkpoint continues its run, and the run's step axis. Call before anything is logged."""
-        if self._initialized:
-            if self._run_id != run_id:
-                log.warning("MLflow run %s is already open; cannot continue run %s in it", self._run_id, run_id)
+        if mlflow_run_opened(self):
+            if self.run_id != run_id:
+                log.warning("MLflow run %s is already open; cannot continue run %s in it", self.run_id, run_id)
             return
+        client = mlflow_client(self)
         try:
-            self._mlflow_client.get_run(run_id)
+            client.get_run(run_id)
         except MlflowException as err:
             log.warning("cannot continue MLflow run %s (%s); a new run is opened", run_id, err)
             return
-        self._run_id = run_id
+        continue_mlflow_run(self, run_id)
         self._continued = True
-        self._mlflow_client.update_run(run_id, status="RUNNING")
+        client.update_run(run_id, status="RUNNING")
         log.info("continuing MLflow run %s", run_id)
 
     @rank_zero_only
@@ -94,7 +102,7 @@ class MLflowLogger(LightningMLFlowLogger):
             return super().log_hyperparams(params)
         # MLflow refuses to change a param of an existing run: a resumed job whose config changed
         # (say, more steps) keeps the original values and says which ones changed.
-        flat = _flatten_dict(_convert_params(params))
+        flat = flat_params(params)
         existing = self.experiment.get_run(self.run_id).data.params
         changed = sorted(key for key, value in flat.items() if key in existing and existing[key] != str(value)[:250])
         if changed:
@@ -104,9 +112,9 @@ class MLflowLogger(LightningMLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
-        if self._initialized:
+        if mlflow_run_opened(self):
             # Metrics go through MLflow's async queue; drain it before the run is marked finished.
-            flush_async_logging(self._tracking_uri)
+            flush_async_logging(mlflow_tracking_uri(self))
         super().finalize(status)
 
 

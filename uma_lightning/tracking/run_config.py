@@ -12,6 +12,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from mlflow.entities import RunTag
 
+from uma_lightning.lightning_compat import mlflow_experiment_name, mlflow_tracking_uri
 from uma_lightning.tracking.mlflow_logger import find_mlflow_logger
 from uma_lightning.tracking.provenance import rank_facts, run_tags, write_provenance
 
@@ -64,7 +65,7 @@ class RecordRunConfig(SaveConfigCallback):
         logger.experiment.log_batch(logger.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
         logger.experiment.log_artifact(logger.run_id, str(config_path))
         logger.experiment.log_artifacts(logger.run_id, str(provenance_dir), "provenance")
-        log.info("MLflow run %s (%s), run dir %s", logger.run_id, logger._tracking_uri, run_dir)
+        log.info("MLflow run %s (%s), run dir %s", logger.run_id, mlflow_tracking_uri(logger), run_dir)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # The model exists only after configure_model, which runs after setup.
@@ -80,7 +81,7 @@ class RecordRunConfig(SaveConfigCallback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         logger = find_mlflow_logger(trainer)
         if logger is not None:
-            uri = logger._tracking_uri
+            uri = mlflow_tracking_uri(logger)
             how = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else f"open {uri}"
-            log.info("MLflow run %s in experiment %r; to browse runs: %s", logger.run_id, logger._experiment_name, how)
+            log.info("MLflow run %s in experiment %r; to browse runs: %s", logger.run_id, mlflow_experiment_name(logger), how)
 

@@ -6,11 +6,7 @@ from typing import Optional
 
 from lightning.pytorch import Trainer
 
-
-def current_log_step(trainer: Trainer) -> int:
-    """The step index Lightning logs the current batch's metrics at (it advances after each
-    optimizer step, so it is 0 for the first one)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+from uma_lightning.lightning_compat import log_step
 
 
 def log_step_metrics(trainer: Trainer, metrics: dict[str, float], step: Optional[int] = None) -> None:
@@ -18,6 +14,6 @@ def log_step_metrics(trainer: Trainer, metrics: dict[str, float], step: Optional
     current batch's step. Unlike ``LightningModule.log``, a value logged once is not repeated at
     later steps, and a value measured late (a CUDA event) can go to the step it belongs to."""
     if trainer.is_global_zero:
-        step = current_log_step(trainer) if step is None else step
+        step = log_step(trainer) if step is None else step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
