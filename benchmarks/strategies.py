@@ -25,7 +25,7 @@ from lightning.pytorch import Callback
 from harness import median, print_table
 
 from uma_lightning.data import RobotDataModule
-from uma_lightning.modules import OptimizerConfig, PretrainModule
+from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
 from uma_lightning.parallel import MeshStrategy
 from uma_lightning.parallel.launch import run_local_group
 from uma_lightning.parallel.fixed_batches import fit_on_batches
@@ -88,7 +88,7 @@ def main() -> None:
     measured: dict[tuple[str, str], list[list[dict]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
-            module = PretrainModule(spec=data.spec, size=size, optimizer=OptimizerConfig(warmup_steps=1))
+            module = PretrainModule(spec=data.spec, network=NetworkConfig(size=size), optimizer=OptimizerConfig(warmup_steps=1))
             job = str(Path(tmp) / f"{size}.pt")
             torch.save({"module": module, "batches": batches}, job)
             # Rounds alternate the strategies, so a slow spell of a shared machine hits them all.

@@ -28,7 +28,7 @@ def write_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps
     recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
     recipe = {
         "include": [RECIPE],
-        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"size": TINY}},
+        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"network": {"size": TINY}}},
         "trainer": {
             "logger": False,
             "deterministic": True,
@@ -122,8 +122,8 @@ def test_exported_weights_load_into_a_plain_model_with_the_same_outputs(referenc
     with safe_open(output, "pt") as file:
         hparams = json.loads(file.metadata()["hyper_parameters"])
     config = RobotModelConfig(
-        backbone=load_size(hparams["size"]), spec=DataSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hparams["spec"].items()}),
-        vision=VisionConfig(**hparams["vision"]), max_text_len=hparams["max_text_len"], n_action_bins=hparams["n_action_bins"],
+        backbone=load_size(hparams["network"]["size"]), spec=DataSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hparams["spec"].items()}),
+        vision=VisionConfig(**hparams["network"]["vision"]), max_text_len=hparams["network"]["max_text_len"], n_action_bins=hparams["n_action_bins"],
     )
     plain = RobotTransformer(config)
     plain.load_state_dict(weights, strict=True)

@@ -21,7 +21,7 @@ ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers
 def write_recipe(path: Path, max_steps: int, grace_period_s: float, extra_callbacks=()) -> str:
     recipe = {
         "include": [RECIPE],
-        "model": {"init_args": {"size": TINY}},
+        "model": {"init_args": {"network": {"size": TINY}}},
         "trainer": {
             "logger": False,
             "max_steps": max_steps,
