@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="times each configuration runs; medians are reported")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    data = RobotDataModule(n_episodes=20, batch_size=args.batch, num_workers=0)
+    data = RobotDataModule(generation={"n_episodes": 20}, batch_size=args.batch, loader={"num_workers": 0})
     data.setup("fit")
     loader = iter(data.train_dataloader())
     batches = [next(loader) for _ in range(args.steps)]

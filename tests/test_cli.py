@@ -15,9 +15,9 @@ RECIPE = str(REPO / "recipes" / "pretrain.yaml")
 # A few seconds of training: a one-layer backbone on a six-episode dataset.
 QUICK = [
     "--model.network.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
-    "--data.n_episodes", "6",
+    "--data.generation.n_episodes", "6",
     "--data.batch_size", "4",
-    "--data.num_workers", "0",
+    "--data.loader.num_workers", "0",
     "--trainer.max_steps", "4",
     "--trainer.val_check_interval", "2",
     "--trainer.limit_val_batches", "1",
@@ -78,7 +78,7 @@ def test_grounded_vision_fragment_adds_to_every_stage_recipe(stage, capsys):
     model, data = (yaml.safe_load(out)[key]["init_args"] for key in ("model", "data"))
     network = model["network"]
     assert network["vision"]["tokenizer"] == "keypoints" and network["vision"]["film"] and network["environment_state_weight"] == 10.0
-    assert model["optimizer"]["lr"] == 1e-3 and data["n_episodes"] == 2000
+    assert model["optimizer"]["lr"] == 1e-3 and data["generation"]["n_episodes"] == 2000
     assert model["optimizer"]["warmup_steps"] == {"pretrain": 30, "midtrain": 30, "posttrain": 50}[stage]  # the recipe's, kept
 
 
@@ -133,6 +133,8 @@ def test_unknown_init_arg_of_the_model_suggests(tmp_path, capsys):
 def test_a_setting_that_moved_into_a_section_says_where_it_went(tmp_path, capsys):
     code, _, err = run_main(["fit", "--config", RECIPE, "--model.size", "small"], capsys)
     assert_short_error(code, err, "command line: 'model.size' is now 'model.network.size'")
+    code, _, err = run_main(["fit", "--config", RECIPE, "--data.num_workers", "0"], capsys)
+    assert_short_error(code, err, "command line: 'data.num_workers' is now 'data.loader.num_workers'")
     recipe = write_recipe(tmp_path, {"model": {"init_args": {"vision": {"tokenizer": "keypoints"}}}})
     code, _, err = run_main(["fit", "--config", recipe], capsys)
     assert_short_error(code, err, f"{recipe}: 'model.vision.tokenizer' is now 'model.network.vision.tokenizer'")

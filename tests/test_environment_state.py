@@ -53,7 +53,7 @@ def test_generated_episodes_record_where_the_named_target_is(tmp_path):
 
 
 def test_batches_carry_the_normalised_environment_state(tmp_path):
-    dm = RobotDataModule(n_episodes=4, image_size=32, cache_dir=str(tmp_path), batch_size=6, num_workers=0, val_episodes=1)
+    dm = RobotDataModule(generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path)}, batch_size=6, loader={"num_workers": 0}, val_episodes=1)
     assert dm.spec.environment_state_dim == 2
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
@@ -92,7 +92,7 @@ def test_data_without_environment_state_cannot_feed_the_loss(tmp_path):
     assert "environment_state" not in FrameDataset(meta, action_horizon=2)[0]
     with pytest.raises(DatasetError, match=f"{root}: no '{ENV_STATE_KEY}' feature with statistics"):
         FrameDataset(meta, environment_state=True)
-    spec = RobotDataModule(root=str(root), num_workers=0, val_episodes=0, action_horizon=2).spec
+    spec = RobotDataModule(root=str(root), loader={"num_workers": 0}, val_episodes=0, action_horizon=2).spec
     assert spec.environment_state_dim == 0
     with pytest.raises(ValueError, match="environment_state_weight 0.5 needs data that records observation.environment_state"):
         PretrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": 0.5})
@@ -154,7 +154,7 @@ def test_the_head_is_counted_in_parameters_and_training_flops():
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
-    dm = RobotDataModule(n_episodes=4, image_size=32, cache_dir=str(tmp_path_factory.mktemp("cache")), batch_size=5, num_workers=0, val_episodes=1)
+    dm = RobotDataModule(generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path_factory.mktemp("cache"))}, batch_size=5, loader={"num_workers": 0}, val_episodes=1)
     dm.setup("fit")
     return dm, next(iter(dm.train_dataloader()))
 

@@ -25,7 +25,7 @@ from uma_lightning.parallel.parity import TOLERANCES, main as parity_main
 TESTS = Path(__file__).resolve().parent
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
-DATA = ["--data.n_episodes", "6", "--data.num_workers", "0"]
+DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0"]
 
 
 def sizes(dp_replicate, dp_shard, tp):

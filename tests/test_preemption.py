@@ -15,7 +15,7 @@ from test_checkpoint_resume import TINY
 from test_cli import RECIPE
 from uma_lightning.checkpoint import committed, verify
 
-ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "0"]
+ARGS = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "0"]
 
 
 def write_recipe(path: Path, max_steps: int, grace_period_s: float, extra_callbacks=()) -> str:

@@ -22,7 +22,7 @@ LORA_TARGETS = ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wv"]
 
 
 def data(**overrides) -> RobotDataModule:
-    return RobotDataModule(**{"n_episodes": 6, "batch_size": 4, "num_workers": 0, "val_episodes": 2, **overrides})
+    return RobotDataModule(**{"generation": {"n_episodes": 6}, "batch_size": 4, "loader": {"num_workers": 0}, "val_episodes": 2, **overrides})
 
 
 def trainer(root, steps: int, **overrides) -> L.Trainer:

@@ -65,7 +65,7 @@ def environment(cpu_smoke: bool) -> str:
 def batches_for(size: str, steps: int):
     from uma_lightning.data import RobotDataModule
 
-    data = RobotDataModule(n_episodes=20, batch_size=BATCH[size], num_workers=0)
+    data = RobotDataModule(generation={"n_episodes": 20}, batch_size=BATCH[size], loader={"num_workers": 0})
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     return data.spec, [batch] * steps  # one real batch, reused: the data loader is not what is measured
