@@ -47,13 +47,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from lightning.pytorch.utilities.parsing import collect_init_args
 from torchmetrics import MeanMetric
 
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.hyperparameters import constructor_arguments, plain
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, network_of, use_kernels
-from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
 
@@ -119,9 +118,9 @@ class StageModule(L.LightningModule):
         self.optimizer_config = OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
         self.init_from = init_from
         # The resolved size is recorded, so a checkpoint does not depend on the preset files.
-        network = {**_plain(self.network), "size": dataclasses.asdict(self.model_config.backbone)}
-        resolved = {"spec": _plain(self.spec), "network": network, "optimizer": _plain(self.optimizer_config)}
-        self.save_hyperparameters({**constructor_arguments(inspect.currentframe()), **resolved}, logger=False)
+        network = {**plain(self.network), "size": dataclasses.asdict(self.model_config.backbone)}
+        resolved = {"spec": plain(self.spec), "network": network, "optimizer": plain(self.optimizer_config)}
+        self.save_hyperparameters({**constructor_arguments(inspect.currentframe(), StageModule), **resolved}, logger=False)
         self.model: nn.Module | None = None
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
@@ -309,28 +308,6 @@ class StageModule(L.LightningModule):
         self.log("grad_norm", grad_norm)
         if gradient_clip_val and not by_norm:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-
-def constructor_arguments(frame) -> dict[str, Any]:
-    """Every argument the constructors of the class being built received, from ``StageModule``'s
-    frame up to the subclass actually built (its own arguments, and what it forwarded as ``**kwargs``),
-    as plain values, so that checkpoints load with ``weights_only=True``."""
-    arguments: dict[str, Any] = {}
-    for local in collect_init_args(frame, [], classes=(StageModule,)):
-        arguments.update(local)
-    return {name: _plain(value) for name, value in arguments.items()}
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, ModelSize):
-        return value.to_dict()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    return value
 
 
 def recorded_builder(cls: type) -> Optional[str]:
