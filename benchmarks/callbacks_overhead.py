@@ -97,7 +97,7 @@ def step_times(callbacks: list[dict], steps: int, batch_size: int, workdir: Path
     UmaCLI(
         [
             "fit", "--config", RECIPE,
-            "--model.size", "small",
+            "--model.network.size", "small",
             "--data.batch_size", str(batch_size),
             "--trainer.max_steps", str(steps),
             "--trainer.limit_val_batches", "0",

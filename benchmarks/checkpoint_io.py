@@ -32,7 +32,7 @@ from harness import median, print_table  # noqa: E402
 from uma_lightning.checkpoint import CheckpointWriter, step_dirname  # noqa: E402
 from uma_lightning.checkpoint.state import encode_parts, load_module, model_and_optimizer  # noqa: E402
 from uma_lightning.data.spec import DataSpec  # noqa: E402
-from uma_lightning.modules import PretrainModule  # noqa: E402
+from uma_lightning.modules import NetworkConfig, PretrainModule  # noqa: E402
 
 # The embedded planar-arm data's shapes.
 SPEC = DataSpec(cameras=("observation.images.top",), image_size=(64, 64), state_dim=5, action_dim=3, n_obs_steps=1, action_horizon=8, fps=10.0)
@@ -40,7 +40,7 @@ SPEC = DataSpec(cameras=("observation.images.top",), image_size=(64, 64), state_
 
 def small_model() -> tuple[PretrainModule, torch.optim.Optimizer, dict]:
     torch.manual_seed(0)
-    module = PretrainModule(spec=SPEC, size="small")
+    module = PretrainModule(spec=SPEC, network=NetworkConfig(size="small"))
     module.configure_model()
     optimizer = module.build_optimizer([p for p in module.parameters() if p.requires_grad])
     batch = {

@@ -99,7 +99,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the loader's collation in the main process (0 workers) runs single-threaded, as in workers
 
     def datamodule(workers: int) -> RobotDataModule:
-        dm = RobotDataModule(root=args.root, num_workers=workers, persistent_workers=False)
+        dm = RobotDataModule(root=args.root, loader={"num_workers": workers, "persistent_workers": False})
         dm.setup("fit")
         return dm
 

@@ -25,7 +25,7 @@ from lightning.pytorch import Callback
 from harness import median, print_table
 
 from uma_lightning.data import RobotDataModule
-from uma_lightning.modules import OptimizerConfig, PretrainModule
+from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
 from uma_lightning.parallel import MeshStrategy
 from uma_lightning.parallel.launch import run_local_group
 from uma_lightning.parallel.fixed_batches import fit_on_batches
@@ -81,14 +81,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="times each configuration runs; medians are reported")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    data = RobotDataModule(n_episodes=20, batch_size=args.batch, num_workers=0)
+    data = RobotDataModule(generation={"n_episodes": 20}, batch_size=args.batch, loader={"num_workers": 0})
     data.setup("fit")
     loader = iter(data.train_dataloader())
     batches = [next(loader) for _ in range(args.steps)]
     measured: dict[tuple[str, str], list[list[dict]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
-            module = PretrainModule(spec=data.spec, size=size, optimizer=OptimizerConfig(warmup_steps=1))
+            module = PretrainModule(spec=data.spec, network=NetworkConfig(size=size), optimizer=OptimizerConfig(warmup_steps=1))
             job = str(Path(tmp) / f"{size}.pt")
             torch.save({"module": module, "batches": batches}, job)
             # Rounds alternate the strategies, so a slow spell of a shared machine hits them all.

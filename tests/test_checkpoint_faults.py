@@ -19,7 +19,7 @@ from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, ten
 from uma_lightning.cli import UmaCLI
 
 MAX_STEPS = 30
-ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "0"]
+ARGS = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "0"]
 
 
 def write_recipe(path: Path) -> str:

@@ -19,7 +19,7 @@ from uma_lightning.data.spec import DataSpec
 
 TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
 # 16 batches per epoch: the runs cross an epoch boundary, and a checkpoint falls on its last batch.
-DATA = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "2"]
+DATA = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "2"]
 MAX_STEPS = 22
 
 
@@ -28,7 +28,7 @@ def write_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps
     recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
     recipe = {
         "include": [RECIPE],
-        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"size": TINY}},
+        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"network": {"size": TINY}}},
         "trainer": {
             "logger": False,
             "deterministic": True,
@@ -122,8 +122,8 @@ def test_exported_weights_load_into_a_plain_model_with_the_same_outputs(referenc
     with safe_open(output, "pt") as file:
         hparams = json.loads(file.metadata()["hyper_parameters"])
     config = RobotModelConfig(
-        backbone=load_size(hparams["size"]), spec=DataSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hparams["spec"].items()}),
-        vision=VisionConfig(**hparams["vision"]), max_text_len=hparams["max_text_len"], n_action_bins=hparams["n_action_bins"],
+        backbone=load_size(hparams["network"]["size"]), spec=DataSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hparams["spec"].items()}),
+        vision=VisionConfig(**hparams["network"]["vision"]), max_text_len=hparams["network"]["max_text_len"], n_action_bins=hparams["n_action_bins"],
     )
     plain = RobotTransformer(config)
     plain.load_state_dict(weights, strict=True)
@@ -169,7 +169,7 @@ def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
     for name, callbacks in (("reference", []), ("interrupted", [crash_at(11)]), ("resumed", [])):
         job = tmp_path / ("reference" if name == "reference" else "interrupted")
         recipe = write_recipe(tmp_path / f"{name}.yaml", job / "record", callbacks, every_n_steps=3, trainer={**trainer, "max_steps": 14})
-        argv = ["fit", "--config", recipe, *DATA, "--data.num_workers", "1", "--model", module,
+        argv = ["fit", "--config", recipe, *DATA, "--data.loader.num_workers", "1", "--model", module,
                 "--trainer.default_root_dir", str(job / "run")]
         status[name] = launch(argv, tmp_path / f"{name}.log", tmp_path)
     assert status["reference"] == 0 and status["resumed"] == 0 and status["interrupted"] != 0

@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "pretrain.yaml")
 # A few seconds of training: a one-layer backbone on a six-episode dataset.
 QUICK = [
-    "--model.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
-    "--data.n_episodes", "6",
+    "--model.network.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
+    "--data.generation.n_episodes", "6",
     "--data.batch_size", "4",
-    "--data.num_workers", "0",
+    "--data.loader.num_workers", "0",
     "--trainer.max_steps", "4",
     "--trainer.val_check_interval", "2",
     "--trainer.limit_val_batches", "1",
@@ -65,7 +65,7 @@ def test_print_config_is_fully_resolved(capsys):
     assert config["trainer"]["max_steps"] == 300
     assert config["trainer"]["logger"]["init_args"]["experiment_name"] == "pretrain"
     # ...and the size preset expanded to its dimensions.
-    assert config["model"]["init_args"]["size"] == {
+    assert config["model"]["init_args"]["network"]["size"] == {
         "dim": 192, "n_layers": 4, "n_heads": 6, "n_kv_heads": 2, "ffn_dim": 512,
         "norm_eps": 1e-5, "rope_theta": 10000.0, "name": "tiny",
     }
@@ -76,23 +76,24 @@ def test_grounded_vision_fragment_adds_to_every_stage_recipe(stage, capsys):
     code, out, err = run_main(["fit", "--config", str(REPO / f"recipes/{stage}.yaml"), "--config", str(REPO / "configs/vision/grounded.yaml"), "--print_config"], capsys)
     assert code in (0, None), err
     model, data = (yaml.safe_load(out)[key]["init_args"] for key in ("model", "data"))
-    assert model["vision"]["tokenizer"] == "keypoints" and model["vision"]["film"] and model["environment_state_weight"] == 10.0
-    assert model["optimizer"]["lr"] == 1e-3 and data["n_episodes"] == 2000
+    network = model["network"]
+    assert network["vision"]["tokenizer"] == "keypoints" and network["vision"]["film"] and network["environment_state_weight"] == 10.0
+    assert model["optimizer"]["lr"] == 1e-3 and data["generation"]["n_episodes"] == 2000
     assert model["optimizer"]["warmup_steps"] == {"pretrain": 30, "midtrain": 30, "posttrain": 50}[stage]  # the recipe's, kept
 
 
 def test_any_key_can_be_overridden_on_the_command_line(capsys):
-    config = resolved_config(["--model.size", "small", "--trainer.max_steps", "50", "--data.batch_size", "8"], capsys)
-    assert config["model"]["init_args"]["size"]["dim"] == 768
-    assert config["model"]["init_args"]["size"]["name"] == "small"
+    config = resolved_config(["--model.network.size", "small", "--trainer.max_steps", "50", "--data.batch_size", "8"], capsys)
+    assert config["model"]["init_args"]["network"]["size"]["dim"] == 768
+    assert config["model"]["init_args"]["network"]["size"]["name"] == "small"
     assert config["trainer"]["max_steps"] == 50
     assert config["data"]["init_args"]["batch_size"] == 8
 
 
 def test_size_dict_overrides_one_dimension_of_a_preset(capsys):
-    config = resolved_config(["--model.size", '{"name": "small", "n_layers": 6}'], capsys)
-    assert config["model"]["init_args"]["size"]["n_layers"] == 6
-    assert config["model"]["init_args"]["size"]["dim"] == 768
+    config = resolved_config(["--model.network.size", '{"name": "small", "n_layers": 6}'], capsys)
+    assert config["model"]["init_args"]["network"]["size"]["n_layers"] == 6
+    assert config["model"]["init_args"]["network"]["size"]["dim"] == 768
 
 
 # ---- bad configs: exit status 2, one short message naming the key or file -----------------------
@@ -124,15 +125,25 @@ def test_unknown_key_on_the_command_line_suggests(capsys):
 
 
 def test_unknown_init_arg_of_the_model_suggests(tmp_path, capsys):
-    recipe = write_recipe(tmp_path, {"model": {"init_args": {"max_text_lenn": 16}}})
+    recipe = write_recipe(tmp_path, {"model": {"init_args": {"n_action_binz": 16}}})
     code, _, err = run_main(["fit", "--config", recipe], capsys)
-    assert_short_error(code, err, recipe, "takes no argument 'max_text_lenn'", "did you mean 'max_text_len'?")
+    assert_short_error(code, err, recipe, "takes no argument 'n_action_binz'", "did you mean 'n_action_bins'?")
+
+
+def test_a_setting_that_moved_into_a_section_says_where_it_went(tmp_path, capsys):
+    code, _, err = run_main(["fit", "--config", RECIPE, "--model.size", "small"], capsys)
+    assert_short_error(code, err, "command line: 'model.size' is now 'model.network.size'")
+    code, _, err = run_main(["fit", "--config", RECIPE, "--data.num_workers", "0"], capsys)
+    assert_short_error(code, err, "command line: 'data.num_workers' is now 'data.loader.num_workers'")
+    recipe = write_recipe(tmp_path, {"model": {"init_args": {"vision": {"tokenizer": "keypoints"}}}})
+    code, _, err = run_main(["fit", "--config", recipe], capsys)
+    assert_short_error(code, err, f"{recipe}: 'model.vision.tokenizer' is now 'model.network.vision.tokenizer'")
 
 
 def test_unknown_key_of_a_dataclass_argument_names_it_and_suggests(tmp_path, capsys):
-    recipe = write_recipe(tmp_path, {"model": {"init_args": {"vision": {"tokenizr": "keypoints"}}}})
+    recipe = write_recipe(tmp_path, {"model": {"init_args": {"network": {"vision": {"tokenizr": "keypoints"}}}}})
     code, _, err = run_main(["fit", "--config", recipe], capsys)
-    assert_short_error(code, err, recipe, "unknown key 'model.vision.tokenizr': model.vision takes no key 'tokenizr'", "did you mean 'tokenizer'?")
+    assert_short_error(code, err, recipe, "unknown key 'model.network.vision.tokenizr': model.network.vision takes no key 'tokenizr'", "did you mean 'tokenizer'?")
     code, _, err = run_main(["fit", "--config", RECIPE, "--model.optimizer", '{"lrr": 1}'], capsys)
     assert_short_error(code, err, "model.optimizer takes no key 'lrr'", "did you mean 'lr'?")
 
@@ -161,7 +172,7 @@ def test_unknown_class_suggests_the_close_one(capsys):
 
 
 def test_unknown_model_size_suggests(capsys):
-    code, _, err = run_main(["fit", "--config", RECIPE, "--model.size", "smal"], capsys)
+    code, _, err = run_main(["fit", "--config", RECIPE, "--model.network.size", "smal"], capsys)
     assert_short_error(code, err, "unknown model size 'smal'", "did you mean 'small'?")
 
 

@@ -38,8 +38,8 @@ def test_streaming_a_dataset_much_larger_than_the_caches_keeps_rss_bounded(tmp_p
     decoded_bytes = episodes * frames * size * size * 3
     cache_mb, slack_mb = 2, 8  # slack: allocator and decoder buffers that come and go
     dm = RobotDataModule(
-        root=str(root), batch_size=16, num_workers=1, val_episodes=0, decode_cache_mb=cache_mb, max_open_files=4,
-        shuffle_buffer=64, persistent_workers=True,
+        root=str(root), batch_size=16, val_episodes=0, order={"shuffle_buffer": 64},
+        loader={"num_workers": 1, "decode_cache_mb": cache_mb, "max_open_files": 4, "persistent_workers": True},
     )
     dm.setup("fit")
     assert decoded_bytes > 4 * (cache_mb + slack_mb) * 2**20  # the data is several times the whole allowance
@@ -90,16 +90,16 @@ def test_s3_dataset_streams_through_a_bounded_checked_cache(s3, tmp_path, caplog
     files = [p for p in local.rglob("*") if p.is_file() and "meta" not in p.parts]
     total = sum(p.stat().st_size for p in files)
     limit = int(total * 0.6)  # the cache cannot hold the whole dataset: it must evict
-    settings = dict(batch_size=8, val_episodes=1, shuffle_buffer=32, persistent_workers=False)
+    settings = dict(batch_size=8, val_episodes=1, order={"shuffle_buffer": 32})
     with caplog.at_level(logging.INFO, logger="uma_lightning.data.datamodule"):
         remote = RobotDataModule(
-            root="s3://robots/arm", storage_options=options, shard_cache_dir=str(tmp_path / "cache"),
-            shard_cache_gb=limit / 2**30, num_workers=1, **settings,
+            root="s3://robots/arm", storage={"options": options, "cache_dir": str(tmp_path / "cache"), "cache_gb": limit / 2**30},
+            loader={"num_workers": 1, "persistent_workers": False}, **settings,
         )
         remote.setup("fit")
         remote_batches = list(remote.train_dataloader())
     assert "started with forkserver (remote storage clients run threads" in caplog.text
-    local_dm = RobotDataModule(root=str(local), num_workers=0, **settings)
+    local_dm = RobotDataModule(root=str(local), loader={"num_workers": 0, "persistent_workers": False}, **settings)
     local_dm.setup("fit")
     local_batches = list(local_dm.train_dataloader())
     assert remote.spec == local_dm.spec and len(remote_batches) == len(local_batches) > 0

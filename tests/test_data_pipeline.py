@@ -56,8 +56,9 @@ def keys_of(batches):
     ]
 
 
-def datamodule(root, **overrides):
-    settings = dict(root=str(root), batch_size=8, num_workers=0, val_episodes=1, persistent_workers=False, shuffle_buffer=32)
+def datamodule(root, loader=(), order=(), **overrides):
+    loader = {"num_workers": 0, "persistent_workers": False, **dict(loader)}
+    settings = dict(root=str(root), batch_size=8, val_episodes=1, loader=loader, order={"shuffle_buffer": 32, **dict(order)})
     settings.update(overrides)
     dm = RobotDataModule(**settings)
     dm.setup("fit")
@@ -172,9 +173,11 @@ def test_mixture_from_yaml_draws_each_dataset_with_its_weight_and_its_own_statis
           - {{root: {v21}, weight: 1.0}}
           - {{root: {v30}, weight: 3.0, action_norm: mean_std}}
         batch_size: 8
-        num_workers: 0
+        loader:
+          num_workers: 0
         val_episodes: 1
-        samples_per_epoch: 240
+        order:
+          samples_per_epoch: 240
         """
     )
     dm = RobotDataModule(**config)
@@ -199,10 +202,10 @@ def test_order_does_not_depend_on_workers_and_a_resumed_loader_continues_exactly
     reference = keys_of(list(reference_loader) + list(reference_loader))  # two epochs
     assert len(reference) == 2 * per_epoch * 8 and reference[: per_epoch * 8] != reference[per_epoch * 8 :]
 
-    workers = datamodule(v21, num_workers=2, persistent_workers=True).train_dataloader()
+    workers = datamodule(v21, loader={"num_workers": 2, "persistent_workers": True}).train_dataloader()
     assert keys_of(list(workers) + list(workers)) == reference  # persistent workers across the epoch boundary
 
-    interrupted = datamodule(v21, num_workers=2).train_dataloader()
+    interrupted = datamodule(v21, loader={"num_workers": 2}).train_dataloader()
     stop = per_epoch + 2  # mid second epoch
     seen = []
     for batch in interrupted:
@@ -212,7 +215,7 @@ def test_order_does_not_depend_on_workers_and_a_resumed_loader_continues_exactly
     seen += [b for _, b in zip(range(2), interrupted)]
     state = interrupted.state_dict()
     assert state == {"epoch": 1, "global_batches": 2, "bad_samples": 0}
-    resumed = datamodule(v21, num_workers=1).train_dataloader()
+    resumed = datamodule(v21, loader={"num_workers": 1}).train_dataloader()
     resumed.load_state_dict(state)
     assert keys_of(seen + list(resumed)) == reference
     assert len(seen) == stop
@@ -263,7 +266,7 @@ class RecordingModule(L.LightningModule):
 
 
 def fit(root, steps, workdir, ckpt_path=None, logger=False, callbacks=(), checkpoints=True):
-    dm = datamodule(root, num_workers=1, persistent_workers=True, val_episodes=0)
+    dm = datamodule(root, loader={"num_workers": 1, "persistent_workers": True}, val_episodes=0)
     module = RecordingModule()
     if checkpoints:
         callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=workdir, every_n_train_steps=1, save_top_k=-1), *callbacks]
@@ -327,15 +330,15 @@ def test_bad_data_is_an_error_naming_episode_and_file_or_is_skipped_and_counted(
     root = shutil.copytree(v21, tmp_path / "damaged")
     harm, message = DAMAGE[damage]
     harm(root)
-    loader = datamodule(root, val_episodes=0, shuffle_buffer=0).train_dataloader()
+    loader = datamodule(root, val_episodes=0, order={"shuffle_buffer": 0}).train_dataloader()
     with pytest.raises((DatasetError, VideoError), match=message):
         list(loader)
 
-    skipping = datamodule(root, val_episodes=0, shuffle_buffer=0, on_bad_data="skip").train_dataloader()
+    skipping = datamodule(root, val_episodes=0, order={"shuffle_buffer": 0}, loader={"on_bad_data": "skip"}).train_dataloader()
     with caplog.at_level(logging.WARNING, logger="uma_lightning.data.loader"):
         samples = keys_of(skipping)
     episode_1 = LeRobotMetadata.load(v21).episodes[1].length
-    clean = keys_of(datamodule(v21, val_episodes=0, shuffle_buffer=0).train_dataloader())
+    clean = keys_of(datamodule(v21, val_episodes=0, order={"shuffle_buffer": 0}).train_dataloader())
     assert samples == [key for key in clean if key[1] != 1]  # exactly episode 1's samples left out, order kept
     assert skipping.bad_samples == len(clean) - len(samples) and 0 < skipping.bad_samples <= episode_1
     assert skipping.state_dict()["bad_samples"] == skipping.bad_samples
@@ -350,7 +353,7 @@ def test_device_prefetcher_is_a_no_op_on_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the prefetcher copies on a side CUDA stream")
 def test_device_prefetcher_copies_on_a_side_stream_from_pinned_memory(v21):
-    dm = datamodule(v21, num_workers=1, pin_memory=True)
+    dm = datamodule(v21, loader={"num_workers": 1, "pin_memory": True})
     host = list(dm.train_dataloader())
     device = torch.device("cuda", torch.cuda.current_device())
     loader = dm.train_dataloader()

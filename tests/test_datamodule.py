@@ -259,8 +259,8 @@ def test_concurrent_processes_generate_the_dataset_once(tmp_path):
 # ---------------------------------------------------------------------------------------- data module
 def test_datamodule_worker_batches_follow_the_contract(tiny_root):
     dm = RobotDataModule(
-        root=str(tiny_root), n_obs_steps=2, action_horizon=4, batch_size=8, num_workers=2, val_episodes=1,
-        persistent_workers=False,
+        root=str(tiny_root), n_obs_steps=2, action_horizon=4, batch_size=8, val_episodes=1,
+        loader={"num_workers": 2, "persistent_workers": False},
     )
     assert dm.spec == DataSpec(
         cameras=(CAMERA,), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10.0,
@@ -287,7 +287,7 @@ def test_datamodule_worker_batches_follow_the_contract(tiny_root):
 
 def test_datamodule_splits_shuffles_reproducibly_and_denormalises(tiny_root, meta):
     def datamodule(seed):
-        dm = RobotDataModule(root=str(tiny_root), batch_size=16, num_workers=0, val_episodes=1, seed=seed)
+        dm = RobotDataModule(root=str(tiny_root), batch_size=16, loader={"num_workers": 0}, val_episodes=1, order={"seed": seed})
         dm.setup("fit")
         return dm
 
@@ -314,7 +314,7 @@ def test_datamodule_splits_shuffles_reproducibly_and_denormalises(tiny_root, met
 
 
 def test_datamodule_generates_the_embedded_dataset_when_root_is_none(tmp_path):
-    dm = RobotDataModule(n_episodes=2, image_size=32, val_episodes=0, num_workers=0)
+    dm = RobotDataModule(generation={"n_episodes": 2, "image_size": 32}, val_episodes=0, loader={"num_workers": 0})
     assert dm.root.parent == tmp_path / "cache"
     assert dm.spec.image_size == (32, 32) and dm.spec.cameras == (CAMERA,)
     dm.setup("fit")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from uma_lightning.checkpoint.weights import CheckpointWeights, load_weights
 from uma_lightning.data import RobotDataModule
 from uma_lightning.data.dataset import FrameDataset
 from uma_lightning.data.generate import ensure_dataset
@@ -22,7 +23,6 @@ from uma_lightning.models import RobotModelConfig, RobotTransformer, count_param
 from uma_lightning.models.flops import flow_training_flops_per_sample
 from uma_lightning.models.flow import ActionExpertConfig, RobotFlowTransformer
 from uma_lightning.modules import PosttrainModule, PretrainModule
-from uma_lightning.modules.init_from import CheckpointWeights, load_weights
 from uma_lightning.sim import PlanarArmConfig
 
 from test_models import random_inputs, small_config
@@ -53,7 +53,7 @@ def test_generated_episodes_record_where_the_named_target_is(tmp_path):
 
 
 def test_batches_carry_the_normalised_environment_state(tmp_path):
-    dm = RobotDataModule(n_episodes=4, image_size=32, cache_dir=str(tmp_path), batch_size=6, num_workers=0, val_episodes=1)
+    dm = RobotDataModule(generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path)}, batch_size=6, loader={"num_workers": 0}, val_episodes=1)
     assert dm.spec.environment_state_dim == 2
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
@@ -92,12 +92,12 @@ def test_data_without_environment_state_cannot_feed_the_loss(tmp_path):
     assert "environment_state" not in FrameDataset(meta, action_horizon=2)[0]
     with pytest.raises(DatasetError, match=f"{root}: no '{ENV_STATE_KEY}' feature with statistics"):
         FrameDataset(meta, environment_state=True)
-    spec = RobotDataModule(root=str(root), num_workers=0, val_episodes=0, action_horizon=2).spec
+    spec = RobotDataModule(root=str(root), loader={"num_workers": 0}, val_episodes=0, action_horizon=2).spec
     assert spec.environment_state_dim == 0
     with pytest.raises(ValueError, match="environment_state_weight 0.5 needs data that records observation.environment_state"):
-        PretrainModule(spec=spec, size=MICRO, environment_state_weight=0.5)
+        PretrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": 0.5})
     with pytest.raises(ValueError, match="environment_state_weight must be >= 0, got -1"):
-        PretrainModule(spec=dataclasses.replace(spec, environment_state_dim=2), size=MICRO, environment_state_weight=-1)
+        PretrainModule(spec=dataclasses.replace(spec, environment_state_dim=2), network={"size": MICRO, "environment_state_weight": -1})
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_the_head_is_counted_in_parameters_and_training_flops():
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
-    dm = RobotDataModule(n_episodes=4, image_size=32, cache_dir=str(tmp_path_factory.mktemp("cache")), batch_size=5, num_workers=0, val_episodes=1)
+    dm = RobotDataModule(generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path_factory.mktemp("cache"))}, batch_size=5, loader={"num_workers": 0}, val_episodes=1)
     dm.setup("fit")
     return dm, next(iter(dm.train_dataloader()))
 
@@ -165,7 +165,7 @@ def test_the_loss_adds_the_weighted_environment_state_error(embedded, module_cla
     modules = {}
     for weight in (0.0, 0.5):
         torch.manual_seed(0)
-        modules[weight] = module_class(spec=dm.spec, size=MICRO, normalization=dm.normalization(), environment_state_weight=weight)
+        modules[weight] = module_class(spec=dm.spec, network={"size": MICRO, "environment_state_weight": weight}, normalization=dm.normalization())
         modules[weight].configure_model()
     plain, weighted = modules[0.0], modules[0.5]
     plain.model.load_state_dict(weighted.model.state_dict(), strict=False)  # the same weights, less the head
@@ -183,17 +183,17 @@ def test_the_loss_adds_the_weighted_environment_state_error(embedded, module_cla
     torch.testing.assert_close(out["loss"], without["loss"] + 0.5 * expected, atol=1e-5, rtol=1e-5)
     out["loss"].backward()
     assert model.environment_state_head.weight.grad.abs().sum() > 0
-    assert weighted.hparams.environment_state_weight == 0.5
+    assert weighted.hparams.network["environment_state_weight"] == 0.5
 
 
 def test_stages_with_and_without_the_head_start_from_each_other(embedded):
     dm, _ = embedded
     spec = dm.spec
     torch.manual_seed(0)
-    pretrained = PretrainModule(spec=spec, size=MICRO, environment_state_weight=1.0).build_model()
+    pretrained = PretrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": 1.0}).build_model()
     source = CheckpointWeights("pretrain.ckpt", {}, {k: v.clone() for k, v in pretrained.state_dict().items()}, ema=False, module_class=None)
     for weight in (1.0, 0.0):
-        module = PosttrainModule(spec=spec, size=MICRO, environment_state_weight=weight)
+        module = PosttrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": weight})
         model = module.build_model()
         load_weights(model, source, module.key_mapping)
         torch.testing.assert_close(model.backbone.layers[1].ffn.w2.weight, pretrained.backbone.layers[1].ffn.w2.weight)
@@ -202,7 +202,7 @@ def test_stages_with_and_without_the_head_start_from_each_other(embedded):
         else:
             assert model.environment_state_head is None
     # And the other way: a head the checkpoint lacks starts fresh.
-    plain = PretrainModule(spec=spec, size=MICRO).build_model()
+    plain = PretrainModule(spec=spec, network={"size": MICRO}).build_model()
     source = CheckpointWeights("pretrain.ckpt", {}, plain.state_dict(), ema=False, module_class=None)
-    module = PretrainModule(spec=spec, size=MICRO, environment_state_weight=1.0)
+    module = PretrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": 1.0})
     load_weights(module.build_model(), source, module.key_mapping)

@@ -96,23 +96,10 @@ def describe(cycles: list[list[str]]) -> str:
     return "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
 
 
-# Known: uma_lightning.modules.base -> uma_lightning.policy -> uma_lightning.modules.init_from, which the
-# settings work removes on its own branch. Once that is merged, delete this marker, KNOWN_CYCLE and
-# OnlyTheKnownCycle; the marker is strict, so the test fails as soon as the cycle is gone.
-KNOWN_CYCLE = {"uma_lightning.modules.base", "uma_lightning.policy", "uma_lightning.modules.init_from"}
-
-
-class OnlyTheKnownCycle(AssertionError):
-    pass
-
-
-@pytest.mark.xfail(raises=OnlyTheKnownCycle, strict=True, reason="modules/base.py <-> policy.py <-> modules/init_from.py, removed by the settings work")
 def test_the_package_has_no_import_cycles():
     graph = import_graph(PACKAGE_DIRS)
     assert {"uma_lightning.callbacks.checkpointing", "uma_lightning.kernels.attention", "uma_lightning.cli"} <= set(graph)
     cycles = import_cycles(graph)
-    if cycles and all(set(cycle) <= KNOWN_CYCLE for cycle in cycles):
-        raise OnlyTheKnownCycle(describe(cycles))
     assert not cycles, describe(cycles)
 
 

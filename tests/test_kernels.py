@@ -338,9 +338,9 @@ def test_pretrain_module_loss_is_the_per_sample_masked_mean_cross_entropy():
 
     size = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
     # kernels as a checkpoint's hyperparameters give it back: a plain dict
-    module = PretrainModule(spec=SPEC, size=size, max_text_len=16, n_action_bins=32, kernels={"attention": "sdpa_math", "rms_norm": "torch"})
+    module = PretrainModule(spec=SPEC, network={"size": size, "max_text_len": 16, "kernels": {"attention": "sdpa_math", "rms_norm": "torch"}}, n_action_bins=32)
     module.configure_model()
-    assert module.hparams["kernels"]["attention"] == "sdpa_math"
+    assert module.hparams["network"]["kernels"]["attention"] == "sdpa_math"
     assert {m.kernels.attention for m in module.model.modules() if hasattr(m, "kernels")} == {"sdpa_math"}
     gen = torch.Generator().manual_seed(0)
     batch = {

@@ -136,9 +136,9 @@ def test_every_variant_trains_under_the_pretrain_recipe(written, variant, tmp_pa
     cli = UmaCLI(
         [
             "fit", "--config", RECIPE,
-            "--model.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
+            "--model.network.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
             "--data.root", str(written[variant.name]),
-            "--data.batch_size", "4", "--data.num_workers", "0", "--data.val_episodes", "1",
+            "--data.batch_size", "4", "--data.loader.num_workers", "0", "--data.val_episodes", "1",
             "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
             "--trainer.default_root_dir", str(tmp_path / "run"),

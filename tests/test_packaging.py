@@ -38,7 +38,8 @@ def test_callbacks_and_kernels_are_not_top_level_modules():
 
 
 def test_models_import_neither_lightning_nor_distributed():
-    code = "import sys, uma_lightning.models; print(sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning', 'mlflow'))))"
+    # Policy too: inference rebuilds a checkpoint's network without Lightning.
+    code = "import sys, uma_lightning.models, uma_lightning.policy; print(sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning', 'mlflow'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     for source in (REPO / "uma_lightning" / "models").rglob("*.py"):

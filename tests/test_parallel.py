@@ -25,7 +25,7 @@ from uma_lightning.parallel.parity import TOLERANCES, main as parity_main
 TESTS = Path(__file__).resolve().parent
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
-DATA = ["--data.n_episodes", "6", "--data.num_workers", "0"]
+DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0"]
 
 
 def sizes(dp_replicate, dp_shard, tp):
@@ -167,7 +167,7 @@ def run_parity(tmp_path, strategies, *extra, module=None):
     report = tmp_path / "parity.json"
     args = [
         "--config", RECIPE, "--strategies", strategies, "--steps", "3", "--report", str(report),
-        "--model.size", json.dumps(TINY), *DATA, "--data.batch_size", "8", *extra,
+        "--model.network.size", json.dumps(TINY), *DATA, "--data.batch_size", "8", *extra,
     ]  # fmt: skip
     if module:
         args += ["--model", module]
@@ -187,7 +187,7 @@ def test_parity_refuses_bad_arguments_before_training(capsys):
 def test_ddp_fsdp_tp_match_one_process(tmp_path):
     # One launch of two processes trains all three strategies; every second block is checkpointed.
     # With the environment-state head, so the auxiliary loss is trained under each layout too.
-    code, results = run_parity(tmp_path, "ddp,fsdp,tp", "--activation-checkpointing", "ops", "--ac-every-n-blocks", "2", "--model.environment_state_weight", "0.5")
+    code, results = run_parity(tmp_path, "ddp,fsdp,tp", "--activation-checkpointing", "ops", "--ac-every-n-blocks", "2", "--model.network.environment_state_weight", "0.5")
     for name, result in results.items():
         assert result["ok"], (name, result)
         assert result["initial_param_diff"] == 0.0
@@ -205,7 +205,7 @@ def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environm
     gradients match one process; the final update is not judged, since AdamW amplifies the rounding
     of near-zero gradients of the zero-initialised conditioning beyond its tolerance."""
     vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
-    _, results = run_parity(tmp_path, "tp", "--model.vision", json.dumps(vision), "--model.environment_state_weight", "0.5")
+    _, results = run_parity(tmp_path, "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5")
     assert results["tp"]["initial_param_diff"] == 0.0
     assert results["tp"]["max_loss_diff"] <= TOLERANCES["tp"].loss
     assert results["tp"]["first_divergence"] is None, results["tp"]
@@ -256,7 +256,7 @@ def uma(tmp_path, *args, timeout=600, env=None):
 @pytest.mark.parametrize("strategy", ["fsdp", "tp", "ddp"])
 def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
     result = uma(
-        tmp_path, *quick_fit(tmp_path, "--trainer.devices", "2", "--trainer.strategy", strategy, "--model.size", json.dumps(TINY)),
+        tmp_path, *quick_fit(tmp_path, "--trainer.devices", "2", "--trainer.strategy", strategy, "--model.network.size", json.dumps(TINY)),
         "--trainer.callbacks+", json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}}),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -300,7 +300,7 @@ def test_two_nodes_through_torchrun_c10d_rendezvous_train_the_same_model(tmp_pat
         "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
         "RDZV_ID": "two-nodes",
     }
-    args = quick_fit(tmp_path, "--trainer.strategy", "ddp", "--trainer.logger", "false", "--model.size", json.dumps(TINY))[1:]
+    args = quick_fit(tmp_path, "--trainer.strategy", "ddp", "--trainer.logger", "false", "--model.network.size", json.dumps(TINY))[1:]
     args += ["--trainer.callbacks+", json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}})]
     nodes = [
         subprocess.Popen(["bash", str(REPO / "configs/launch/torchrun.sh"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,7 +21,7 @@ from uma_lightning.cli import main
 REPO = Path(__file__).resolve().parents[1]
 UMA = str(Path(sys.executable).parent / "uma")
 # Small data and short runs; validation runs once, at the end of each stage.
-DATA = ["--data.n_episodes", "24", "--data.val_episodes", "4", "--data.num_workers", "0", "--trainer.limit_val_batches", "4"]
+DATA = ["--data.generation.n_episodes", "24", "--data.val_episodes", "4", "--data.loader.num_workers", "0", "--trainer.limit_val_batches", "4"]
 
 
 def recipe(name: str) -> str:

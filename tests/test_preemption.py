@@ -15,13 +15,13 @@ from test_checkpoint_resume import TINY
 from test_cli import RECIPE
 from uma_lightning.checkpoint import committed, verify
 
-ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "0"]
+ARGS = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "0"]
 
 
 def write_recipe(path: Path, max_steps: int, grace_period_s: float, extra_callbacks=()) -> str:
     recipe = {
         "include": [RECIPE],
-        "model": {"init_args": {"size": TINY}},
+        "model": {"init_args": {"network": {"size": TINY}}},
         "trainer": {
             "logger": False,
             "max_steps": max_steps,

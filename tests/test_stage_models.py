@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from uma_lightning.checkpoint.weights import CheckpointWeights, KeyMapping, load_weights
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig
 from uma_lightning.models import (
@@ -22,7 +23,6 @@ from uma_lightning.models import (
 )
 from uma_lightning.models.lora import LoRALinear, add_lora, merge_lora
 from uma_lightning.models.transformer import KVCache
-from uma_lightning.modules.init_from import CheckpointWeights, KeyMapping, load_weights
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.modules.posttrain import PosttrainModule
 

@@ -12,17 +12,17 @@ import torch
 
 from uma_lightning import Policy
 from uma_lightning.callbacks import ClosedLoopEval, PredictionWriter, ShardedCheckpoint
+from uma_lightning.checkpoint.weights import read_checkpoint
 from uma_lightning.data import RobotDataModule
 from uma_lightning.models.lora import LoRALinear
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
-from uma_lightning.modules.init_from import read_checkpoint
 
 MICRO = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
 LORA_TARGETS = ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wv"]
 
 
 def data(**overrides) -> RobotDataModule:
-    return RobotDataModule(**{"n_episodes": 6, "batch_size": 4, "num_workers": 0, "val_episodes": 2, **overrides})
+    return RobotDataModule(**{"generation": {"n_episodes": 6}, "batch_size": 4, "loader": {"num_workers": 0}, "val_episodes": 2, **overrides})
 
 
 def trainer(root, steps: int, **overrides) -> L.Trainer:
@@ -39,14 +39,14 @@ def stages(tmp_path_factory):
     root = tmp_path_factory.mktemp("stages")
     torch.manual_seed(0)
     pre_data = data()
-    pretrain = PretrainModule(spec=pre_data.spec, size=MICRO, normalization=pre_data.normalization())
+    pretrain = PretrainModule(spec=pre_data.spec, network={"size": MICRO}, normalization=pre_data.normalization())
     run = trainer(root / "pretrain", 3)
     run.fit(pretrain, pre_data)
     run.save_checkpoint(root / "pretrain.ckpt")
 
     post_data = data(n_obs_steps=2, action_horizon=6, state_norm="quantile", action_norm="quantile")
     posttrain = PosttrainModule(
-        spec=post_data.spec, size=MICRO, normalization=post_data.normalization(), init_from=str(root / "pretrain.ckpt"),
+        spec=post_data.spec, network={"size": MICRO}, normalization=post_data.normalization(), init_from=str(root / "pretrain.ckpt"),
         expert={"dim": 16, "ffn_dim": 32}, freeze=["image_tokenizer.*"], lora={"targets": LORA_TARGETS, "rank": 2}, ema_decay=0.5,
         optimizer={"lr": 1e-2, "warmup_steps": 1},
     )
@@ -75,6 +75,46 @@ def test_posttraining_freezes_adapts_and_keeps_an_average(stages):
     torch.testing.assert_close(policy.model.expert.layers[0].ffn.w1.weight, ema.expert.layers[0].ffn.w1.weight)
     merged = ema.backbone.layers[0].attn.wq
     torch.testing.assert_close(policy.model.backbone.layers[0].attn.wq.weight, merged.weight + merged.scale * merged.lora_b @ merged.lora_a)
+
+
+@pytest.mark.parametrize("module_name, argument", [("LabelSmoothedPretrain", {"smoothing": 0.3}), ("DeeperPretrain", {"extra_layers": 2})])
+def test_a_research_subclass_round_trips_through_its_checkpoint_with_its_own_argument(tmp_path, module_name, argument):
+    """Checkpoints keep every constructor argument of the class trained, a subclass's own included: a
+    loss-only subclass is rebuilt by the stage's network builder, one that changes the network through
+    its class, with the argument's value (two more layers here, whose weights must load)."""
+    import research_module
+
+    module_class = getattr(research_module, module_name)
+    dm = data()
+    module = module_class(spec=dm.spec, network={"size": MICRO}, normalization=dm.normalization(), **argument)
+    run = trainer(tmp_path, 2)
+    run.fit(module, dm)
+    run.save_checkpoint(tmp_path / "research.ckpt")
+    source = read_checkpoint(tmp_path / "research.ckpt")
+    name, value = next(iter(argument.items()))
+    assert source.hparams[name] == value and source.module_class == f"research_module.{module_name}"
+    assert getattr(module_class(**source.hparams), name) == value
+    assert (source.network_builder is None) == (module_name == "DeeperPretrain")
+    policy = Policy.from_checkpoint(str(tmp_path / "research.ckpt"))
+    assert len(policy.model.backbone.layers) == MICRO["n_layers"] + argument.get("extra_layers", 0)
+    batch = next(iter(dm.val_dataloader()))
+    trained = module.policy().eval()
+    torch.testing.assert_close(
+        policy.predict_normalized(batch["images"], batch["state"], batch["instruction"]),
+        trained.predict_normalized(batch["images"], batch["state"], batch["instruction"]),
+    )
+
+
+def test_a_checkpoint_with_its_settings_saved_flat_still_loads(stages, tmp_path):
+    """Checkpoints written before the settings were grouped keep the network's at the top level
+    (``size``, ``vision``, ...) and name no network builder: the Policy is the same."""
+    checkpoint = torch.load(stages["root"] / "pretrain.ckpt", weights_only=True)
+    hparams = checkpoint["hyper_parameters"]
+    checkpoint["hyper_parameters"] = {**{k: v for k, v in hparams.items() if k != "network"}, **hparams["network"]}
+    del checkpoint["network_builder"]
+    torch.save(checkpoint, tmp_path / "flat.ckpt")
+    flat, grouped = (Policy.from_checkpoint(str(path)).state_dict() for path in (tmp_path / "flat.ckpt", stages["root"] / "pretrain.ckpt"))
+    assert flat.keys() == grouped.keys() and all(torch.equal(flat[k], grouped[k]) for k in flat)
 
 
 def test_sharded_checkpoint_reads_as_the_checkpoint_file(stages):
@@ -146,11 +186,11 @@ def test_predict_writes_every_frame_of_the_split(stages, tmp_path):
 
 def test_midtraining_extends_the_context_from_a_pretrained_checkpoint(stages, caplog):
     longer = data(n_obs_steps=3, action_horizon=10)
-    module = MidtrainModule(spec=longer.spec, size=MICRO, normalization=longer.normalization(), init_from=str(stages["root"] / "pretrain.ckpt"))
+    module = MidtrainModule(spec=longer.spec, network={"size": MICRO}, normalization=longer.normalization(), init_from=str(stages["root"] / "pretrain.ckpt"))
     with caplog.at_level(logging.INFO, logger="uma_lightning"):
         module.configure_model()
     assert "context: 1 -> 3 observation steps, 8 -> 10-step action chunks; backbone RoPE positions 0.." in caplog.text
     assert module.model.backbone.max_seq_len == module.model_config.seq_len > stages["pretrain"].model.backbone.max_seq_len
     torch.testing.assert_close(module.model.action_head.weight, stages["pretrain"].model.action_head.weight)
     with pytest.raises(ValueError, match="set model.init_from"):
-        MidtrainModule(spec=longer.spec, size=MICRO).setup("fit")
+        MidtrainModule(spec=longer.spec, network={"size": MICRO}).setup("fit")

@@ -76,7 +76,7 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
     # The resolved config, flattened into params.
     params = run.data.params
     assert params["trainer/max_steps"] == "4"
-    assert params["model/init_args/size/dim"] == "32"
+    assert params["model/init_args/network/size/dim"] == "32"
     assert params["data/init_args/batch_size"] == "4"
     assert int(params["model.n_parameters"]) == sum(p.numel() for p in cli.model.parameters())
 

@@ -11,6 +11,7 @@ _EXPORTS = {
     "PosttrainModule": "uma_lightning.modules",
     "Policy": "uma_lightning.policy",
     "OptimizerConfig": "uma_lightning.modules",
+    "NetworkConfig": "uma_lightning.models.network",
     "RobotDataModule": "uma_lightning.data",
     "DataSpec": "uma_lightning.data",
 }

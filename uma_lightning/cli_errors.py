@@ -35,10 +35,21 @@ def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = (), 
         choices = re.findall(r"'([^']+)'", match.group(2)) + list(tools)
         return f"unknown command {match.group(1)!r}{_did_you_mean(match.group(1), choices)} (commands: {', '.join(choices)})"
 
+    if match := re.search(r"Group '([\w.]+)' does not accept option '([^']+)'", message):
+        # A key of a dataclass section inside a section, e.g. model.network.vision.
+        class_path = re.search(r"Problem with given class_path '([^']+)'", message)
+        group, *nested = re.findall(r'Parser key "([^"]+)"', message) + match.group(1).split(".")
+        name, section = match.group(2), ".".join([group, *nested])
+        fields = _nested_fields(class_path.group(1), nested) if class_path else []
+        return f"{located.where(f'{section}.{name}', name)}unknown key '{section}.{name}': {section} takes no key {name!r}{_did_you_mean(name, fields)}"
+
     if match := re.search(r"does not accept option '([^']+)'", message) or re.search(
         r"unrecognized arguments: --([\w.]+)", message
     ):
         key = match.group(1)
+        group, *rest = [part for part in key.split(".") if part != "init_args"]
+        if rest and (moved := _moved_to(group, rest[0], (defaults or _DEFAULT_CLASSES).get(group))):
+            return f"{located.where(key)}{_moved_message(group, rest, moved)}"
         return f"{located.where(key)}unknown key {key!r}{_did_you_mean(key, _known_keys(parser, args, defaults or _DEFAULT_CLASSES))}"
 
     if match := re.search(r'Parser key "config": File does not exist: \'([^\']+)\'', message):
@@ -62,6 +73,8 @@ def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = (), 
                     f"{_did_you_mean(name, _nested_fields(class_path, nested))}"
                 )
             full = f"{key}.init_args.{name}"
+            if not nested and (moved := _moved_to(group, name.split(".")[0], class_path)):
+                return f"{located.where(full, name)}{_moved_message(group, name.split('.'), moved)}"
             return (
                 f"{located.where(full, name)}unknown key {full!r}: {class_path} takes no argument {name!r}"
                 f"{_did_you_mean(name, _init_params(class_path))}"
@@ -72,6 +85,19 @@ def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = (), 
     if expected := re.search(r"Expected a <class '([\w.]+)'>\. Got value: (.+)", problem):
         return f"{located.where(key)}{key}: expected {expected.group(1)}, got {expected.group(2)!r}"
     return f"{located.where(key)}{key}: {problem}"
+
+
+def _moved_to(group: str, name: str, class_path: str | None) -> str | None:
+    """The new key of a setting that an earlier version took as ``group.name``, from the class's
+    ``moved_settings`` (old argument name -> its key in a section), or None."""
+    moved = getattr(_import(class_path), "moved_settings", None) if class_path else None
+    return f"{group}.{moved[name]}" if isinstance(moved, dict) and name in moved else None
+
+
+def _moved_message(group: str, path: list[str], moved: str) -> str:
+    """``path`` (the old key under ``group``, e.g. ["size"] or ["vision", "tokenizer"]) and where it is now."""
+    old, new = ".".join([group, *path]), ".".join([moved, *path[1:]])
+    return f"{old!r} is now {new!r}: settings are grouped in sections (see the README's configuration section)"
 
 
 def problem_lines(message: str) -> list[str]:

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from uma_lightning.checkpoint.weights import load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models.lora import merge_lora
+from uma_lightning.models.network import grouped_settings, spec_of
 
 
 class Policy(nn.Module):
@@ -54,30 +56,32 @@ class Policy(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str, device: str | torch.device = "cpu", use_ema: bool = True, module_class: type | None = None) -> Policy:
-        """Rebuild the model a stage module trained and load its weights (the EMA weights when the
+        """Rebuild the network a stage module trained and load its weights (the EMA weights when the
         checkpoint has them and ``use_ema``), LoRA adapters folded in.
 
-        The module class recorded in the checkpoint is imported to build the model, unless
-        ``module_class`` is given; it must be a ``StageModule`` subclass.
+        The network is built from the checkpoint's hyperparameters by the function the checkpoint
+        names (``models/network.py``), which needs neither the module class nor Lightning. A module
+        class that builds its network otherwise is imported and rebuilt from the same hyperparameters
+        (every constructor argument it had), as is ``module_class`` when given.
         """
-        from uma_lightning.modules.base import StageModule
-        from uma_lightning.modules.init_from import load_weights, read_checkpoint
-
         source = read_checkpoint(path, prefer_ema=use_ema)
-        if module_class is None:
-            if not source.module_class:
-                raise ValueError(f"{path}: the checkpoint does not record its module class; pass module_class=")
-            module_path, _, name = source.module_class.rpartition(".")
-            module_class = getattr(importlib.import_module(module_path), name)
-        if not (isinstance(module_class, type) and issubclass(module_class, StageModule)):
-            raise ValueError(f"{path}: module class {module_class!r} is not a uma_lightning StageModule")
-        if not source.hparams.get("normalization"):
+        hparams = grouped_settings(source.hparams)
+        if not hparams.get("normalization"):
             raise ValueError(f"{path}: no normalization statistics in the checkpoint's hyperparameters; cannot undo the normalisation")
-        module = module_class(**{**source.hparams, "init_from": None})
-        model = module.build_model()
+        if module_class is None and source.network_builder:
+            model, options = _imported(source.network_builder, path)(hparams)
+        else:
+            if module_class is None:
+                if not source.module_class:
+                    raise ValueError(f"{path}: the checkpoint does not record its module class; pass module_class=")
+                module_class = _imported(source.module_class, path)
+            if not (isinstance(module_class, type) and callable(getattr(module_class, "build_model", None))):
+                raise ValueError(f"{path}: module class {module_class!r} is not a uma_lightning StageModule")
+            module = module_class(**{**hparams, "init_from": None})
+            model, options = module.build_model(), module.inference_options()
         load_weights(model, source)
         merge_lora(model)
-        policy = cls(model, module.spec, source.hparams["normalization"], module.inference_options())
+        policy = cls(model, spec_of(hparams), hparams["normalization"], options)
         return policy.to(device).eval()
 
     # ---- normalisation ------------------------------------------------------------------------
@@ -114,3 +118,12 @@ class Policy(nn.Module):
             raise ValueError(f"{len(instruction)} instructions for a batch of {images.shape[0]}")
         normalized = self.predict_normalized(images, self.normalize_state(state), instruction, **overrides)
         return self.denormalize_actions(normalized).float()
+
+
+def _imported(name: str, path: str):
+    """The object named ``"package.module:name"`` or ``"package.module.Name"`` in a checkpoint."""
+    module_name, _, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{path}: cannot import {name!r}, which the checkpoint names ({err})") from None

@@ -65,7 +65,7 @@ def environment(cpu_smoke: bool) -> str:
 def batches_for(size: str, steps: int):
     from uma_lightning.data import RobotDataModule
 
-    data = RobotDataModule(n_episodes=20, batch_size=BATCH[size], num_workers=0)
+    data = RobotDataModule(generation={"n_episodes": 20}, batch_size=BATCH[size], loader={"num_workers": 0})
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     return data.spec, [batch] * steps  # one real batch, reused: the data loader is not what is measured
@@ -74,7 +74,7 @@ def batches_for(size: str, steps: int):
 def run_variant(spec, batches, size: str, strategy_args, device: str, compile_backend: str) -> dict:
     from lightning.pytorch import Callback
 
-    from uma_lightning.modules import OptimizerConfig, PretrainModule
+    from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
     from uma_lightning.parallel import MeshStrategy
     from uma_lightning.parallel.fixed_batches import fit_on_batches
 
@@ -95,7 +95,7 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    module = PretrainModule(spec=spec, size=size, optimizer=OptimizerConfig(warmup_steps=1))
+    module = PretrainModule(spec=spec, network=NetworkConfig(size=size), optimizer=OptimizerConfig(warmup_steps=1))
     timer = StepTimer()
     strategy = "auto" if strategy_args is None else MeshStrategy(**strategy_args, compile_backend=compile_backend)
     fit_on_batches(

@@ -6,20 +6,20 @@ The Lightning side (when to save, resuming) is the ``ShardedCheckpoint`` callbac
 inspects and exports checkpoints.
 """
 
-from uma_lightning.checkpoint.directory import committed, remove_staging_leftovers, step_dirname, steps_to_keep
-from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
-from uma_lightning.checkpoint.resume import choose_checkpoint, continue_tracked_run
-from uma_lightning.checkpoint.writer import CheckpointWriter
+from uma_lightning._lazy import lazy_exports
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointWriter",
-    "choose_checkpoint",
-    "committed",
-    "continue_tracked_run",
-    "read_manifest",
-    "remove_staging_leftovers",
-    "step_dirname",
-    "steps_to_keep",
-    "verify",
-]
+# Imported on first use, so that reading a checkpoint (``weights``, ``Policy``) does not import Lightning.
+_EXPORTS = {
+    "CheckpointError": "manifest",
+    "CheckpointWriter": "writer",
+    "choose_checkpoint": "resume",
+    "committed": "directory",
+    "continue_tracked_run": "resume",
+    "read_manifest": "manifest",
+    "remove_staging_leftovers": "directory",
+    "step_dirname": "directory",
+    "steps_to_keep": "directory",
+    "verify": "manifest",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

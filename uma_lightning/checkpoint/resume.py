@@ -12,7 +12,6 @@ import torch.distributed as dist
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
 from uma_lightning.checkpoint.storage import tensor_metadata
-from uma_lightning.tracking.mlflow_logger import MLflowLogger
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,8 @@ def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = N
 def continue_tracked_run(loggers, root: Path) -> Optional[str]:
     """Make MLflow loggers log into the run recorded by the newest checkpoint under ``root``, so that a
     resumed job continues one run, and its step axis, instead of opening a new run."""
+    from uma_lightning.tracking.mlflow_logger import MLflowLogger  # here: reading checkpoints needs no Lightning
+
     for _, path in reversed(committed(root)):
         try:
             run_id = read_manifest(path).get("mlflow_run_id")

@@ -18,7 +18,6 @@ Tensors go to torch.distributed.checkpoint files; everything else to ``state.jso
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -32,15 +31,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_st
 
 from uma_lightning.checkpoint import rng
 from uma_lightning.checkpoint.codec import decode, encode, tensor_references
-from uma_lightning.checkpoint.manifest import CheckpointError, verify
-from uma_lightning.checkpoint.resume import choose_checkpoint
+from uma_lightning.checkpoint.manifest import CheckpointError
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+from uma_lightning.checkpoint.weights import MODEL, OPTIMIZER, RNG, STATE_FILE, TRAINER, read_state
 from uma_lightning.lightning_compat import forget_train_loader
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "state.json"
-MODEL, OPTIMIZER, TRAINER, RNG = "model", "optimizer", "trainer", "rng"
 
 
 def collect(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -72,37 +69,6 @@ def encode_parts(parts: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         state[name], part_tensors = encode(value, name)
         tensors.update(part_tensors)
     return state, tensors
-
-
-def read_state(directory: Path) -> dict:
-    try:
-        return json.loads((directory / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{directory / STATE_FILE}: unreadable: {err}") from None
-
-
-def read_weights(path: Path, prefixes: tuple[str, ...]) -> tuple[Path, str, dict[str, torch.Tensor]]:
-    """(checkpoint directory, prefix, tensors) of the tensors under the first of ``prefixes`` (checkpoint
-    keys such as ``"model/model."``) that has any, read whole on this process, however they were sharded.
-
-    ``path`` is one checkpoint directory, or a run's checkpoints directory, which means its newest valid
-    checkpoint. Raises CheckpointError when there is none, it is unusable, or no prefix matches.
-    """
-    path = Path(path)
-    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path)
-    if directory is None:
-        raise CheckpointError(f"{path}: a directory without checkpoints")
-    if directory == path:  # choose_checkpoint has verified the one it chose
-        problems = verify(directory)
-        if problems:
-            raise CheckpointError(f"{directory} is unusable: {'; '.join(problems)}")
-    entries = tensor_metadata(directory)
-    prefix = next((p for p in prefixes if any(key.startswith(p) for key in entries)), None)
-    if prefix is None:
-        raise CheckpointError(f"{directory}: no tensors under {' or '.join(map(repr, prefixes))}; see `uma ckpt inspect {directory}` for the names")
-    tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(prefix)}
-    load_tensors(tensors, directory, None)
-    return directory, prefix, tensors
 
 
 def load(trainer: pl.Trainer, module: pl.LightningModule, directory: Path, process_group: Optional[dist.ProcessGroup]) -> tuple[dict, Optional[dict]]:

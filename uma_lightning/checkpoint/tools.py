@@ -22,7 +22,7 @@ from uma_lightning.checkpoint.codec import decode
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
 from uma_lightning.checkpoint.resume import unusable_because
-from uma_lightning.checkpoint.state import MODEL, TRAINER, read_state, read_weights
+from uma_lightning.checkpoint.weights import MODEL, TRAINER, read_state, read_weights
 from uma_lightning.checkpoint.storage import tensor_metadata
 
 

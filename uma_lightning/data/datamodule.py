@@ -18,7 +18,7 @@ from uma_lightning.data.dataset import FrameDataset, NormMode, Normalizer, Windo
 from uma_lightning.data.generate import default_cache_dir, ensure_dataset
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
 from uma_lightning.data.loader import BadDataPolicy, BatchStream, RobotDataLoader, collate
-from uma_lightning.data.order import OrderConfig
+from uma_lightning.data.order import OrderConfig, OrderSettings
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
 from uma_lightning.parallel.mesh import data_parallel_rank
@@ -39,6 +39,77 @@ class DatasetSource:
     weight: float = 1.0
     state_norm: Optional[NormMode] = None  # None: the data module's state_norm
     action_norm: Optional[NormMode] = None  # None: the data module's action_norm
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """The embedded planar-arm dataset, generated once and cached, used when neither ``root`` nor ``datasets`` is given.
+
+    - ``n_episodes``, ``image_size`` (square side in pixels), ``seed``: what is generated;
+    - ``cache_dir``: where; None uses $UMA_CACHE_DIR or ~/.cache/uma_lightning.
+    """
+
+    n_episodes: int = 200
+    image_size: int = 64
+    seed: int = 0
+    cache_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How samples are read and batches loaded, per process.
+
+    - ``num_workers``: DataLoader worker processes; ``persistent_workers`` keeps them (and their open
+      files and caches) alive between epochs; ``prefetch_factor``: batches each worker loads ahead;
+    - ``multiprocessing_context``: fork, forkserver or spawn for workers; None picks fork unless it is
+      unsafe (remote storage clients run threads; CUDA is initialised), then forkserver;
+    - ``pin_memory``: pin batches in page-locked memory; None pins only when CUDA is available;
+      ``device_prefetch``: copy the next batch to the GPU on a side stream while the current step runs;
+    - ``decode_cache_mb``: bound on decoded frames and episode columns kept per process, in MiB;
+      ``max_open_files``: open parquet and video files kept per process;
+    - ``tolerance_s``: how far a frame's timestamp may be from the requested time, in seconds;
+    - ``on_bad_data``: a sample whose files are missing, corrupt or disagree with meta/info.json:
+      error stops with a message naming the episode and file; skip leaves it out of its batch (which
+      gets smaller), counts it and logs it.
+    """
+
+    num_workers: int = 1
+    persistent_workers: bool = True
+    prefetch_factor: int = 2
+    multiprocessing_context: Optional[str] = None
+    pin_memory: Optional[bool] = None
+    device_prefetch: bool = True
+    decode_cache_mb: float = 256.0
+    max_open_files: int = 64
+    tolerance_s: float = 1e-4
+    on_bad_data: BadDataPolicy = "error"
+
+    def __post_init__(self) -> None:
+        for name in ("prefetch_factor", "max_open_files"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"loader.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_workers < 0:
+            raise ValueError(f"loader.num_workers must be >= 0, got {self.num_workers}")
+        if self.multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
+            raise ValueError(
+                f"loader.multiprocessing_context must be one of {multiprocessing.get_all_start_methods()}, got {self.multiprocessing_context!r}"
+            )
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Remote datasets (an fsspec URL as ``root``).
+
+    - ``options``: fsspec options (endpoint_url, ...). Not saved in checkpoints; prefer the usual
+      environment variables or credential files for secrets;
+    - ``cache_dir``: local cache of remote files; None uses <cache dir>/shards; ``cache_gb``: its size limit;
+    - ``prefetch_batches``: batches ahead whose remote files each worker downloads in the background.
+    """
+
+    options: Optional[dict] = None
+    cache_dir: Optional[str] = None
+    cache_gb: float = 50.0
+    prefetch_batches: int = 2
 
 
 def split_episodes(n_episodes: int, val_episodes: Union[int, float]) -> tuple[list[int], list[int]]:
@@ -63,107 +134,84 @@ class RobotDataModule(L.LightningDataModule):
     `spec` is ready right after construction (the CLI links it into the model's constructor), so the
     constructor reads the datasets' metadata, generating the embedded dataset first when neither
     `root` nor `datasets` is given.
+
+    What a sample is (window, normalisation, split) are arguments; the rest is grouped in sections:
+    `order` (`OrderSettings`), `loader`, `storage` and `generation`.
     """
+
+    #: Arguments of earlier versions that moved into a section: old name -> new key.
+    moved_settings = {
+        **{name: f"generation.{name}" for name in ("n_episodes", "image_size", "cache_dir")},
+        "dataset_seed": "generation.seed",
+        **{name: f"order.{name}" for name in ("seed", "samples_per_epoch", "shuffle_buffer", "partitions")},
+        **{field.name: f"loader.{field.name}" for field in dataclasses.fields(LoaderConfig)},
+        "storage_options": "storage.options", "shard_cache_dir": "storage.cache_dir", "shard_cache_gb": "storage.cache_gb",
+        "prefetch_batches": "storage.prefetch_batches",
+    }
 
     def __init__(
         self,
         root: Optional[str] = None,
-        n_episodes: int = 200,
-        image_size: int = 64,
-        dataset_seed: int = 0,
-        cache_dir: Optional[str] = None,
+        datasets: Optional[list[DatasetSource]] = None,
         n_obs_steps: int = 1,
         action_horizon: int = 8,
         batch_size: int = 32,
-        num_workers: int = 1,
         val_episodes: Union[int, float] = 0.1,
         state_norm: NormMode = "mean_std",
         action_norm: NormMode = "min_max",
-        decode_cache_mb: float = 256.0,
-        persistent_workers: bool = True,
-        prefetch_factor: int = 2,
-        pin_memory: Optional[bool] = None,
-        seed: int = 0,
-        datasets: Optional[list[DatasetSource]] = None,
-        samples_per_epoch: Optional[int] = None,
-        shuffle_buffer: int = 256,
-        partitions: int = 1,
-        max_open_files: int = 64,
-        tolerance_s: float = 1e-4,
-        on_bad_data: BadDataPolicy = "error",
-        storage_options: Optional[dict] = None,
-        shard_cache_dir: Optional[str] = None,
-        shard_cache_gb: float = 50.0,
-        prefetch_batches: int = 2,
-        multiprocessing_context: Optional[str] = None,
-        device_prefetch: bool = True,
         predict_split: Literal["train", "val"] = "val",
+        order: OrderSettings = OrderSettings(),
+        loader: LoaderConfig = LoaderConfig(),
+        storage: StorageConfig = StorageConfig(),
+        generation: GenerationConfig = GenerationConfig(),
     ) -> None:
         """
         Args:
             root: LeRobot dataset (v2.1 or v3.0): a directory or an fsspec URL such as s3://bucket/prefix.
-                None (and no `datasets`) uses the embedded planar-arm dataset (generated once, cached).
-            n_episodes: Episodes of the embedded dataset (ignored with `root`).
-            image_size: Square image side in pixels of the embedded dataset (ignored with `root`).
-            dataset_seed: Generation seed of the embedded dataset (ignored with `root`).
-            cache_dir: Cache directory of the embedded dataset; None uses $UMA_CACHE_DIR or ~/.cache/uma_lightning.
+                None (and no `datasets`) uses the embedded planar-arm dataset (see `generation`).
+            datasets: A weighted mixture instead of `root`: a list of {root, weight, state_norm, action_norm}.
             n_obs_steps: Observation history length per sample, ending at the sample's frame.
             action_horizon: Length of the action chunk per sample, starting at the sample's frame.
             batch_size: Samples per batch (per device).
-            num_workers: DataLoader worker processes.
             val_episodes: Episodes held out for validation, taken from the end of each dataset: a count (int) or a fraction (float).
             state_norm: Normalisation of the state: mean_std, min_max or quantile (q01 -> -1, q99 -> +1).
             action_norm: Normalisation of the actions: mean_std, min_max or quantile.
-            decode_cache_mb: Bound on decoded frames and episode columns kept per process, in MiB.
-            persistent_workers: Keep worker processes (and their open files and caches) alive between epochs.
-            prefetch_factor: Batches each worker loads ahead.
-            pin_memory: Pin batches in page-locked memory; None pins only when CUDA is available.
-            seed: Seed of the training order (shuffles and mixture draws).
-            datasets: A weighted mixture instead of `root`: a list of {root, weight, state_norm, action_norm}.
-            samples_per_epoch: Samples in a training epoch; None: all training samples of all datasets once.
-            shuffle_buffer: Samples in each partition's shuffle buffer (0 or 1: no sample-level shuffle).
-            partitions: Parts the training order is cut into; workers and ranks read whole parts at a
-                time. Part of the order's definition: keep it to resume with other worker or rank counts.
-            max_open_files: Open parquet and video files kept per process.
-            tolerance_s: How far a frame's timestamp may be from the requested time, in seconds.
-            on_bad_data: A sample whose files are missing, corrupt or disagree with meta/info.json:
-                error stops with a message naming the episode and file; skip leaves it out of its
-                batch (which gets smaller), counts it and logs it.
-            storage_options: fsspec options for remote roots (endpoint_url, ...). Not saved in checkpoints;
-                prefer the usual environment variables or credential files for secrets.
-            shard_cache_dir: Local cache of remote files; None uses <cache dir>/shards.
-            shard_cache_gb: Size limit of the local cache of remote files, in GiB.
-            prefetch_batches: Batches ahead whose remote files each worker downloads in the background.
-            multiprocessing_context: fork, forkserver or spawn for workers; None picks fork unless it is
-                unsafe (remote storage clients run threads; CUDA is initialised), then forkserver.
-            device_prefetch: Copy the next batch to the GPU on a side stream while the current step runs.
             predict_split: Episodes `uma predict` runs on: the held-out (val) or the training episodes.
+            order: The training order: seed, partitions, shuffle_buffer, samples_per_epoch (see `OrderSettings`).
+            loader: Workers, caches and bad-data handling (see `LoaderConfig`).
+            storage: Remote datasets: fsspec options, the local cache of remote files (see `StorageConfig`).
+            generation: The embedded dataset: n_episodes, image_size, seed, cache_dir (see `GenerationConfig`).
         """
         super().__init__()
-        for name, value in (("batch_size", batch_size), ("prefetch_factor", prefetch_factor), ("max_open_files", max_open_files)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
-            raise ValueError(
-                f"multiprocessing_context must be one of {multiprocessing.get_all_start_methods()}, got {multiprocessing_context!r}"
-            )
+        as_section = lambda value, kind: kind(**value) if isinstance(value, dict) else value or kind()  # noqa: E731
+        self.order_settings = as_section(order, OrderSettings)
+        self.loader = as_section(loader, LoaderConfig)
+        self.storage = as_section(storage, StorageConfig)
+        self.generation = as_section(generation, GenerationConfig)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if datasets is not None and root is not None:
             raise ValueError("give either root or datasets (a mixture), not both")
-        # Plain types only, so checkpoints load with weights_only=True; storage options may hold credentials.
-        self.save_hyperparameters(ignore=["datasets", "storage_options"])
         if datasets:
             sources = [s if isinstance(s, DatasetSource) else DatasetSource(**s) for s in datasets]
-            self.hparams["datasets"] = [dataclasses.asdict(s) for s in sources]
         elif root is not None:
             sources = [DatasetSource(root)]
         else:
-            sources = [DatasetSource(str(ensure_dataset("planar_arm", n_episodes, image_size, dataset_seed, cache_dir)))]
+            generation = self.generation
+            sources = [DatasetSource(str(ensure_dataset("planar_arm", generation.n_episodes, generation.image_size, generation.seed, generation.cache_dir)))]
+        # Every argument, a subclass's too; plain types only, so checkpoints load with weights_only=True.
+        self.save_hyperparameters(ignore=["datasets", "storage"])
+        sections = {"order": self.order_settings, "loader": self.loader, "generation": self.generation}
+        self.hparams.update({name: dataclasses.asdict(section) for name, section in sections.items()})
+        # Storage options may hold credentials.
+        self.hparams["storage"] = {**dataclasses.asdict(self.storage), "options": None}
+        if datasets:
+            self.hparams["datasets"] = [dataclasses.asdict(s) for s in sources]
         self.sources = sources
-        shard_cache = shard_cache_dir or str(default_cache_dir() / "shards")
+        storage = self.storage
+        shard_cache = storage.cache_dir or str(default_cache_dir() / "shards")
         self.metadata = [
-            LeRobotMetadata.load(Storage(s.root, shard_cache, int(shard_cache_gb * 2**30), storage_options)) for s in sources
+            LeRobotMetadata.load(Storage(s.root, shard_cache, int(storage.cache_gb * 2**30), storage.options)) for s in sources
         ]
         self.root = self.metadata[0].root
         first = self.metadata[0]
@@ -202,14 +250,9 @@ class RobotDataModule(L.LightningDataModule):
         ]
         self.state_normalizer, self.action_normalizer = self.normalizers[0]
         self.order = OrderConfig(
-            seed=seed,
-            batch_size=batch_size,
-            partitions=partitions,
-            shuffle_buffer=shuffle_buffer,
-            weights=tuple(float(s.weight) for s in sources),
-            samples_per_epoch=samples_per_epoch,
+            **dataclasses.asdict(self.order_settings), batch_size=batch_size, weights=tuple(float(s.weight) for s in sources)
         )
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pin_memory = torch.cuda.is_available() if self.loader.pin_memory is None else self.loader.pin_memory
         self.train_sets: Optional[list[FrameDataset]] = None
         self.val_sets: Optional[list[FrameDataset]] = None
 
@@ -241,7 +284,7 @@ class RobotDataModule(L.LightningDataModule):
         sets = self.val_sets if self.hparams.predict_split == "val" else self.train_sets
         if not sets:
             raise ValueError(f"predict_split={self.hparams.predict_split!r} has no episodes (val_episodes={self.hparams.val_episodes})")
-        workers = self.hparams.num_workers
+        workers = self.loader.num_workers
         return DataLoader(
             ConcatDataset(sets),
             batch_size=self.hparams.batch_size,
@@ -271,16 +314,16 @@ class RobotDataModule(L.LightningDataModule):
         }
 
     def _dataset(self, d: int, episodes: list[int]) -> FrameDataset:
-        hp = self.hparams
+        loader = self.loader
         return FrameDataset(
             self.metadata[d],
             episodes,
             state_norm=self.norm_modes[d][0],
             action_norm=self.norm_modes[d][1],
-            decode_cache_mb=hp.decode_cache_mb,
-            tolerance_s=hp.tolerance_s,
-            max_open_files=hp.max_open_files,
-            window=Window.of_steps(hp.n_obs_steps, hp.action_horizon, self.metadata[d].fps),
+            decode_cache_mb=loader.decode_cache_mb,
+            tolerance_s=loader.tolerance_s,
+            max_open_files=loader.max_open_files,
+            window=Window.of_steps(self.spec.n_obs_steps, self.spec.action_horizon, self.metadata[d].fps),
             dataset_index=d,
             environment_state=self.spec.environment_state_dim > 0,
         )
@@ -288,24 +331,24 @@ class RobotDataModule(L.LightningDataModule):
     def _loader(self, sets: Optional[list[FrameDataset]], config: OrderConfig, resumable: bool) -> RobotDataLoader:
         if sets is None:
             raise RuntimeError("call setup() before requesting dataloaders")
-        hp = self.hparams
+        loader = self.loader
         trainer = self.trainer
         rank, world = data_parallel_rank(trainer)
         device = trainer.strategy.root_device if trainer is not None else None
-        stream = BatchStream(sets, config, rank, world, hp.on_bad_data, hp.prefetch_batches)
+        stream = BatchStream(sets, config, rank, world, loader.on_bad_data, self.storage.prefetch_batches)
         return RobotDataLoader(
             stream,
-            num_workers=hp.num_workers,
-            persistent_workers=hp.persistent_workers,
-            prefetch_factor=hp.prefetch_factor,
+            num_workers=loader.num_workers,
+            persistent_workers=loader.persistent_workers,
+            prefetch_factor=loader.prefetch_factor,
             pin_memory=self.pin_memory,
-            multiprocessing_context=self._start_method() if hp.num_workers > 0 else None,
+            multiprocessing_context=self._start_method() if loader.num_workers > 0 else None,
             resumable=resumable,
-            device=device if hp.device_prefetch and device is not None and device.type == "cuda" else None,
+            device=device if loader.device_prefetch and device is not None and device.type == "cuda" else None,
         )
 
     def _start_method(self) -> str:
-        chosen = self.hparams.multiprocessing_context
+        chosen = self.loader.multiprocessing_context
         if chosen is not None:
             why = "set in the config"
         elif any(meta.storage.remote for meta in self.metadata):
@@ -318,6 +361,6 @@ class RobotDataModule(L.LightningDataModule):
             # Workers fork from a server that has already imported the loader, so each starts in milliseconds.
             multiprocessing.get_context("forkserver").set_forkserver_preload(["uma_lightning.data.loader"])
         if getattr(self, "_logged_start_method", None) != chosen:
-            logger.info("data loader workers: %d started with %s (%s)", self.hparams.num_workers, chosen, why)
+            logger.info("data loader workers: %d started with %s (%s)", self.loader.num_workers, chosen, why)
             self._logged_start_method = chosen
         return chosen

@@ -40,22 +40,40 @@ class SourceLayout:
 
 
 @dataclass(frozen=True)
-class OrderConfig:
-    seed: int
-    batch_size: int
-    shuffle: bool = True
-    partitions: int = 8
-    shuffle_buffer: int = 1024
-    drop_last: bool = True
-    weights: tuple[float, ...] = (1.0,)
-    samples_per_epoch: int | None = None  # None: the datasets' total
+class OrderSettings:
+    """How the training order is made: the ``order`` section of ``RobotDataModule``.
+
+    - ``seed``: seed of the shuffles and mixture draws;
+    - ``partitions``: parts the order is cut into; workers and ranks read whole parts at a time. Part
+      of the order's definition: keep it to resume with other worker or rank counts;
+    - ``shuffle_buffer``: samples in each partition's shuffle buffer (0 or 1: no sample-level shuffle);
+    - ``samples_per_epoch``: samples in an epoch; None: all samples of all datasets once.
+    """
+
+    seed: int = 0
+    partitions: int = 1
+    shuffle_buffer: int = 256
+    samples_per_epoch: int | None = None
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.partitions < 1 or self.shuffle_buffer < 0:
-            raise ValueError(
-                f"need batch_size >= 1, partitions >= 1 and shuffle_buffer >= 0, got "
-                f"{self.batch_size}, {self.partitions}, {self.shuffle_buffer}"
-            )
+        if self.partitions < 1 or self.shuffle_buffer < 0:
+            raise ValueError(f"need partitions >= 1 and shuffle_buffer >= 0, got {self.partitions}, {self.shuffle_buffer}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderConfig(OrderSettings):
+    """An order of batches: the settings, and what the data module fixes (batch size, mixture weights;
+    validation's order is neither shuffled nor cut)."""
+
+    batch_size: int
+    shuffle: bool = True
+    drop_last: bool = True
+    weights: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size < 1:
+            raise ValueError(f"need batch_size >= 1, got {self.batch_size}")
         if not self.weights or any(w < 0 or not math.isfinite(w) for w in self.weights) or sum(self.weights) <= 0:
             raise ValueError(f"mixture weights must be finite, >= 0 and not all 0, got {list(self.weights)}")
 

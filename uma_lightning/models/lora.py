@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the linear layers whose names match ``targets`` (glob patterns)."""
+
+    targets: list[str] = field(default_factory=list)
+    rank: int = 8
+    alpha: float = 16.0
 
 
 class LoRALinear(nn.Linear):

@@ -8,21 +8,40 @@ subclass ``StageModule``; research code subclasses one of them and overrides one
   (``add_environment_state_loss`` adds the optional auxiliary loss to such a dict);
 - ``build_optimizer(params)`` and ``build_scheduler(optimizer)``: what ``configure_optimizers`` returns.
 
+Settings are grouped by concern, and each is declared once, in its section's dataclass:
+
+- ``network``: ``NetworkConfig`` (``models/network.py``): size, vision, max_text_len, kernels,
+  environment_state_weight; the same in every stage;
+- ``optimizer``: ``OptimizerConfig`` below;
+- ``init_from``: the checkpoint of an earlier stage to start from (weights only);
+- ``spec`` and ``normalization``: linked from the data module by ``uma fit``.
+
+A stage adds only its own arguments and passes the rest on as ``**kwargs`` (the CLI resolves them
+through to this class), e.g. ``PretrainModule(n_action_bins=256, **kwargs)``; a recipe reads
+``model.init_args.network.size``, ``model.init_args.optimizer.lr``, ``model.init_args.n_action_bins``.
+Checkpoints save every constructor argument of the class actually trained, a research subclass's
+own included, as plain values, and name the function that builds its network from them
+(``network_builder``), so ``Policy.from_checkpoint`` rebuilds exactly that network without the
+module class, unless the class overrides ``build_model`` (then the class is imported and rebuilt
+with the saved arguments).
+
 Evaluation (``uma validate``, ``uma test``, validation during ``uma fit``) logs the loss, token
 accuracy where there are tokens, and the errors of predicted action chunks in robot units (MSE and
 L1 per action dimension and per chunk step). Predicted chunks come from ``policy()``, the same
 ``Policy`` object that ``uma predict``, closed-loop evaluation and RL actors use.
 
-``init_from`` starts the model from another stage's checkpoint (see ``init_from.py``).
+``init_from`` starts the model from another stage's checkpoint (see ``checkpoint/weights.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import lightning as L
 import torch
@@ -30,12 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
-from uma_lightning.kernels import KernelConfig, convert_to_float8
-from uma_lightning.models import RobotModelConfig, load_size
-from uma_lightning.models.sizes import ModelSize
-from uma_lightning.models.tokenizers import VisionConfig
-from uma_lightning.modules.init_from import KeyMapping, check_weights, load_weights, read_checkpoint
+from uma_lightning.hyperparameters import constructor_arguments, plain
+from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
 
@@ -66,75 +83,44 @@ class StageModule(L.LightningModule):
     #: What may differ between this stage's model and an ``init_from`` checkpoint: the environment-state
     #: head is optional in every stage.
     key_mapping = KeyMapping(fresh=ENVIRONMENT_STATE_HEAD, dropped=ENVIRONMENT_STATE_HEAD)
+    #: Builds this stage's network from its hyperparameters (a function of ``models/network.py``).
+    network_builder: ClassVar[Optional[Callable]] = None
+    #: Arguments of earlier versions that moved into a section: old name -> new key.
+    moved_settings: ClassVar[dict[str, str]] = {key: f"network.{key}" for key in FLAT_NETWORK_KEYS}
 
     def __init__(
         self,
         spec: Optional[DataSpec] = None,
-        size: ModelSize = "tiny",
-        vision: Optional[VisionConfig] = None,
-        max_text_len: int = 32,
-        kernels: Optional[KernelConfig] = None,
+        network: Optional[NetworkConfig] = None,
         optimizer: Optional[OptimizerConfig] = None,
         init_from: Optional[str] = None,
         normalization: Optional[dict] = None,
-        environment_state_weight: float = 0.0,
     ):
         """
         Args:
             spec: Data shapes the model is built for; ``uma fit`` links it from the data module.
-            size: Backbone size: a preset name (tiny, small, 1b, 7b), a YAML file, or a dict of dimensions.
-            vision: How camera frames become tokens: ``tokenizer`` patches (``patch_size``) or
-                keypoints (``n_keypoints``, ``channels``); see ``VisionConfig``.
-            max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
-            kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
-                sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu,
-                rotary, cross_entropy: auto, triton or torch; linear: torch or float8 (torchao).
+            network: What the network is: size, vision, max_text_len, kernels, environment_state_weight
+                (see ``NetworkConfig``).
             optimizer: AdamW and learning-rate schedule settings.
             init_from: Checkpoint of an earlier stage to start from (weights only: the optimizer,
                 schedule and step start afresh). None starts from random weights.
             normalization: State and action normalisation of the data (mode, offset, scale, names);
                 ``uma`` links it from the data module, and checkpoints keep it for inference.
-            environment_state_weight: Weight of an auxiliary loss: the mean squared error of a linear
-                head on the last observation token predicting the data's (normalised) environment
-                state, e.g. where the named target is. 0 builds no head. Needs data that records one.
         """
         super().__init__()
         if spec is None:
             raise ValueError(f"{type(self).__name__} needs the data spec: pass spec=datamodule.spec (uma fit links it for you)")
         self.spec = DataSpec(**spec) if isinstance(spec, dict) else spec
-        if environment_state_weight < 0:
-            raise ValueError(f"environment_state_weight must be >= 0, got {environment_state_weight}")
-        if environment_state_weight and not self.spec.environment_state_dim:
-            raise ValueError(
-                f"environment_state_weight {environment_state_weight} needs data that records observation.environment_state; "
-                "this data has none (or not every dataset of the mixture has it)"
-            )
-        self.environment_state_weight = float(environment_state_weight)
-        vision = VisionConfig(**vision) if isinstance(vision, dict) else vision or VisionConfig()
-        self.model_config = RobotModelConfig(
-            backbone=load_size(size), spec=self.spec, vision=vision, max_text_len=max_text_len, environment_state_head=environment_state_weight > 0
-        )
-        self.kernels = KernelConfig(**kernels) if isinstance(kernels, dict) else kernels or KernelConfig()
-        if isinstance(optimizer, dict):
-            optimizer = OptimizerConfig(**optimizer)
-        self.optimizer_config = optimizer or OptimizerConfig()
+        self.network = network_of({"network": network})
+        self.environment_state_weight = self.network.environment_state_weight
+        self.model_config = self.network.robot_config(self.spec)
+        self.kernels = self.network.kernels
+        self.optimizer_config = OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
         self.init_from = init_from
-        # Plain types only, so checkpoints load with weights_only=True and the resolved size is recorded.
-        # Subclasses add their own arguments with self.hparams.update(...).
-        self.save_hyperparameters(
-            {
-                "spec": dataclasses.asdict(self.spec),
-                "size": dataclasses.asdict(self.model_config.backbone),
-                "vision": dataclasses.asdict(vision),
-                "max_text_len": max_text_len,
-                "kernels": dataclasses.asdict(self.kernels),
-                "optimizer": dataclasses.asdict(self.optimizer_config),
-                "init_from": init_from,
-                "normalization": normalization,
-                "environment_state_weight": self.environment_state_weight,
-            },
-            logger=False,
-        )
+        # The resolved size is recorded, so a checkpoint does not depend on the preset files.
+        network = {**plain(self.network), "size": dataclasses.asdict(self.model_config.backbone)}
+        resolved = {"spec": plain(self.spec), "network": network, "optimizer": plain(self.optimizer_config)}
+        self.save_hyperparameters({**constructor_arguments(inspect.currentframe(), StageModule), **resolved}, logger=False)
         self.model: nn.Module | None = None
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
@@ -142,7 +128,9 @@ class StageModule(L.LightningModule):
     # ---- extension points -------------------------------------------------------------------
 
     def build_model(self) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+        if self.network_builder is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement build_model() or set network_builder")
+        return self.network_builder(self.hparams)[0]
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(batch)")
@@ -178,12 +166,8 @@ class StageModule(L.LightningModule):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     def use_kernels(self, model: nn.Module, transformers: list[nn.Module]) -> None:
-        """Give a freshly built model the configured op implementations; with float8 linears, convert
-        the ``transformers`` (the heads stay in higher precision)."""
-        model.set_kernels(self.kernels)
-        if self.kernels.linear == "float8":
-            for transformer in transformers:
-                convert_to_float8(transformer)
+        """Give a freshly built model the configured op implementations (see ``models/network.py``)."""
+        use_kernels(model, self.kernels, transformers)
 
     # ---- inference ------------------------------------------------------------------------------
 
@@ -312,6 +296,9 @@ class StageModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Which class to rebuild at inference (Policy.from_checkpoint), as a plain string.
         checkpoint["module_class"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        builder = recorded_builder(type(self))
+        if builder is not None:
+            checkpoint["network_builder"] = builder
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Always measure the norm (the first sign of divergence); clip only when the trainer asks to.
@@ -321,6 +308,18 @@ class StageModule(L.LightningModule):
         self.log("grad_norm", grad_norm)
         if gradient_clip_val and not by_norm:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def recorded_builder(cls: type) -> Optional[str]:
+    """``"module:function"`` of the function that builds ``cls``'s network from its hyperparameters, or
+    None where a subclass overrides how the network is built or run (inference then imports the class)."""
+    for klass in cls.__mro__:
+        if "network_builder" in vars(klass):
+            builder = klass.network_builder
+            return f"{builder.__module__}:{builder.__qualname__}" if builder is not None else None
+        if {"build_model", "inference_options"} & set(vars(klass)):
+            return None
+    return None
 
 
 def _scalars(out: dict) -> dict[str, torch.Tensor]:

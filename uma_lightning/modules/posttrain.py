@@ -10,35 +10,21 @@ Overrides the same extension points as every stage (see ``base.py``).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import fnmatch
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from uma_lightning.data.spec import DataSpec
-from uma_lightning.kernels import KernelConfig
-from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig, RobotFlowTransformer, flow_training_flops_per_sample
+from uma_lightning.checkpoint.weights import KeyMapping
+from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig, flow_training_flops_per_sample
 from uma_lightning.models.flow_matching import noisy_sample, sample_time, velocity_loss
-from uma_lightning.models.lora import add_lora
-from uma_lightning.models.sizes import ModelSize
-from uma_lightning.models.tokenizers import VisionConfig
-from uma_lightning.modules.base import ENVIRONMENT_STATE_HEAD, OptimizerConfig, StageModule
-from uma_lightning.modules.init_from import KeyMapping
+from uma_lightning.models.lora import LoraConfig
+from uma_lightning.models.network import flow_inference_options, flow_network
+from uma_lightning.modules.base import ENVIRONMENT_STATE_HEAD, StageModule
 
 log = logging.getLogger("uma_lightning")
-
-
-@dataclass
-class LoraConfig:
-    """LoRA adapters on the linear layers whose names match ``targets`` (glob patterns)."""
-
-    targets: list[str] = field(default_factory=list)
-    rank: int = 8
-    alpha: float = 16.0
 
 
 class PosttrainModule(StageModule):
@@ -48,35 +34,19 @@ class PosttrainModule(StageModule):
         dropped=("action_embed.*", "action_dim_embed.*", "action_head.*", *ENVIRONMENT_STATE_HEAD),
     )
 
+    network_builder = staticmethod(flow_network)
+
     def __init__(
         self,
-        spec: Optional[DataSpec] = None,
-        size: ModelSize = "tiny",
-        vision: Optional[VisionConfig] = None,
-        max_text_len: int = 32,
-        kernels: Optional[KernelConfig] = None,
-        optimizer: Optional[OptimizerConfig] = None,
-        init_from: Optional[str] = None,
-        normalization: Optional[dict] = None,
         expert: Optional[ActionExpertConfig] = None,
         flow: Optional[FlowMatchingConfig] = None,
         freeze: Optional[list[str]] = None,
         lora: Optional[LoraConfig] = None,
         ema_decay: Optional[float] = None,
-        environment_state_weight: float = 0.0,
+        **kwargs,
     ):
         """
         Args:
-            spec: Data shapes the model is built for; ``uma fit`` links it from the data module.
-            size: Backbone size: a preset name, a YAML file, or a dict of dimensions (the checkpoint's).
-            vision: How camera frames become tokens: ``tokenizer`` patches (``patch_size``) or
-                keypoints (``n_keypoints``, ``channels``); see ``VisionConfig``.
-            max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
-            kernels: Implementation of each op (see ``PretrainModule``).
-            optimizer: AdamW and learning-rate schedule settings.
-            init_from: Checkpoint of an earlier stage (pretraining or mid-training) whose tokenizers and
-                backbone to start from; the action expert starts fresh.
-            normalization: State and action normalisation of the data; ``uma`` links it from the data module.
             expert: Width of the action expert (its depth and heads follow the backbone).
             flow: Flow-matching time distribution, and the sampler's Euler steps and noise scale at inference.
             freeze: Glob patterns of parameter names that stop training, e.g. ``image_tokenizer.*``
@@ -84,35 +54,20 @@ class PosttrainModule(StageModule):
             lora: LoRA adapters on chosen linear layers (their own weights freeze).
             ema_decay: Keep an exponential moving average of the weights with this decay, used for
                 evaluation, prediction and export; None keeps none.
-            environment_state_weight: Weight of the auxiliary environment-state loss (see ``StageModule``); 0: none.
+            **kwargs: ``StageModule``'s: spec, network, optimizer, init_from (an earlier stage whose
+                tokenizers and backbone to start from; the action expert starts fresh), normalization.
         """
-        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization, environment_state_weight)
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
+        super().__init__(**kwargs)
         as_config = lambda value, kind: kind(**value) if isinstance(value, dict) else (value or kind())  # noqa: E731
         self.expert_config = as_config(expert, ActionExpertConfig)
         self.flow = as_config(flow, FlowMatchingConfig)
         self.lora = as_config(lora, LoraConfig) if lora is not None else None
         self.freeze = list(freeze or [])
-        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
-        self.hparams.update(
-            {
-                "expert": dataclasses.asdict(self.expert_config),
-                "flow": dataclasses.asdict(self.flow),
-                "freeze": self.freeze,
-                "lora": dataclasses.asdict(self.lora) if self.lora else None,
-                "ema_decay": ema_decay,
-            }
-        )
         self.ema_model: nn.Module | None = None
 
     # ---- extension points -------------------------------------------------------------------
-
-    def build_model(self) -> nn.Module:
-        model = RobotFlowTransformer(self.model_config, self.expert_config)
-        self.use_kernels(model, [model.backbone, model.expert])
-        if self.lora and self.lora.targets:
-            add_lora(model, self.lora.targets, self.lora.rank, self.lora.alpha)
-        return model
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
         """Flow matching: the velocity from noise to the recorded chunk, at a Beta-distributed time."""
@@ -165,7 +120,7 @@ class PosttrainModule(StageModule):
         return self.ema_model if self.ema_model is not None else self.model
 
     def inference_options(self) -> dict[str, Any]:
-        return {"steps": self.flow.sample_steps, "noise_scale": self.flow.noise_scale}
+        return flow_inference_options(self.flow)
 
     # ---- facts about the model other components report --------------------------------------
 

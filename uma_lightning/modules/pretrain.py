@@ -7,57 +7,25 @@ Research code subclasses ``PretrainModule`` and overrides one extension point (s
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
-from torch import nn
 
-from uma_lightning.data.spec import DataSpec
-from uma_lightning.kernels import KernelConfig
-from uma_lightning.models import RobotTransformer, training_flops_per_sample
-from uma_lightning.models.sizes import ModelSize
-from uma_lightning.models.tokenizers import VisionConfig
-from uma_lightning.modules.base import OptimizerConfig, StageModule
+from uma_lightning.models import training_flops_per_sample
+from uma_lightning.models.network import token_network
+from uma_lightning.modules.base import StageModule
 
 
 class PretrainModule(StageModule):
-    def __init__(
-        self,
-        spec: Optional[DataSpec] = None,
-        size: ModelSize = "tiny",
-        vision: Optional[VisionConfig] = None,
-        max_text_len: int = 32,
-        n_action_bins: int = 256,
-        kernels: Optional[KernelConfig] = None,
-        optimizer: Optional[OptimizerConfig] = None,
-        init_from: Optional[str] = None,
-        normalization: Optional[dict] = None,
-        environment_state_weight: float = 0.0,
-    ):
+    network_builder = staticmethod(token_network)
+
+    def __init__(self, n_action_bins: int = 256, **kwargs):
         """
         Args:
-            spec: Data shapes the model is built for; ``uma fit`` links it from the data module.
-            size: Backbone size: a preset name (tiny, small, 1b, 7b), a YAML file, or a dict of dimensions.
-            vision: How camera frames become tokens: ``tokenizer`` patches (``patch_size``) or
-                keypoints (``n_keypoints``, ``channels``); see ``VisionConfig``.
-            max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
             n_action_bins: Each normalised action dimension is discretised into this many uniform bins.
-            kernels: Implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa,
-                sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu,
-                rotary, cross_entropy: auto, triton or torch; linear: torch or float8 (torchao).
-            optimizer: AdamW and learning-rate schedule settings.
-            init_from: Checkpoint of an earlier run to start from (weights only). None: random weights.
-            normalization: State and action normalisation of the data; ``uma`` links it from the data module.
-            environment_state_weight: Weight of the auxiliary environment-state loss (see ``StageModule``); 0: none.
+            **kwargs: ``StageModule``'s: spec, network, optimizer, init_from, normalization.
         """
-        super().__init__(spec, size, vision, max_text_len, kernels, optimizer, init_from, normalization, environment_state_weight)
+        super().__init__(**kwargs)
         self.model_config = dataclasses.replace(self.model_config, n_action_bins=n_action_bins)
-        self.hparams.update({"n_action_bins": n_action_bins})
-
-    def build_model(self) -> nn.Module:
-        model = RobotTransformer(self.model_config)
-        self.use_kernels(model, [model.backbone])
-        return model
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
         """Cross-entropy of every real action token given the observation prefix and earlier actions.

@@ -15,7 +15,7 @@ on its equal slice of every global batch, from the same initial weights as the r
 For a strategy out of tolerance, the report names where the gradients first part ways: the
 step, the first differing parameter in model order, and the one that differs most.
 
-Recipe keys are overridden as in ``uma fit`` (``--model.size ...``). Keep the model small: the
+Recipe keys are overridden as in ``uma fit`` (``--model.network.size ...``). Keep the model small: the
 tool holds every step's full gradients in memory. Runs use fp32 on the CPU.
 """
 
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="uma parity",
         description="Does a recipe train the same under each strategy as on one process?",
-        epilog="Other arguments override recipe keys, as in uma fit (e.g. --model.size tiny --data.batch_size 8).",
+        epilog="Other arguments override recipe keys, as in uma fit (e.g. --model.network.size tiny --data.batch_size 8).",
     )
     parser.add_argument("--config", required=True, help="recipe YAML")
     parser.add_argument("--strategies", default="ddp,fsdp,tp", help=f"comma-separated, from {', '.join(LAYOUTS)}")

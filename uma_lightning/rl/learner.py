@@ -7,12 +7,15 @@ as many optimizer steps as it needs, and the new weights are published as the ne
 ``trainer.global_step`` counts optimizer steps; ``policy_version`` counts iterations.
 
 Subclasses implement two extension points: ``build_policy()`` (any module following the interface
-in ``uma_lightning.rl.policy``) and ``update(trajectories)``.
+in ``uma_lightning.rl.policy``) and ``update(trajectories)``. A subclass declares its settings once,
+in its signature, passes ``env``, ``gamma`` and ``seed`` on as ``**kwargs``, and reads its settings
+from ``self.hparams``: this class saves every constructor argument (``uma_lightning.hyperparameters``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -21,6 +24,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from uma_lightning.hyperparameters import constructor_arguments
 from uma_lightning.rl.env import EnvSpec
 from uma_lightning.rl.policy import RunningNorm, check_policy
 
@@ -44,11 +48,11 @@ class RLLearner(L.LightningModule):
         self.gamma, self.seed = gamma, seed
         self.automatic_optimization = False  # an update takes many optimizer steps on one batch
         self.policy_version = 0
-        self.policy: Optional[torch.nn.Module] = None  # subclasses build it once their settings are stored
-
-    def _save_hyperparameters(self, **extra: Any) -> None:
-        # Plain types only, so checkpoints load with weights_only=True.
-        self.save_hyperparameters({"env": dataclasses.asdict(self.env_spec), "gamma": self.gamma, "seed": self.seed, **extra}, logger=False)
+        self.policy: Optional[torch.nn.Module] = None  # subclasses build it from ``self.hparams``
+        # Every constructor argument, a subclass's own too: subclasses read their settings from
+        # ``self.hparams`` and name each only in their signature.
+        arguments = constructor_arguments(inspect.currentframe(), RLLearner)
+        self.save_hyperparameters({**arguments, "env": dataclasses.asdict(self.env_spec)}, logger=False)
 
     # ---- extension points ---------------------------------------------------------------------------
 

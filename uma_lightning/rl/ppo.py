@@ -9,12 +9,9 @@ collected by version v is always evaluated with exactly the weights and statisti
 """
 
 # No `from __future__ import annotations`: LightningCLI reads the real annotations of __init__.
-from typing import Optional
-
 import torch
 
 from uma_lightning.rl.advantages import gae, vtrace
-from uma_lightning.rl.env import EnvSpec
 from uma_lightning.rl.learner import RLLearner
 from uma_lightning.rl.policy import GaussianMLPPolicy, RunningNorm
 
@@ -24,8 +21,6 @@ class PPOLearner(RLLearner):
 
     def __init__(
         self,
-        env: Optional[EnvSpec] = None,
-        gamma: float = 0.99,
         gae_lambda: float = 0.95,
         lr: float = 3e-4,
         anneal_lr: bool = True,
@@ -42,12 +37,10 @@ class PPOLearner(RLLearner):
         init_log_std: float = 0.0,
         rho_bar: float = 1.0,
         c_bar: float = 1.0,
-        seed: int = 0,
+        **kwargs,
     ):
         """
         Args:
-            env: Shapes of the environment; ``uma rl`` links them from the data module.
-            gamma: Discount factor.
             gae_lambda: GAE lambda (also scales V-trace's traces).
             lr: Adam learning rate.
             anneal_lr: Decay the learning rate linearly to 0 over the run's env-step budget.
@@ -64,28 +57,17 @@ class PPOLearner(RLLearner):
             init_log_std: Initial log standard deviation of the Gaussian policy.
             rho_bar: V-trace's importance-weight clip for the value targets and advantages.
             c_bar: V-trace's trace clip.
-            seed: Seed of the minibatch order.
+            **kwargs: ``RLLearner``'s: env, gamma, seed (of the minibatch order).
         """
-        super().__init__(env, gamma, seed)
-        self.gae_lambda, self.lr, self.anneal_lr = gae_lambda, lr, anneal_lr
-        self.epochs, self.minibatch_size, self.clip_ratio = epochs, minibatch_size, clip_ratio
-        self.value_coef, self.entropy_coef, self.max_grad_norm = value_coef, entropy_coef, max_grad_norm
-        self.normalize_advantages, self.rho_bar, self.c_bar = normalize_advantages, rho_bar, c_bar
-        self.hidden, self.normalize_obs, self.init_log_std = tuple(hidden), normalize_obs, init_log_std
+        super().__init__(**kwargs)
         self.return_norm = RunningNorm() if normalize_rewards else None
         self.policy = self.build_policy()
-        self._save_hyperparameters(
-            gae_lambda=gae_lambda, lr=lr, anneal_lr=anneal_lr, epochs=epochs, minibatch_size=minibatch_size,
-            clip_ratio=clip_ratio, value_coef=value_coef, entropy_coef=entropy_coef, max_grad_norm=max_grad_norm,
-            normalize_advantages=normalize_advantages, normalize_rewards=normalize_rewards, normalize_obs=normalize_obs,
-            hidden=list(self.hidden), init_log_std=init_log_std, rho_bar=rho_bar, c_bar=c_bar,
-        )
 
     def build_policy(self) -> torch.nn.Module:
-        return GaussianMLPPolicy(self.env_spec, self.hidden, normalize_obs=self.normalize_obs, init_log_std=self.init_log_std)
+        return GaussianMLPPolicy(self.env_spec, tuple(self.hparams.hidden), normalize_obs=self.hparams.normalize_obs, init_log_std=self.hparams.init_log_std)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.policy.parameters(), lr=self.lr, eps=1e-5, fused=True)
+        return torch.optim.Adam(self.policy.parameters(), lr=self.hparams.lr, eps=1e-5, fused=True)
 
     def update(self, trajectories: dict[str, torch.Tensor]) -> dict[str, float]:
         data = trajectories
@@ -102,26 +84,26 @@ class PPOLearner(RLLearner):
             values = out.value.view(steps, width)
             log_probs = out.distribution.log_prob(flat(data["action"])).view(steps, width)
             next_values = self.policy(flat(data["next_obs"])).value.view(steps, width)
-            advantages, returns = gae(rewards, values, next_values, terminated, done, self.gamma, self.gae_lambda)
+            advantages, returns = gae(rewards, values, next_values, terminated, done, self.gamma, self.hparams.gae_lambda)
             lagged = (data["version"] < self.policy_version).any(dim=0)  # per env column
             if lagged.any():
                 v_advantages, v_returns = vtrace(log_probs - data["log_prob"], rewards, values, next_values, terminated, done,
-                                                 self.gamma, self.gae_lambda, self.rho_bar, self.c_bar)
+                                                 self.gamma, self.hparams.gae_lambda, self.hparams.rho_bar, self.hparams.c_bar)
                 advantages = torch.where(lagged, v_advantages, advantages)
                 returns = torch.where(lagged, v_returns, returns)
 
         optimizer = self.optimizers()
-        lr = self.lr * (1.0 - self.experience.progress) if self.anneal_lr else self.lr
+        lr = self.hparams.lr * (1.0 - self.experience.progress) if self.hparams.anneal_lr else self.hparams.lr
         for group in optimizer.param_groups:
             group["lr"] = lr
         obs, actions = flat(data["obs"]), flat(data["action"])
         old_log_probs, advantages, returns = flat(log_probs), flat(advantages), flat(returns)
         n = obs.shape[0]
-        size = min(self.minibatch_size, n)
+        size = min(self.hparams.minibatch_size, n)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version)
         totals = torch.zeros(6, device=obs.device)  # policy loss, value loss, entropy, approx kl, clip fraction, grad norm
         n_steps = 0
-        for _ in range(self.epochs):
+        for _ in range(self.hparams.epochs):
             order = torch.randperm(n, generator=generator).to(obs.device)
             for start in range(0, n - size + 1, size):
                 index = order[start : start + size]
@@ -130,19 +112,19 @@ class PPOLearner(RLLearner):
                 log_ratio = log_prob - old_log_probs[index]
                 ratio = log_ratio.exp()
                 advantage = advantages[index]
-                if self.normalize_advantages:
+                if self.hparams.normalize_advantages:
                     advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
-                policy_loss = torch.max(-advantage * ratio, -advantage * ratio.clamp(1 - self.clip_ratio, 1 + self.clip_ratio)).mean()
+                policy_loss = torch.max(-advantage * ratio, -advantage * ratio.clamp(1 - self.hparams.clip_ratio, 1 + self.hparams.clip_ratio)).mean()
                 value_loss = 0.5 * (out.value - returns[index]).pow(2).mean()
                 entropy = out.distribution.entropy().mean()
-                loss = policy_loss + self.value_coef * value_loss - self.entropy_coef * entropy
+                loss = policy_loss + self.hparams.value_coef * value_loss - self.hparams.entropy_coef * entropy
                 optimizer.zero_grad()
                 self.manual_backward(loss)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.hparams.max_grad_norm)
                 optimizer.step()
                 with torch.no_grad():
                     approx_kl = ((ratio - 1) - log_ratio).mean()
-                    clipped = ((ratio - 1).abs() > self.clip_ratio).float().mean()
+                    clipped = ((ratio - 1).abs() > self.hparams.clip_ratio).float().mean()
                     totals += torch.stack([policy_loss, value_loss, entropy, approx_kl, clipped, grad_norm]).detach()
                 n_steps += 1
 

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from uma_lightning.rl.env import EnvSpec
 from uma_lightning.rl.learner import RLLearner
 from uma_lightning.rl.policy import TanhGaussianMLPPolicy
 from uma_lightning.rl.replay import ReplayBuffer
@@ -51,8 +50,6 @@ class TwinQ(nn.Module):
 class SACLearner(RLLearner):
     def __init__(
         self,
-        env: Optional[EnvSpec] = None,
-        gamma: float = 0.99,
         buffer_size: int = 1_000_000,
         batch_size: int = 256,
         learning_starts: int = 5000,
@@ -68,12 +65,10 @@ class SACLearner(RLLearner):
         prioritized: bool = False,
         priority_alpha: float = 0.6,
         priority_beta: float = 0.4,
-        seed: int = 0,
+        **kwargs,
     ):
         """
         Args:
-            env: Shapes of the environment; ``uma rl`` links them from the data module.
-            gamma: Discount factor.
             buffer_size: Replay buffer capacity in transitions.
             batch_size: Transitions per optimizer step.
             learning_starts: Transitions in the buffer before the first update.
@@ -89,40 +84,30 @@ class SACLearner(RLLearner):
             prioritized: Sample by TD-error priority instead of uniformly.
             priority_alpha: Priority exponent.
             priority_beta: Importance-weight exponent.
-            seed: Seed of the replay sampler.
+            **kwargs: ``RLLearner``'s: env, gamma, seed (of the replay sampler).
         """
-        super().__init__(env, gamma, seed)
+        super().__init__(**kwargs)
         spec = self.env_spec
-        self.batch_size, self.learning_starts, self.updates_per_step, self.tau = batch_size, learning_starts, updates_per_step, tau
-        self.lrs = {"critic": critic_lr, "actor": actor_lr, "alpha": alpha_lr}
         self.target_entropy = -float(spec.action_dim) if target_entropy is None else target_entropy
-        self.hidden, self.normalize_obs = tuple(hidden), normalize_obs
         self.policy = self.build_policy()
-        self.critic = TwinQ(spec.obs_dim, spec.action_dim, self.hidden)
+        self.critic = TwinQ(spec.obs_dim, spec.action_dim, tuple(hidden))
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(float(init_alpha)).log())
         self.buffer = ReplayBuffer(
             buffer_size,
             {"obs": ((spec.obs_dim,), torch.float32), "action": ((spec.action_dim,), torch.float32),
              "reward": ((), torch.float32), "next_obs": ((spec.obs_dim,), torch.float32), "terminated": ((), torch.bool)},
-            prioritized=prioritized, alpha=priority_alpha, beta=priority_beta, seed=seed,
+            prioritized=prioritized, alpha=priority_alpha, beta=priority_beta, seed=self.seed,
         )
         self._update_credit = 0.0  # fractional updates carried between iterations
-        self._save_hyperparameters(
-            buffer_size=buffer_size, batch_size=batch_size, learning_starts=learning_starts, updates_per_step=updates_per_step,
-            tau=tau, critic_lr=critic_lr, actor_lr=actor_lr, alpha_lr=alpha_lr, init_alpha=init_alpha,
-            target_entropy=target_entropy, hidden=list(self.hidden), normalize_obs=normalize_obs, prioritized=prioritized,
-            priority_alpha=priority_alpha, priority_beta=priority_beta,
-        )
-
     def build_policy(self) -> nn.Module:
-        return TanhGaussianMLPPolicy(self.env_spec, self.hidden, normalize_obs=self.normalize_obs)
+        return TanhGaussianMLPPolicy(self.env_spec, tuple(self.hparams.hidden), normalize_obs=self.hparams.normalize_obs)
 
     def configure_optimizers(self):
         groups = [
-            {"params": list(self.critic.parameters()), "lr": self.lrs["critic"]},
-            {"params": list(self.policy.parameters()), "lr": self.lrs["actor"]},
-            {"params": [self.log_alpha], "lr": self.lrs["alpha"]},
+            {"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr},
+            {"params": list(self.policy.parameters()), "lr": self.hparams.actor_lr},
+            {"params": [self.log_alpha], "lr": self.hparams.alpha_lr},
         ]
         return torch.optim.Adam(groups, fused=True)
 
@@ -130,27 +115,27 @@ class SACLearner(RLLearner):
         data = {name: trajectories[name].flatten(0, 1).cpu() for name in ("obs", "action", "reward", "next_obs", "terminated")}
         self.buffer.add(data)
         self.update_observation_stats(trajectories["obs"])
-        if len(self.buffer) < self.learning_starts:
+        if len(self.buffer) < self.hparams.learning_starts:
             return {"replay/size": float(len(self.buffer))}
-        self._update_credit += self.updates_per_step * data["reward"].shape[0]
+        self._update_credit += self.hparams.updates_per_step * data["reward"].shape[0]
         n_updates = int(self._update_credit)
         self._update_credit -= n_updates
         optimizer = self.optimizers()
         totals = torch.zeros(4, device=self.device)  # critic loss, actor loss, alpha, entropy
         for _ in range(n_updates):
-            sample, indices, weights = self.buffer.sample(self.batch_size)
+            sample, indices, weights = self.buffer.sample(self.hparams.batch_size)
             sample = {name: value.to(self.device, non_blocking=True) for name, value in sample.items()}
             losses, td_error = self._losses(sample, weights.to(self.device))
             optimizer.zero_grad()
             self.manual_backward(losses[0] + losses[1] + losses[2])
             optimizer.step()
             with torch.no_grad():
-                torch._foreach_lerp_(list(self.critic_target.parameters()), list(self.critic.parameters()), self.tau)
+                torch._foreach_lerp_(list(self.critic_target.parameters()), list(self.critic.parameters()), self.hparams.tau)
                 totals += torch.stack([losses[0], losses[1], self.log_alpha.exp(), losses[3]]).detach()
             self.buffer.update_priorities(indices, td_error)
         means = (totals / max(n_updates, 1)).tolist()
         return {"train/critic_loss": means[0], "train/actor_loss": means[1], "train/alpha": means[2], "train/entropy": means[3],
-                "replay/size": float(len(self.buffer)), "learner/samples": float(n_updates * self.batch_size)}
+                "replay/size": float(len(self.buffer)), "learner/samples": float(n_updates * self.hparams.batch_size)}
 
     def _losses(self, batch: dict[str, torch.Tensor], weights: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         alpha = self.log_alpha.exp().detach()

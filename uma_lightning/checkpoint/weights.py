@@ -1,4 +1,5 @@
-"""Starting a training stage from an earlier stage's checkpoint: read its weights, map them by name.
+"""Reading a checkpoint's weights and settings, and starting a model from them, without Lightning:
+what ``init_from`` (a stage starting from an earlier stage's checkpoint) and ``Policy.from_checkpoint`` use.
 
 Parameter names do not depend on how the checkpoint was trained (strategy, world size, wrappers),
 so mapping is by name: a key the new model lacks, a key the checkpoint lacks, or a shape that
@@ -9,6 +10,7 @@ a new module it trains from scratch).
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +18,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.checkpoint.codec import decode
-from uma_lightning.checkpoint.state import MODEL, TRAINER, read_state, read_weights
+from uma_lightning.checkpoint.manifest import CheckpointError, verify
+from uma_lightning.checkpoint.resume import choose_checkpoint
+from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
 
 log = logging.getLogger("uma_lightning")
+
+# The parts of a sharded checkpoint (see ``state.py``).
+STATE_FILE = "state.json"
+MODEL, OPTIMIZER, TRAINER, RNG = "model", "optimizer", "trainer", "rng"
 
 MODEL_PREFIX = "model."
 EMA_PREFIX = "ema_model."
@@ -33,6 +40,7 @@ class CheckpointWeights:
     weights: dict[str, torch.Tensor]  # names inside the LightningModule's ``model``
     ema: bool  # the weights are the exponential moving average
     module_class: str | None  # the LightningModule that wrote the checkpoint, as "package.module.Class"
+    network_builder: str | None = None  # "module:function" building its network from ``hparams`` (models/network.py)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeig
     if not weights:
         raise ValueError(f"{path}: no weights under '{MODEL_PREFIX}' (keys look like {next(iter(state), 'none')!r}); not a uma-lightning model")
     hparams = dict(checkpoint.get("hyper_parameters") or {})
-    return CheckpointWeights(str(path), hparams, weights, use_ema, checkpoint.get("module_class"))
+    return CheckpointWeights(str(path), hparams, weights, use_ema, checkpoint.get("module_class"), checkpoint.get("network_builder"))
 
 
 def _read_sharded(path: Path, prefer_ema: bool) -> CheckpointWeights:
@@ -79,9 +87,40 @@ def _read_sharded(path: Path, prefer_ema: bool) -> CheckpointWeights:
     except CheckpointError as err:
         raise ValueError(f"{err}; give a checkpoint directory, a run's checkpoints directory or a .ckpt file") from None
     hparams = decode(trainer_state.get("hyper_parameters"), {}) or {}
-    module_class = (trainer_state.get("module") or {}).get("module_class")
+    extras = trainer_state.get("module") or {}
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
-    return CheckpointWeights(str(directory), dict(hparams), weights, prefix.endswith(EMA_PREFIX), module_class)
+    return CheckpointWeights(str(directory), dict(hparams), weights, prefix.endswith(EMA_PREFIX), extras.get("module_class"), extras.get("network_builder"))
+
+
+def read_state(directory: Path) -> dict:
+    try:
+        return json.loads((directory / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{directory / STATE_FILE}: unreadable: {err}") from None
+
+
+def read_weights(path: Path, prefixes: tuple[str, ...]) -> tuple[Path, str, dict[str, torch.Tensor]]:
+    """(checkpoint directory, prefix, tensors) of the tensors under the first of ``prefixes`` (checkpoint
+    keys such as ``"model/model."``) that has any, read whole on this process, however they were sharded.
+
+    ``path`` is one checkpoint directory, or a run's checkpoints directory, which means its newest valid
+    checkpoint. Raises CheckpointError when there is none, it is unusable, or no prefix matches.
+    """
+    path = Path(path)
+    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path)
+    if directory is None:
+        raise CheckpointError(f"{path}: a directory without checkpoints")
+    if directory == path:  # choose_checkpoint has verified the one it chose
+        problems = verify(directory)
+        if problems:
+            raise CheckpointError(f"{directory} is unusable: {'; '.join(problems)}")
+    entries = tensor_metadata(directory)
+    prefix = next((p for p in prefixes if any(key.startswith(p) for key in entries)), None)
+    if prefix is None:
+        raise CheckpointError(f"{directory}: no tensors under {' or '.join(map(repr, prefixes))}; see `uma ckpt inspect {directory}` for the names")
+    tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(prefix)}
+    load_tensors(tensors, directory, None)
+    return directory, prefix, tensors
 
 
 def check_weights(target: dict[str, torch.Tensor], source: CheckpointWeights, mapping: KeyMapping = KeyMapping(), model_name: str = "the model") -> None:
