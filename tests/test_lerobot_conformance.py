@@ -109,9 +109,9 @@ def test_every_frame_reads_back(written, variant):
 
 
 def test_names_and_statistics_as_lerobot_leaves_them(written):
-    null = RobotDataModule(root=str(written["v3.0-h264"]), num_workers=0).normalization()
+    null = RobotDataModule(root=str(written["v3.0-h264"]), loader={"num_workers": 0}).normalization()
     assert null["state"]["names"] == [f"state_{i}" for i in range(6)] and null["action"]["names"] == [f"action_{i}" for i in range(4)]
-    grouped = RobotDataModule(root=str(written["v3.0-av1"]), num_workers=0).normalization()
+    grouped = RobotDataModule(root=str(written["v3.0-av1"]), loader={"num_workers": 0}).normalization()
     assert grouped["state"]["names"] == [f"joint_{i}" for i in range(6)]  # {"motors": [...]} flattened
     # meta/stats.json of the AV1 variant lacks the action: computed from the data.
     meta = LeRobotMetadata.load(written["v3.0-av1"])

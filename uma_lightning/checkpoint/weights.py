@@ -87,7 +87,8 @@ def _read_sharded(path: Path, prefer_ema: bool) -> CheckpointWeights:
     except CheckpointError as err:
         raise ValueError(f"{err}; give a checkpoint directory, a run's checkpoints directory or a .ckpt file") from None
     hparams = decode(trainer_state.get("hyper_parameters"), {}) or {}
-    extras = trainer_state.get("module") or {}
+    # What the module's (and callbacks') on_save_checkpoint added: "hooks", or "module" in older checkpoints.
+    extras = trainer_state.get("hooks") or trainer_state.get("module") or {}
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
     return CheckpointWeights(str(directory), dict(hparams), weights, prefix.endswith(EMA_PREFIX), extras.get("module_class"), extras.get("network_builder"))
 
