@@ -22,6 +22,7 @@ from uma_lightning.data.order import OrderConfig
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
 from uma_lightning.parallel.mesh import data_parallel_rank
+from uma_lightning.stop_signals import LoaderWorkerSignals
 
 logger = logging.getLogger(__name__)
 # Lightning warns that an IterableDataset's length may be off with several workers; here each worker
@@ -249,6 +250,7 @@ class RobotDataModule(L.LightningDataModule):
             num_workers=workers,
             pin_memory=self.pin_memory,
             multiprocessing_context=self._start_method() if workers > 0 else None,
+            worker_init_fn=LoaderWorkerSignals() if workers > 0 else None,
         )
 
     def normalize_state(self, state: torch.Tensor, dataset: int = 0) -> torch.Tensor:
