@@ -13,7 +13,7 @@ from test_cli import RECIPE
 from uma_lightning.checkpoint import committed, verify
 
 TEMPLATE = Path(RECIPE).parents[1] / "configs" / "launch" / "slurm.sbatch"
-MAX_STEPS = 30
+MAX_STEPS = 20
 CPU_NODE = ["--nodes", "1", "--ntasks-per-node", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--time", "20:00"]
 
 
