@@ -179,3 +179,30 @@ def test_signals_to_the_whole_process_group_save_once_and_the_run_resumes_bit_fo
     assert [p.exitcode for p in final] == [0] * world_size, logs[0].read_text()[-3000:]
     last = f"step-{max_steps:09d}"
     assert_bitwise_equal(checkpoint_tensors(checkpoints / last), checkpoint_tensors(tmp_path / "reference" / "checkpoints" / last))
+
+
+def test_an_mlflow_run_stopped_by_a_signal_is_killed_and_a_failing_store_does_not_break_teardown(tmp_path, caplog, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    from uma_lightning.callbacks.preemption import Preempted
+    from uma_lightning.tracking.mlflow_logger import MLflowLogger
+
+    logger = MLflowLogger(store_dir=str(tmp_path / "mlruns"), synchronous=True)
+    run_id = logger.run_id
+    try:  # as Lightning finalizes its loggers while the exception is raised
+        raise Preempted(signal.SIGTERM, None, None)
+    except SystemExit:
+        logger.finalize("failed")
+    assert logger.experiment.get_run(run_id).info.status == "KILLED"
+
+    def unreachable(*args, **kwargs):
+        raise MlflowException("API request failed: connection refused")
+
+    monkeypatch.setattr(logger.experiment, "set_terminated", unreachable)
+    try:
+        raise Preempted(signal.SIGUSR1, None, None)
+    except SystemExit:
+        logger.finalize("failed")  # logs, does not raise
+    assert f"could not mark MLflow run {run_id} as KILLED: API request failed: connection refused" in caplog.text
+    with pytest.raises(MlflowException):  # a run that ends well still reports a store that fails
+        logger.finalize("success")
