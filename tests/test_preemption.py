@@ -135,6 +135,8 @@ def test_signals_to_the_whole_process_group_save_once_and_the_run_resumes_bit_fo
     recipe = deterministic_recipe(tmp_path / "recipe.yaml", tmp_path / "record", callbacks, every_n_steps=1000,
                                   trainer={**parallel, "max_steps": max_steps})
     data = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "1"]
+    if world_size == 2:  # workers from a forkserver (as with remote storage or CUDA), not forked
+        data += ["--data.multiprocessing_context", "forkserver"]
 
     def command(run_dir: Path) -> list[str]:
         return ["fit", "--config", recipe, *data, "--trainer.default_root_dir", str(run_dir)]

@@ -38,11 +38,23 @@ class LoaderWorkerSignals:
         for signum in STOP_SIGNALS:
             if signum != signal.SIGTERM:
                 signal.signal(signum, signal.SIG_IGN)
+        if _thread_count() > 1:
+            # Threads started before this function (a forkserver or spawned worker's) would still take
+            # SIGTERM with PyTorch's handler, and die: ignore it in the whole process instead.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return
         # A signal handler cannot see who sent the signal; sigwaitinfo can. SIGTERM stays blocked in
         # every thread of the worker (threads started later inherit the mask) and waits for this one.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         senders = {self.owner, os.getppid()}  # the parent is a forkserver when workers do not fork
         threading.Thread(target=_exit_on_sigterm_from, args=(senders,), name="uma-sigterm", daemon=True).start()
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 2  # unknown: assume other threads
 
 
 def _exit_on_sigterm_from(senders: set[int]) -> None:

@@ -318,7 +318,7 @@ class RobotDataModule(L.LightningDataModule):
             chosen, why = "fork", "fastest start, and nothing in this process makes fork unsafe"
         if chosen == "forkserver":
             # Workers fork from a server that has already imported the loader, so each starts in milliseconds.
-            multiprocessing.get_context("forkserver").set_forkserver_preload(["uma_lightning.data.loader"])
+            multiprocessing.get_context("forkserver").set_forkserver_preload(["uma_lightning.forkserver_preload", "uma_lightning.data.loader"])
         if getattr(self, "_logged_start_method", None) != chosen:
             logger.info("data loader workers: %d started with %s (%s)", self.hparams.num_workers, chosen, why)
             self._logged_start_method = chosen

@@ -260,7 +260,7 @@ def process_context():
     if "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
     context = torch.multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["uma_lightning.rl.local", "gymnasium"])
+    context.set_forkserver_preload(["uma_lightning.forkserver_preload", "uma_lightning.rl.local", "gymnasium"])
     return context
 
 
