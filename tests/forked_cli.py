@@ -16,7 +16,9 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["uma_lightning.cli", "checkpoint_modules"])
 
 
-def _main(argv: list[str], log_path: str, cwd: str, env: dict) -> None:
+def _main(argv: list[str], log_path: str, cwd: str, env: dict, process_group: int | None) -> None:
+    if process_group is not None:
+        os.setpgid(0, process_group)
     os.chdir(cwd)
     os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -29,9 +31,10 @@ def _main(argv: list[str], log_path: str, cwd: str, env: dict) -> None:
     main(argv)
 
 
-def start(argv: list[str], log_path: Path, cwd: Path, env: dict | None = None) -> multiprocessing.Process:
-    """Start ``uma <argv>`` in ``cwd`` with ``env`` added to the environment, output appended to ``log_path``."""
-    process = _CONTEXT.Process(target=_main, args=(argv, str(log_path), str(cwd), env or {}), daemon=False)
+def start(argv: list[str], log_path: Path, cwd: Path, env: dict | None = None, process_group: int | None = None) -> multiprocessing.Process:
+    """Start ``uma <argv>`` in ``cwd`` with ``env`` added to the environment, output appended to ``log_path``,
+    in the process group ``process_group`` if given (its children, loader workers, then join it too)."""
+    process = _CONTEXT.Process(target=_main, args=(argv, str(log_path), str(cwd), env or {}, process_group), daemon=False)
     process.start()
     return process
 

@@ -4,6 +4,7 @@ a step that does not end within the grace period does not keep the job alive."""
 import os
 import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import pytest
 import yaml
 
 import forked_cli
-from test_checkpoint_resume import TINY
+from checkpoint_helpers import checkpoint_tensors
+from test_checkpoint_resume import TINY, assert_bitwise_equal, free_port
+from test_checkpoint_resume import write_recipe as deterministic_recipe
 from test_cli import RECIPE
 from uma_lightning.checkpoint import committed, verify
 
@@ -96,3 +99,112 @@ def test_a_step_that_outlasts_the_grace_period_exits_without_saving(tmp_path):
     assert seconds < 30  # the grace period (1 s), not the 60 s stall
     assert "SIGTERM: no step boundary within the 1 s grace period; exiting without a new checkpoint" in log
     assert committed(tmp_path / "run" / "checkpoints") == []
+
+
+def start_ranks(argv: list[str], logs: list[Path], cwd: Path, process_group: int | None = None) -> list:
+    """One ``uma`` process, or two started as torchrun starts them (they join one gloo group)."""
+    if len(logs) == 1:
+        return [forked_cli.start(argv, logs[0], cwd, process_group=process_group)]
+    port = str(free_port())
+    return [forked_cli.start(argv, log, cwd, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
+                                              "NODE_RANK": "0", "LOCAL_RANK": str(rank)}, process_group)
+            for rank, log in enumerate(logs)]
+
+
+def wait_for_step(processes: list, log: Path, step: int, timeout: float = 180) -> None:
+    """Until rank zero (which alone prints progress) logged ``step``, while every rank is alive."""
+    deadline = time.monotonic() + timeout
+    while f"step {step}/" not in (log.read_text() if log.exists() else ""):
+        assert all(p.is_alive() for p in processes) and time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
+        time.sleep(0.01)
+
+
+GROUP_SIGNALS = {1: (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT), 2: (signal.SIGTERM, signal.SIGUSR1)}
+
+
+@pytest.mark.parametrize("world_size", sorted(GROUP_SIGNALS))
+def test_signals_to_the_whole_process_group_save_once_and_the_run_resumes_bit_for_bit(tmp_path, world_size):
+    """As Slurm and a terminal do, the signal goes to every process of the group: the training processes
+    and their train and validation loader workers. Only the training processes act; the workers live on
+    until the save is committed. Each signal interrupts the run once more; the end matches an
+    uninterrupted run bit for bit."""
+    max_steps = 4 * len(GROUP_SIGNALS[world_size]) + 2
+    callbacks = [{"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}},
+                 {"class_path": "uma_lightning.callbacks.Preemption", "init_args": {"grace_period_s": 60}}]
+    parallel = {"strategy": "ddp", "accelerator": "cpu", "devices": 2} if world_size == 2 else {}
+    recipe = deterministic_recipe(tmp_path / "recipe.yaml", tmp_path / "record", callbacks, every_n_steps=1000,
+                                  trainer={**parallel, "max_steps": max_steps})
+    data = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "1"]
+    if world_size == 2:  # workers from a forkserver (as with remote storage or CUDA), not forked
+        data += ["--data.loader.multiprocessing_context", "forkserver"]
+
+    def command(run_dir: Path) -> list[str]:
+        return ["fit", "--config", recipe, *data, "--trainer.default_root_dir", str(run_dir)]
+
+    def run(run_dir: Path, name: str, process_group: int | None = None) -> tuple[list, list[Path]]:
+        logs = [tmp_path / f"{name}.rank{rank}.log" for rank in range(world_size)]
+        return start_ranks(command(run_dir), logs, tmp_path, process_group), logs
+
+    reference, _ = run(tmp_path / "reference", "reference")
+    for process in reference:
+        process.join(300)
+    assert [p.exitcode for p in reference] == [0] * world_size
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for signum in GROUP_SIGNALS[world_size]:
+        name = signal.Signals(signum).name
+        start_step = max((step for step, _ in committed(checkpoints)), default=0)
+        leader = subprocess.Popen(["sleep", "300"], process_group=0)  # the group's leader, as a job step's shell
+        try:
+            processes, logs = run(tmp_path / "run", name, leader.pid)
+            wait_for_step(processes, logs[0], start_step + 2)
+            os.killpg(leader.pid, signum)
+            for process in processes:
+                process.join(120)
+        finally:
+            leader.kill()
+            leader.wait()
+        texts = [log.read_text() for log in logs]
+        assert [p.exitcode for p in processes] == [128 + signum] * world_size, texts[0][-3000:]
+        (step, checkpoint), *_ = reversed(committed(checkpoints))
+        assert step >= start_step + 2 and verify(checkpoint) == []
+        for text in texts:  # one handler acted in each training process, none in a worker
+            assert text.count(f"received {name}: saving a checkpoint") == 1, text[-3000:]
+            assert text.count(f"{name}: checkpoint of step {step} committed, exiting with status {128 + signum}") == 1
+            assert "Traceback" not in text and "DataLoader worker" not in text, text[-3000:]
+        if start_step:
+            assert f"resumed from {checkpoints / f'step-{start_step:09d}'}: step {start_step}" in texts[0]
+
+    final, logs = run(tmp_path / "run", "final")
+    for process in final:
+        process.join(300)
+    assert [p.exitcode for p in final] == [0] * world_size, logs[0].read_text()[-3000:]
+    last = f"step-{max_steps:09d}"
+    assert_bitwise_equal(checkpoint_tensors(checkpoints / last), checkpoint_tensors(tmp_path / "reference" / "checkpoints" / last))
+
+
+def test_an_mlflow_run_stopped_by_a_signal_is_killed_and_a_failing_store_does_not_break_teardown(tmp_path, caplog, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    from uma_lightning.callbacks.preemption import Preempted
+    from uma_lightning.tracking.mlflow_logger import MLflowLogger
+
+    logger = MLflowLogger(store_dir=str(tmp_path / "mlruns"), synchronous=True)
+    run_id = logger.run_id
+    try:  # as Lightning finalizes its loggers while the exception is raised
+        raise Preempted(signal.SIGTERM, None, None)
+    except SystemExit:
+        logger.finalize("failed")
+    assert logger.experiment.get_run(run_id).info.status == "KILLED"
+
+    def unreachable(*args, **kwargs):
+        raise MlflowException("API request failed: connection refused")
+
+    monkeypatch.setattr(logger.experiment, "set_terminated", unreachable)
+    try:
+        raise Preempted(signal.SIGUSR1, None, None)
+    except SystemExit:
+        logger.finalize("failed")  # logs, does not raise
+    assert f"could not mark MLflow run {run_id} as KILLED: API request failed: connection refused" in caplog.text
+    with pytest.raises(MlflowException):  # a run that ends well still reports a store that fails
+        logger.finalize("success")

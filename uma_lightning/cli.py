@@ -31,6 +31,7 @@ from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
 
 from uma_lightning.callbacks import TrainingHalted
+from uma_lightning.callbacks.preemption import Preempted
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
@@ -222,6 +223,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     except TrainingHalted as err:
         print(f"uma: training halted: {err}", file=sys.stderr)
         raise SystemExit(3) from None
+    except Preempted as stop:
+        stop.finish()  # the trainer has torn down: requeue if asked, exit 128 + signal
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from uma_lightning.data.order import OrderConfig, OrderSettings
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
 from uma_lightning.parallel.mesh import data_parallel_rank
+from uma_lightning.stop_signals import LoaderWorkerSignals
 
 logger = logging.getLogger(__name__)
 # Lightning warns that an IterableDataset's length may be off with several workers; here each worker
@@ -292,6 +293,7 @@ class RobotDataModule(L.LightningDataModule):
             num_workers=workers,
             pin_memory=self.pin_memory,
             multiprocessing_context=self._start_method() if workers > 0 else None,
+            worker_init_fn=LoaderWorkerSignals() if workers > 0 else None,
         )
 
     def normalize_state(self, state: torch.Tensor, dataset: int = 0) -> torch.Tensor:
@@ -359,7 +361,7 @@ class RobotDataModule(L.LightningDataModule):
             chosen, why = "fork", "fastest start, and nothing in this process makes fork unsafe"
         if chosen == "forkserver":
             # Workers fork from a server that has already imported the loader, so each starts in milliseconds.
-            multiprocessing.get_context("forkserver").set_forkserver_preload(["uma_lightning.data.loader"])
+            multiprocessing.get_context("forkserver").set_forkserver_preload(["uma_lightning.forkserver_preload", "uma_lightning.data.loader"])
         if getattr(self, "_logged_start_method", None) != chosen:
             logger.info("data loader workers: %d started with %s (%s)", self.loader.num_workers, chosen, why)
             self._logged_start_method = chosen

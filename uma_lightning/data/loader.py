@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from uma_lightning.data.dataset import BAD_DATA_ERRORS, FrameDataset
 from uma_lightning.data.order import EpochOrder, OrderConfig, SourceLayout
 from uma_lightning.data.prefetch import DevicePrefetcher
+from uma_lightning.stop_signals import LoaderWorkerSignals
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class RobotDataLoader(DataLoader):
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=pin_memory,
             multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+            worker_init_fn=LoaderWorkerSignals() if num_workers > 0 else None,
             # DataLoader draws its workers' base seed at every iter(): from this generator rather than the
             # training process's, so loading never shifts the random numbers training sees (a resumed
             # run would otherwise draw once more than the uninterrupted one).

@@ -36,6 +36,7 @@ from uma_lightning.rl.inference import ServerClient, ServerLink, make_links, ser
 from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout
 from uma_lightning.rl.shared import SharedArrays, recv_message, send_message
 from uma_lightning.rl.weights import WeightStore
+from uma_lightning.stop_signals import ignore_stop_signals
 
 log = logging.getLogger("uma_lightning")
 
@@ -259,7 +260,7 @@ def process_context():
     if "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
     context = torch.multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["uma_lightning.rl.local", "gymnasium"])
+    context.set_forkserver_preload(["uma_lightning.forkserver_preload", "uma_lightning.rl.local", "gymnasium"])
     return context
 
 
@@ -289,8 +290,9 @@ def _exitcode(process) -> str:
 
 
 def _child_setup() -> None:
-    """A child ignores Ctrl+C (the learner decides when it stops) and uses one thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A child ignores Ctrl+C and the scheduler's stop signals (the learner decides when it stops,
+    and ends it with SIGKILL or through the lifeline) and uses one thread."""
+    ignore_stop_signals()
     torch.set_num_threads(1)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -112,6 +113,19 @@ class MLflowLogger(LightningMLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
+        if status == "success":
+            return self._finalize(status)
+        # Lightning finalizes loggers with "failed" on any exception, before it stops the loader workers:
+        # a run stopped by a signal (preemption, Ctrl+C) is KILLED, not FAILED, and a tracking store
+        # that fails now must neither hide why the run stopped nor keep the trainer from tearing down.
+        if isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):
+            status = "KILLED"
+        try:
+            self._finalize(status)
+        except Exception as err:
+            log.error("could not mark MLflow run %s as %s: %s", self.run_id, status, err)
+
+    def _finalize(self, status: str) -> None:
         if mlflow_run_opened(self):
             # Metrics go through MLflow's async queue; drain it before the run is marked finished.
             flush_async_logging(mlflow_tracking_uri(self))

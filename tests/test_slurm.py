@@ -1,0 +1,85 @@
+"""Preemption under a real one-node Slurm: the job template, the pretrain recipe with its loader worker
+(a tiny model), preempted the two ways Slurm does it, ends COMPLETED after one restart, in one log."""
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurm_cluster import SlurmCluster, SlurmUnavailable
+from test_checkpoint_resume import TINY
+from test_cli import RECIPE
+from uma_lightning.checkpoint import committed, verify
+
+TEMPLATE = Path(RECIPE).parents[1] / "configs" / "launch" / "slurm.sbatch"
+MAX_STEPS = 20
+CPU_NODE = ["--nodes", "1", "--ntasks-per-node", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--time", "20:00"]
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except SlurmUnavailable as err:
+        pytest.skip(f"no Slurm cluster: {err}")
+    yield cluster
+    cluster.stop()
+
+
+def preempt(cluster: SlurmCluster, job: str, name: str) -> None:
+    if name == "SIGUSR1":  # what --signal=USR1@120 sends before the time limit; the job requeues itself
+        cluster.run("scancel", "--signal=USR1", job)
+    else:  # preemption: SIGTERM to every process of the job, which Slurm then requeues
+        cluster.run("scancel", "--signal=TERM", job)
+        cluster.run("scontrol", "requeue", job)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_preempted_jobs_save_requeue_resume_and_complete(slurm, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"include": [RECIPE], "model": {"init_args": {"network": {"size": TINY}}}}))
+    jobs = {}
+    for name in ("SIGUSR1", "SIGTERM"):  # both at once, one CPU each
+        job_dir = tmp_path / name
+        job_dir.mkdir()
+        args = ["--config", str(recipe), "--data.generation.n_episodes", "6", "--data.batch_size", "16",
+                "--trainer.max_steps", str(MAX_STEPS), "--trainer.default_root_dir", str(job_dir / "run")]
+        job = slurm.run("sbatch", "--parsable", *CPU_NODE, "--chdir", str(job_dir), str(TEMPLATE), *args).strip()
+        jobs[name] = (job, job_dir / f"uma-{job}.log", job_dir / "run" / "checkpoints")
+
+    waiting = dict(jobs)
+    deadline = time.monotonic() + 400
+    while waiting:  # preempt each job once it has trained 10 steps
+        for name, (job, log, _) in list(waiting.items()):
+            if "step 10/" in (log.read_text() if log.exists() else ""):
+                preempt(slurm, job, name)
+                del waiting[name]
+        assert time.monotonic() < deadline, {name: slurm.job(job)["JobState"] for name, (job, _, _) in waiting.items()}
+        time.sleep(0.1)
+    states = {}
+    while time.monotonic() < deadline + 300:
+        states = {name: slurm.job(job) for name, (job, _, _) in jobs.items()}
+        if all(state["JobState"] in ("COMPLETED", "FAILED", "CANCELLED") for state in states.values()):
+            break
+        time.sleep(1)
+
+    for name, (job, log, checkpoints) in jobs.items():
+        text = log.read_text()
+        state = states[name]
+        assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("COMPLETED", "1", "0:0"), (name, state, text[-3000:])
+        status = 138 if name == "SIGUSR1" else 143
+        assert text.count(f"received {name}: saving a checkpoint") == 1, text[-3000:]
+        (step, checkpoint), = [(s, c) for s, c in committed(checkpoints) if s != MAX_STEPS][-1:]
+        assert 10 <= step < MAX_STEPS and verify(checkpoint) == []
+        saved = text.index(f"{name}: checkpoint of step {step} committed, exiting with status {status}")
+        assert f"srun: error: {slurm.node}: task 0: Exited with exit code {status}" in text
+        # One log, appended to: the first run, then the requeued one resuming where it stopped.
+        assert text.count(f"training: {MAX_STEPS} steps") == 2
+        assert saved < text.index(f"resumed from {checkpoint}: step {step}") < text.index(f"trained {MAX_STEPS - step} steps")
+        assert committed(checkpoints)[-1][0] == MAX_STEPS
+        assert "Traceback" not in text, text
+        if name == "SIGUSR1":
+            assert f"requeued Slurm job {job}" in text
