@@ -21,6 +21,8 @@ from uma_lightning.modules.base import OptimizerConfig, StageModule
 
 
 class PretrainModule(StageModule):
+    key_metric = "val/token_accuracy"
+
     def __init__(
         self,
         spec: Optional[DataSpec] = None,
