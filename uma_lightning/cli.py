@@ -87,18 +87,19 @@ class UmaCLI(LightningCLI):
         self.overrides = self._describe_overrides(parser, args)
 
     def _describe_overrides(self, parser, args: list[str]) -> str:
-        """The settings the command line changes from its config files, as ``lr=1e-3 max_steps=40``."""
+        """The settings the command line changes from its config files, as ``lr=1e-3 max_steps=40``.
+        Costs a second parse of the config files, so only for a run that is tracked."""
         subcommand = self.config.get("subcommand")
+        resolved = self.config[subcommand] if subcommand else self.config
+        if not resolved.get("trainer", {}).get("logger"):
+            return ""
         files = [item for index, arg in enumerate(args[:-1]) if arg == "--config" for item in (arg, args[index + 1])]
         try:
             recipe = parser.parse_args(([subcommand] if subcommand else []) + files)
         except ArgumentError:
             return ""  # the files alone are incomplete; the command line completes them
-        dump = (lambda config: yaml.safe_load(parser.dump(config, skip_check=True)))
-        recipe_config, resolved = dump(recipe), dump(self.config)
-        if subcommand:
-            recipe_config, resolved = recipe_config[subcommand], resolved[subcommand]
-        return describe_overrides(changed_settings(recipe_config, resolved, args))
+        recipe = recipe[subcommand] if subcommand else recipe
+        return describe_overrides(changed_settings(recipe.as_dict(), resolved.as_dict(), args))
 
     def instantiate_classes(self) -> None:
         try:

@@ -8,7 +8,9 @@ MLflow's own names (``overjoyed-slug-911``) are drawn from Python's ``random``, 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,7 +63,8 @@ def format_value(value: Any) -> str:
             mantissa, exponent = f"{value:.6e}".split("e")
             return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
         return repr(value)
-    if isinstance(value, str):
+    if isinstance(value, (str, os.PathLike)):
+        value = os.fspath(value)
         # Paths by their last part: the run directory `runs/lr_sweep/a` reads as `a`.
         return Path(value).name if "/" in value.rstrip("/") else value
     if isinstance(value, (list, tuple)) and value and all(isinstance(item, dict) and item for item in value):
@@ -81,6 +84,10 @@ def _entry_name(entry: dict) -> str:
 
 
 def _leaves(config: Any, prefix: str = "") -> dict[str, Any]:
+    if is_dataclass(config) and not isinstance(config, type):
+        config = asdict(config)
+    elif callable(getattr(config, "to_dict", None)):  # a registered config type such as ModelSize
+        config = config.to_dict()
     if not isinstance(config, dict) or not config:
         return {prefix: config}
     leaves = {}
