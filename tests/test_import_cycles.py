@@ -3,8 +3,6 @@
 import ast
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 # callbacks/ and kernels/ ship inside the package (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"uma_lightning": REPO / "uma_lightning", "uma_lightning.callbacks": REPO / "callbacks", "uma_lightning.kernels": REPO / "kernels"}

@@ -117,8 +117,9 @@ def test_the_mlflow_logger_privates_are_there():
     check(type(seen[3]).__name__ == "MlflowClient", "MLFlowLogger._mlflow_client", f"is {seen[3]!r}, not an MlflowClient")
     compat.continue_mlflow_run(logger, "abc")
     check(logger._run_id == "abc", "MLFlowLogger._run_id", "is not where the run to open is kept")
-    flat = compat.flat_params({"a": {"b": 1}, "c": None})
-    check(flat == {"a/b": 1, "c": None}, "lightning.fabric.utilities.logger._flatten_dict/_convert_params", f"flatten to {flat}")
+    check(compat.name_mlflow_run(MLFlowLogger(tracking_uri=uri), "mine") is True, "MLFlowLogger._run_name", "refused a logger with no name")
+    named = MLFlowLogger(tracking_uri=uri, run_name="given")
+    check(compat.name_mlflow_run(named, "mine") is False and named._run_name == "given", "MLFlowLogger._run_name", "is not where the configured name is kept")
 
 
 def private_lightning_uses(source: Path, private_names: set[str]) -> list[str]:

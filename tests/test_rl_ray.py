@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from uma_lightning.rl.env import probe_env
 from uma_lightning.rl.local import ActorSetup

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from uma_lightning.checkpoint.weights import CheckpointWeights, KeyMapping, load_weights
+from uma_lightning.checkpoint.weights import CheckpointWeights, load_weights
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig
 from uma_lightning.models import (

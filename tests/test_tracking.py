@@ -1,6 +1,9 @@
 """MLflow tracking against a real `mlflow server` on 127.0.0.1, read back through the MLflow client."""
 
+import json
 import logging
+import random
+import re
 import shutil
 import socket
 import subprocess
@@ -14,7 +17,14 @@ import yaml
 from mlflow import MlflowClient
 
 from uma_lightning.cli import UmaCLI
+from uma_lightning.data import LeRobotMetadata
+from uma_lightning.data.generate import generate_planar_arm
+from uma_lightning.data.tools import main as data_tool
 from uma_lightning.tracking import MLflowLogger
+from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
+from uma_lightning.tracking.datasets import metadata_digest
+from uma_lightning.tracking.run_config import headline_metrics
+from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
 from test_cli import QUICK, RECIPE, assert_short_error, run_main
 
 
@@ -55,30 +65,63 @@ def mlflow_server(tmp_path_factory):
     log.close()
 
 
-def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
-    run_dir = tmp_path / "run"
-    cli = UmaCLI(
+def tracked_fit(server: str, run_dir: Path, *args: str, late: tuple[str, ...] = ()) -> UmaCLI:
+    """``uma fit`` of the quick pretrain recipe, ``args`` before the quick settings, ``late`` after them."""
+    return UmaCLI(
         [
-            "fit", "--config", RECIPE, *QUICK,
+            "fit", "--config", RECIPE, *args, *QUICK, *late,
             "--trainer.default_root_dir", str(run_dir),
-            "--trainer.logger.init_args.tracking_uri", mlflow_server,
+            "--trainer.logger.init_args.tracking_uri", server,
             "--trainer.logger.init_args.experiment_name", "tracking-test",
         ]
     )
+
+
+@pytest.fixture(scope="module")
+def first_run(mlflow_server, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("first") / "run"
+    cli = tracked_fit(mlflow_server, run_dir)
+    return cli, run_dir
+
+
+NAME_SUFFIX = r" #[0-9a-f]{6}"
+
+
+def test_run_is_tracked_on_a_real_server(mlflow_server, first_run, tmp_path):
+    cli, run_dir = first_run
     client = MlflowClient(mlflow_server)
-    experiment = client.get_experiment_by_name("tracking-test")
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.run_id == cli.trainer.logger.run_id
+    run = client.get_run(cli.trainer.logger.run_id)
     assert run.info.status == "FINISHED"
 
-    # The resolved config, flattened into params.
+    # Named after the recipe and what the command line changed, in the flags' order; never MLflow's seeded random name.
+    overrides = ("dim=32 n_layers=1 n_heads=2 n_kv_heads=1 ffn_dim=64 name=custom n_episodes=6 batch_size=4 num_workers=0 "
+                 "max_steps=4 val_check_interval=2 limit_val_batches=1.0 default_root_dir=run")
+    assert run.data.tags["overrides"] == overrides
+    # The name as much of that as the runs table shows, then the suffix.
+    assert re.fullmatch(re.escape(f"pretrain {overrides}"[:119]) + "…" + NAME_SUFFIX, run.info.run_name), run.info.run_name
+
+    # The resolved config, flattened into params in their sections, each once; callbacks by class name.
     params = run.data.params
     assert params["trainer/max_steps"] == "4"
     assert params["model/init_args/network/size/dim"] == "32"
     assert params["data/init_args/batch_size"] == "4"
+    assert params["trainer/callbacks/ShardedCheckpoint/init_args/every_n_steps"] == "100"
     assert int(params["model.n_parameters"]) == sum(p.numel() for p in cli.model.parameters())
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    counts = {"model.n_parameters", "model.tokens_per_sample", "model.flops_per_sample"}
+    assert set(params) == set(config_leaves(config)) | counts
+    assert not {"batch_size", "root", "n_episodes", "_instantiator", "_class_path"} & set(params)
+
+    # The dataset as a dataset input: what the runs table's Dataset column shows.
+    (dataset_input,) = run.inputs.dataset_inputs
+    meta = cli.datamodule.metadata[0]
+    assert_dataset_input(dataset_input, meta, weight="1", train_episodes="5", val_episodes="1")
+
+    # The headline metrics: the last validation's loss and the stage's key metric.
+    for final, name in (("final/val_loss", "val/loss"), ("final/val_token_accuracy", "val/token_accuracy")):
+        (value,) = client.get_metric_history(run.info.run_id, final)
+        assert value.value == pytest.approx(client.get_metric_history(run.info.run_id, name)[-1].value)
+        assert value.value == run.data.metrics[final]
 
     # Per-step metrics on the step axis.
     losses = client.get_metric_history(run.info.run_id, "train/loss")
@@ -105,6 +148,51 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
     downloaded = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert Path(downloaded).read_bytes() == (run_dir / "config.yaml").read_bytes()
     assert yaml.safe_load(Path(downloaded).read_text())["trainer"]["max_steps"] == 4
+
+
+def config_leaves(config, prefix=""):
+    """Dotted paths of a config's values, as an independent count of the params it should give."""
+    if isinstance(config, dict) and config:
+        return [leaf for key, value in config.items() for leaf in config_leaves(value, f"{prefix}/{key}" if prefix else key)]
+    if isinstance(config, list) and config and all(isinstance(item, dict) for item in config):
+        keys = [item["class_path"].rsplit(".", 1)[-1] if "class_path" in item else str(i) for i, item in enumerate(config)]
+        return [leaf for key, item in zip(keys, config) for leaf in config_leaves(item, f"{prefix}/{key}")]
+    return [prefix]
+
+
+def assert_dataset_input(dataset_input, meta, **tags):
+    dataset = dataset_input.dataset
+    assert dataset.name == Path(meta.root).name and dataset.digest == metadata_digest(meta)
+    assert json.loads(dataset.source) == {"uri": str(meta.root)} and dataset.source_type == "local"
+    assert json.loads(dataset.profile) == {
+        "format": f"LeRobot {meta.version}", "episodes": len(meta.episodes), "frames": sum(e.length for e in meta.episodes),
+        "fps": meta.fps, "cameras": list(meta.cameras),
+    }
+    assert {tag.key: tag.value for tag in dataset_input.tags} == {"mlflow.data.context": "train", **tags}
+
+
+def test_runs_are_named_apart_and_a_resumed_run_keeps_its_name(mlflow_server, first_run, tmp_path):
+    client = MlflowClient(mlflow_server)
+    first = client.get_run(first_run[0].trainer.logger.run_id)
+    # Another run of the recipe, with another learning rate, on a mixture of two datasets.
+    v21 = generate_planar_arm(tmp_path / "v21", n_episodes=4, image_size=32, seed=0)
+    assert data_tool(["convert", str(v21), str(tmp_path / "v30"), "--to", "v3.0"]) == 0
+    mixture = json.dumps([{"root": str(v21), "weight": 1.0}, {"root": str(tmp_path / "v30"), "weight": 3.0}])
+    second = tracked_fit(mlflow_server, tmp_path / "lr", "--model.optimizer.lr", "1e-3", "--data.datasets", mixture)
+    run = client.get_run(second.trainer.logger.run_id)
+    assert run.info.run_name.startswith("pretrain lr=1e-3 datasets=v21+v30 dim=32") and re.search(NAME_SUFFIX + "$", run.info.run_name)
+    assert run.info.run_name != first.info.run_name
+    assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["v21", "v30"]
+    for dataset_input, weight in zip(run.inputs.dataset_inputs, ("0.25", "0.75")):
+        meta = LeRobotMetadata.load(json.loads(dataset_input.dataset.source)["uri"])
+        assert_dataset_input(dataset_input, meta, weight=weight, train_episodes="3", val_episodes="1")
+
+    # The first run, resumed with more steps (the command line changed): the same run, the same name.
+    resumed = tracked_fit(mlflow_server, first_run[1], late=("--trainer.max_steps", "6"))
+    assert resumed.trainer.logger.run_id == first.info.run_id and resumed.trainer.global_step == 6
+    again = client.get_run(first.info.run_id)
+    assert again.info.run_name == first.info.run_name and again.data.tags["overrides"] == first.data.tags["overrides"]
+    assert len(client.search_runs([first.info.experiment_id], f"attributes.run_name = '{first.info.run_name}'")) == 1
 
 
 def test_default_store_is_embedded_sqlite_without_a_server(tmp_path, monkeypatch):
@@ -147,3 +235,31 @@ def test_a_continued_run_keeps_its_params_when_the_resumed_config_changed(tmp_pa
     assert run.data.tags["params_changed_on_resume"] == "trainer/max_steps"
     assert "keeps its original values of changed params: trainer/max_steps" in caplog.text
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [99, 100]
+
+
+def test_a_name_lists_the_changed_settings_under_short_unambiguous_keys():
+    recipe = {"model": {"class_path": "P", "init_args": {"optimizer": {"lr": 3e-3}, "expert": {"lr": 1e-3}, "size": "tiny"}},
+              "trainer": {"max_steps": 300, "default_root_dir": "runs/pretrain", "logger": {"init_args": {"tracking_uri": None}}}}
+    resolved = {"model": {"class_path": "P", "init_args": {"optimizer": {"lr": 1e-4}, "expert": {"lr": 2e-3}, "size": "tiny"}},
+                "trainer": {"max_steps": 40, "default_root_dir": "runs/sweep/a", "logger": {"init_args": {"tracking_uri": "http://h:5000"}}}}
+    args = ["--trainer.max_steps", "40", "--model.init_args.expert.lr", "2e-3", "--model.optimizer.lr", "1e-4"]
+    overrides = describe_overrides(changed_settings(recipe, resolved, args))
+    # In the flags' order, then the rest; where the logs go is not what the run is.
+    assert overrides == "max_steps=40 expert.lr=2e-3 optimizer.lr=1e-4 default_root_dir=a"
+    assert re.fullmatch(r"pretrain max_steps=40 expert\.lr=2e-3 optimizer\.lr=1e-4 default_root_dir=a #[0-9a-f]{6}",
+                        run_name("recipes/pretrain.yaml", "pretrain", "fit", overrides))
+    assert run_name("my_recipe.yaml", "posttrain", "validate", "", ("configs/vision/grounded.yaml",)).startswith("my_recipe (posttrain) validate +grounded #")
+    # Drawn from the OS, not from the seeded `random`.
+    random.seed(0)
+    first = run_name(None, "pretrain", "fit", "")
+    random.seed(0)
+    assert first != run_name(None, "pretrain", "fit", "")
+
+
+@pytest.mark.parametrize("module, final", [
+    (PretrainModule, "final/val_token_accuracy"), (MidtrainModule, "final/val_action_mse"), (PosttrainModule, "final/val_action_mse"),
+])
+def test_every_stage_has_headline_metrics(module, final):
+    measured = {"val/loss": 1.5, "val/token_accuracy": 0.25, "val/action_mse": 0.125, "val/success_rate": 0.5, "train/loss": 2.0}
+    assert headline_metrics(measured, module.key_metric) == {"final/val_loss": 1.5, final: measured[module.key_metric],
+                                                              "final/val_success_rate": 0.5}

@@ -40,7 +40,8 @@ from uma_lightning.data.lerobot import DatasetError
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import StageModule
 from uma_lightning.parallel import MeshStrategy  # also registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp
-from uma_lightning.tracking import RecordRunConfig
+from uma_lightning.tracking import MLflowLogger, RecordRunConfig
+from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
 
 log = logging.getLogger("uma_lightning")
 
@@ -66,7 +67,10 @@ class UmaCLI(LightningCLI):
     datamodule_class: type = RobotDataModule
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True):
-        self.recipe = _recipe_of(sys.argv[1:] if args is None else args)
+        # The first config is the recipe; later ones (fragments such as configs/vision/grounded.yaml) add to it.
+        configs = _configs_of(sys.argv[1:] if args is None else args)
+        self.recipe, self.extra_configs = (configs[0], tuple(configs[1:])) if configs else (None, ())
+        self.overrides = ""
         super().__init__(
             self.model_class,
             self.datamodule_class,
@@ -87,6 +91,22 @@ class UmaCLI(LightningCLI):
         except ArgumentError as err:
             defaults = {"model": _class_path(self.model_class), "data": _class_path(self.datamodule_class)}
             raise ConfigError(explain(str(err), parser, args, tools=tuple(TOOLS), defaults=defaults)) from None
+        self.overrides = self._describe_overrides(parser, args)
+
+    def _describe_overrides(self, parser, args: list[str]) -> str:
+        """The settings the command line changes from its config files, as ``lr=1e-3 max_steps=40``.
+        Costs a second parse of the config files, so only for a run that is tracked."""
+        subcommand = self.config.get("subcommand")
+        resolved = self.config[subcommand] if subcommand else self.config
+        if not resolved.get("trainer", {}).get("logger"):
+            return ""
+        files = [item for index, arg in enumerate(args[:-1]) if arg == "--config" for item in (arg, args[index + 1])]
+        try:
+            recipe = parser.parse_args(([subcommand] if subcommand else []) + files)
+        except ArgumentError:
+            return ""  # the files alone are incomplete; the command line completes them
+        recipe = recipe[subcommand] if subcommand else recipe
+        return describe_overrides(changed_settings(recipe.as_dict(), resolved.as_dict(), args))
 
     def instantiate_classes(self) -> None:
         try:
@@ -100,6 +120,10 @@ class UmaCLI(LightningCLI):
             if isinstance(err, DatasetError):  # its message names the file and the key
                 raise ConfigError(str(err)) from err
             raise ConfigError(f"bad value in config: {problem_lines(str(err))[0]}") from err
+        for logger in self.trainer.loggers:
+            if isinstance(logger, MLflowLogger):
+                name = run_name(self.recipe, _stage_of(self.model), self.subcommand or "fit", self.overrides, self.extra_configs)
+                logger.name_new_run(name, self.overrides)
 
     def add_arguments_to_parser(self, parser) -> None:
         # Consumed by expand_includes before parsing; hidden so printed configs stay fully resolved.
@@ -196,10 +220,21 @@ def _fragments(config: str, chain: tuple[str, ...]) -> list[str]:
     return out + [config]
 
 
-def _recipe_of(args: list[str]) -> Optional[str]:
-    configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
-    configs += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    return configs[-1] if configs else None
+def _configs_of(args: list[str]) -> list[str]:
+    configs = []
+    for index, arg in enumerate(args):
+        if arg == "--config" and index + 1 < len(args):
+            configs.append(args[index + 1])
+        elif arg.startswith("--config="):
+            configs.append(arg.split("=", 1)[1])
+    return configs
+
+
+def _stage_of(model) -> str:
+    """``pretrain`` for a PretrainModule or a research subclass of it: the first of this package's
+    classes in the model's ancestry, without its Module/Learner ending."""
+    cls = next((c for c in type(model).__mro__ if c.__module__.startswith("uma_lightning.")), type(model))
+    return cls.__name__.removesuffix("Module").removesuffix("Learner").lower()
 
 
 def _quiet_library_noise() -> None:

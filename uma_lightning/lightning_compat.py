@@ -13,7 +13,6 @@ from typing import Callable, Optional
 
 import lightning
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import MLFlowLogger
@@ -26,8 +25,7 @@ PRIVATE_NAMES = {
     "_FitLoop": ("_data_fetcher", "_combined_loader"),
     "Trainer": ("_accelerator_connector",),
     "FSDPStrategy": ("_registered_strategies",),
-    "MLFlowLogger": ("_tracking_uri", "_experiment_name", "_mlflow_client", "_initialized", "_run_id"),
-    "lightning.fabric.utilities.logger": ("_convert_params", "_flatten_dict"),
+    "MLFlowLogger": ("_tracking_uri", "_experiment_name", "_mlflow_client", "_initialized", "_run_id", "_run_name"),
     "lightning.fabric.utilities.optimizer": ("_optimizers_to_device",),
 }
 
@@ -115,6 +113,10 @@ def continue_mlflow_run(logger: MLFlowLogger, run_id: str) -> None:
     logger._run_id = run_id
 
 
-def flat_params(params) -> dict:
-    """Hyperparameters flattened exactly as ``MLFlowLogger.log_hyperparams`` flattens them."""
-    return _flatten_dict(_convert_params(params))
+def name_mlflow_run(logger: MLFlowLogger, name: str) -> bool:
+    """Give the run the logger has yet to open the display ``name``. False, and nothing changed, when
+    a name was configured, a run to continue was given, or the run is open already."""
+    if logger._run_name is not None or logger._run_id is not None or logger._initialized:
+        return False
+    logger._run_name = name
+    return True

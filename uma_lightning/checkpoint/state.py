@@ -33,7 +33,7 @@ from uma_lightning.checkpoint import rng
 from uma_lightning.checkpoint.codec import decode, encode, tensor_references
 from uma_lightning.checkpoint.manifest import CheckpointError
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
-from uma_lightning.checkpoint.weights import MODEL, OPTIMIZER, RNG, STATE_FILE, TRAINER, read_state
+from uma_lightning.checkpoint.weights import MODEL, OPTIMIZER, RNG, TRAINER, read_state
 from uma_lightning.lightning_compat import forget_train_loader
 
 log = logging.getLogger(__name__)

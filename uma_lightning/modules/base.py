@@ -80,6 +80,8 @@ ENVIRONMENT_STATE_HEAD = ("environment_state_head.*",)
 
 
 class StageModule(L.LightningModule):
+    #: The metric that says how good the stage's result is, logged as ``final/...`` when training ends.
+    key_metric = "val/action_mse"
     #: What may differ between this stage's model and an ``init_from`` checkpoint: the environment-state
     #: head is optional in every stage.
     key_mapping = KeyMapping(fresh=ENVIRONMENT_STATE_HEAD, dropped=ENVIRONMENT_STATE_HEAD)

@@ -13,6 +13,8 @@ from uma_lightning.modules.pretrain import PretrainModule
 
 
 class MidtrainModule(PretrainModule):
+    key_metric = "val/action_mse"  # what the longer action chunks are for
+
     def setup(self, stage: str) -> None:
         if stage == "fit" and not self.init_from:
             raise ValueError("mid-training continues a pretrained model: set model.init_from to a pretraining checkpoint")

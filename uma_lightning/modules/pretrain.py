@@ -17,6 +17,7 @@ from uma_lightning.modules.base import StageModule
 
 class PretrainModule(StageModule):
     network_builder = staticmethod(token_network)
+    key_metric = "val/token_accuracy"
 
     def __init__(self, n_action_bins: int = 256, **kwargs):
         """

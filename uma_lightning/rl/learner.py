@@ -33,6 +33,7 @@ log = logging.getLogger("uma_lightning")
 
 class RLLearner(L.LightningModule):
     needs_value = False  # whether the policy must return a value estimate
+    key_metric = "rollout/return_window"  # logged as final/rollout_return_window when training ends
 
     def __init__(self, env: Optional[EnvSpec] = None, gamma: float = 0.99, seed: int = 0):
         """

@@ -6,7 +6,10 @@ import fcntl
 import logging
 import os
 import sys
+from argparse import Namespace
+from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -17,16 +20,17 @@ from mlflow.exceptions import MlflowException
 
 from uma_lightning.lightning_compat import (
     continue_mlflow_run,
-    flat_params,
     mlflow_client,
     mlflow_run_opened,
     mlflow_tracking_uri,
+    name_mlflow_run,
 )
 
 log = logging.getLogger(__name__)
 
 ASYNC_BUFFERING_SECONDS = 5
 BUFFERING_VARIABLE = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"
+MAX_PARAM_LENGTH = 250  # Lightning's MLFlowLogger cuts longer param values to this length
 
 
 def local_store_uri(store_dir: str | Path) -> str:
@@ -77,6 +81,15 @@ class MLflowLogger(LightningMLFlowLogger):
                 synchronous=synchronous,
             )
         self._continued = False
+        self._params_from_config = False
+
+    @rank_zero_only
+    def name_new_run(self, name: str, overrides: str) -> None:
+        """Give the run this logger opens the display ``name``, unless one was configured
+        (``run_name``) or an existing run is continued (it keeps its name). ``overrides`` goes into
+        the ``overrides`` tag in full, for search. Call before anything is logged."""
+        if name_mlflow_run(self, name):
+            self.tags = {**(self.tags or {}), "overrides": overrides}
 
     @rank_zero_only
     def continue_run(self, run_id: str) -> None:
@@ -99,13 +112,27 @@ class MLflowLogger(LightningMLFlowLogger):
 
     @rank_zero_only
     def log_hyperparams(self, params) -> None:
+        """Lightning's entry point, called with the data module's saved hyperparameters, without a
+        section and with noise such as ``_instantiator``. Under ``uma`` the resolved config is logged
+        instead (``log_params``), which holds the same values in their sections, so this call is
+        dropped there rather than logging each of them a second time."""
+        if not self._params_from_config:
+            self._log_flat(flatten_params(params))
+
+    @rank_zero_only
+    def log_params(self, params: dict, from_config: bool = False) -> None:
+        """Log ``params`` flattened into sections (``trainer/max_steps``); ``from_config``: they are
+        the run's resolved config, so Lightning's own hyperparameter logging is redundant."""
+        self._params_from_config |= from_config
+        self._log_flat(flatten_params(params))
+
+    def _log_flat(self, flat: dict[str, str]) -> None:
         if not self._continued:
-            return super().log_hyperparams(params)
+            return super().log_hyperparams(flat)
         # MLflow refuses to change a param of an existing run: a resumed job whose config changed
         # (say, more steps) keeps the original values and says which ones changed.
-        flat = flat_params(params)
         existing = self.experiment.get_run(self.run_id).data.params
-        changed = sorted(key for key, value in flat.items() if key in existing and existing[key] != str(value)[:250])
+        changed = sorted(key for key, value in flat.items() if key in existing and existing[key] != value[:MAX_PARAM_LENGTH])
         if changed:
             log.warning("the continued MLflow run keeps its original values of changed params: %s", ", ".join(changed))
             self.experiment.set_tag(self.run_id, "params_changed_on_resume", ", ".join(changed)[:5000])
@@ -130,6 +157,34 @@ class MLflowLogger(LightningMLFlowLogger):
             # Metrics go through MLflow's async queue; drain it before the run is marked finished.
             flush_async_logging(mlflow_tracking_uri(self))
         super().finalize(status)
+
+
+def flatten_params(params, prefix: str = "") -> dict[str, str]:
+    """Nested config as MLflow params: one ``section/key`` per leaf, as strings. A list of
+    ``class_path`` entries (callbacks) is keyed by class name, so adding one callback does not
+    renumber the others; other lists of mappings (a dataset mixture) by position; lists of plain
+    values stay one param. Keys starting with ``_`` (Lightning's ``_instantiator``) are left out."""
+    if is_dataclass(params) and not isinstance(params, type):
+        params = asdict(params)
+    elif isinstance(params, Namespace):
+        params = vars(params)
+    if isinstance(params, Mapping):
+        items = [(str(key), value) for key, value in params.items() if not str(key).startswith("_")]
+    elif isinstance(params, (list, tuple)) and params and all(isinstance(item, Mapping) for item in params):
+        items = list(zip(_list_keys(params), params))
+    else:
+        return {prefix: str(params)}
+    flat = {}
+    for key, value in items:
+        flat.update(flatten_params(value, f"{prefix}/{key}" if prefix else key))
+    return flat
+
+
+def _list_keys(items: list) -> list[str]:
+    names = [str(item["class_path"]).rsplit(".", 1)[-1] if "class_path" in item else None for item in items]
+    if None in names or len(set(names)) < len(names):
+        return [str(index) for index in range(len(items))]
+    return names
 
 
 def flush_async_logging(tracking_uri: str) -> None:

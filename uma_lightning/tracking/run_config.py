@@ -13,17 +13,35 @@ from lightning.pytorch.cli import SaveConfigCallback
 from mlflow.entities import RunTag
 
 from uma_lightning.lightning_compat import mlflow_experiment_name, mlflow_tracking_uri
-from uma_lightning.tracking.mlflow_logger import find_mlflow_logger
+from uma_lightning.tracking.datasets import dataset_inputs
+from uma_lightning.tracking.mlflow_logger import MLflowLogger, find_mlflow_logger
+from uma_lightning.tracking.step_metrics import log_step_metrics
 from uma_lightning.tracking.provenance import rank_facts, run_tags, write_provenance
 
 log = logging.getLogger(__name__)
 
 
+def headline_metrics(metrics: dict, key_metric: Optional[str]) -> dict[str, float]:
+    """The run's result under ``final/`` names (``final/val_loss``, ``final/val_token_accuracy``):
+    the last validation's loss, the stage's key metric and the closed-loop success rate, those
+    that were measured. A handful of columns to add in the runs table, the same in every stage."""
+    names = ("val/loss", key_metric, "val/success_rate")
+    return {f"final/{name.replace('/', '_')}": float(metrics[name]) for name in dict.fromkeys(names) if name and name in metrics}
+
+
+def _log_params(logger, params: dict, from_config: bool = False) -> None:
+    if isinstance(logger, MLflowLogger):
+        logger.log_params(params, from_config=from_config)
+    else:
+        logger.log_hyperparams(params)
+
+
 class RecordRunConfig(SaveConfigCallback):
     """Writes ``<run dir>/config.yaml`` and ``<run dir>/provenance/`` (git diff, installed packages,
     chosen environment variables, world layout) and, with an MLflow logger, logs the config as an
-    artifact and as flattened params, the provenance files as artifacts, and tags for commit,
-    versions, hardware and world size. Files are written by global rank zero."""
+    artifact and as flattened params, the datasets as dataset inputs, the provenance files as
+    artifacts, tags for commit, versions, hardware and world size, and at the end the headline
+    metrics. Files are written by global rank zero."""
 
     def __init__(self, *args, recipe: Optional[str] = None, **kwargs):
         super().__init__(*args, save_to_log_dir=False, **kwargs)
@@ -50,7 +68,7 @@ class RecordRunConfig(SaveConfigCallback):
         logger = find_mlflow_logger(trainer)
         if logger is None:
             return
-        logger.log_hyperparams(yaml.safe_load(config_path.read_text()))
+        _log_params(logger, yaml.safe_load(config_path.read_text()), from_config=True)
         tags = run_tags(trainer.world_size)
         tags["world.nodes"] = str(len({rank["host"] for rank in self._world}))
         tags["world.devices_per_node"] = str(trainer.num_devices)
@@ -63,6 +81,10 @@ class RecordRunConfig(SaveConfigCallback):
         if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
             tags["checkpoint_dir"] = str(trainer.checkpoint_callback.dirpath)
         logger.experiment.log_batch(logger.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
+        datamodule = getattr(trainer, "datamodule", None)
+        inputs = dataset_inputs(datamodule) if datamodule is not None else []
+        if inputs:
+            logger.experiment.log_inputs(logger.run_id, datasets=inputs)
         logger.experiment.log_artifact(logger.run_id, str(config_path))
         logger.experiment.log_artifacts(logger.run_id, str(provenance_dir), "provenance")
         log.info("MLflow run %s (%s), run dir %s", logger.run_id, mlflow_tracking_uri(logger), run_dir)
@@ -76,11 +98,14 @@ class RecordRunConfig(SaveConfigCallback):
         for name in ("tokens_per_sample", "flops_per_sample"):
             if hasattr(pl_module, name):
                 facts[f"model.{name}"] = getattr(pl_module, name)
-        logger.log_hyperparams(facts)
+        _log_params(logger, facts)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         logger = find_mlflow_logger(trainer)
         if logger is not None:
+            headline = headline_metrics(trainer.callback_metrics, getattr(pl_module, "key_metric", None))
+            if headline:
+                log_step_metrics(trainer, headline)
             uri = mlflow_tracking_uri(logger)
             how = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else f"open {uri}"
             log.info("MLflow run %s in experiment %r; to browse runs: %s", logger.run_id, mlflow_experiment_name(logger), how)
