@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from uma_lightning.checkpoint.directory import commit, prune, staging_path, step_dirname
 from uma_lightning.checkpoint.manifest import CheckpointError, MANIFEST, describe_files, write_json_durably, write_manifest
-from uma_lightning.checkpoint.state import STATE_FILE
+from uma_lightning.checkpoint.weights import STATE_FILE
 from uma_lightning.checkpoint.storage import save_tensors
 
 log = logging.getLogger(__name__)
