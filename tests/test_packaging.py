@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from suite import REPO
+
 PACKAGE_DIRS = {"uma_lightning": "uma_lightning", "uma_lightning.callbacks": "callbacks", "uma_lightning.kernels": "kernels"}
 
 

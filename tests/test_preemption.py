@@ -11,8 +11,7 @@ import pytest
 import yaml
 
 import forked_cli
-from test_checkpoint_resume import TINY
-from test_cli import RECIPE
+from suite import RECIPE, TINY
 from uma_lightning.checkpoint import committed, verify
 
 ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "0"]

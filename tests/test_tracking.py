@@ -2,7 +2,6 @@
 
 import logging
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from suite import QUICK, RECIPE, assert_short_error, free_port, run_main
 from uma_lightning.cli import UmaCLI
 from uma_lightning.tracking import MLflowLogger
-from test_cli import QUICK, RECIPE, assert_short_error, run_main
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
