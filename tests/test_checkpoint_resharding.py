@@ -19,6 +19,9 @@ from suite import free_port
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.checkpoint.storage import tensor_metadata
 
+# Two gloo ranks save and reshard for every test here.
+pytestmark = pytest.mark.slow
+
 
 def optimizer_for(model):
     # Not foreach: tensor parallelism leaves norm weights plain tensors beside DTensors.

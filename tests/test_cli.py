@@ -170,6 +170,7 @@ def test_research_subclass_trains_through_class_path(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-000000004" / "manifest.json").is_file()  # saved when training ended
 
 
+@pytest.mark.slow  # a new interpreter
 def test_console_script_runs(tmp_path):
     result = subprocess.run(
         [Path(sys.executable).parent / "uma", "fit", "--config", RECIPE, "--print_config"],

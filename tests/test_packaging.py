@@ -28,6 +28,7 @@ def test_every_source_package_is_declared():
     assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
 
 
+@pytest.mark.slow  # a new interpreter
 def test_callbacks_and_kernels_are_not_top_level_modules():
     code = (
         "import importlib.util, uma_lightning.callbacks, uma_lightning.kernels;"
@@ -38,6 +39,7 @@ def test_callbacks_and_kernels_are_not_top_level_modules():
     assert Path(out.strip()).parent == REPO / "callbacks"
 
 
+@pytest.mark.slow  # a new interpreter
 def test_models_import_neither_lightning_nor_distributed():
     code = "import sys, uma_lightning.models; print(sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning', 'mlflow'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -14,6 +14,9 @@ import forked_cli
 from suite import RECIPE, TINY
 from uma_lightning.checkpoint import committed, verify
 
+# Every test starts a training process and signals it.
+pytestmark = pytest.mark.slow
+
 ARGS = ["--data.n_episodes", "6", "--data.batch_size", "16", "--data.num_workers", "0"]
 
 

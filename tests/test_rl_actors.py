@@ -17,6 +17,9 @@ from uma_lightning.rl.env import probe_env
 from uma_lightning.rl.local import ActorSetup, LocalActors
 from uma_lightning.rl.policy import GaussianMLPPolicy
 
+# Every test starts rollout worker processes.
+pytestmark = pytest.mark.slow
+
 SERVER = {"max_batch": 8, "max_wait": 0.005, "device": "cpu"}
 
 

@@ -48,6 +48,7 @@ def mlflow_server(tmp_path_factory):
     log.close()
 
 
+@pytest.mark.slow  # a server process
 def test_run_is_tracked_on_a_real_server(mlflow_server, tmp_path):
     run_dir = tmp_path / "run"
     cli = UmaCLI(
