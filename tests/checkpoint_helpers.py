@@ -12,6 +12,12 @@ from uma_lightning.models import Transformer, TransformerConfig
 BACKBONE = TransformerConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32)
 
 
+def assert_bitwise_equal(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    different = [key for key in expected if not torch.equal(actual[key], expected[key])]
+    assert not different, f"differ: {different[:5]}"
+
+
 def backbone(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(BACKBONE, max_seq_len=8)

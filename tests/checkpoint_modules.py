@@ -1,5 +1,5 @@
 """Test-only Lightning pieces for the resume tests: a module whose loss draws from every random generator,
-recorders that write what each step saw, injected faults, and a hostile pickle."""
+recorders that write what each step saw, injected faults, a hostile pickle, and the recipe that puts them together."""
 
 import json
 import os
@@ -8,9 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from lightning.pytorch import Callback, LightningModule
 
+from suite import RECIPE, TINY
 from uma_lightning.modules import PretrainModule
+
+MAX_STEPS = 22  # the resume recipe's
 
 
 class NoisyPretrain(PretrainModule):
@@ -106,3 +110,35 @@ class RollbackAt(Callback):
         if trainer.global_step == self.step:
             self.rolled_back_to = trainer.checkpoint_callback.rollback(trainer, pl_module)
             self.weights_after = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+def resume_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps: int = 4, trainer: dict | None = None) -> str:
+    """A recipe for the resume tests: NoisyPretrain, deterministic, checkpoints every ``every_n_steps``, each step
+    recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
+    recipe = {
+        "include": [RECIPE],
+        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"network": {"size": TINY}}},
+        "trainer": {
+            "logger": False,
+            "deterministic": True,
+            "max_steps": MAX_STEPS,
+            # With an epoch limit, the LR schedule's estimated_stepping_batches builds the train loader
+            # before the checkpoint is restored (the path that needs the loader rebuilt).
+            "max_epochs": 5,
+            "val_check_interval": 5,
+            "limit_val_batches": 2,
+            "callbacks": [
+                {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": every_n_steps, "keep_last": 2}},
+                {"class_path": "checkpoint_modules.RecordSteps", "init_args": {"dir": str(record_dir)}},
+                *extra_callbacks,
+            ],
+            **(trainer or {}),
+        },
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def crash_at(step: int) -> dict:
+    """The recipe entry of a ``CrashAt`` callback."""
+    return {"class_path": "checkpoint_modules.CrashAt", "init_args": {"step": step}}

@@ -1,4 +1,5 @@
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,3 +37,29 @@ def no_tracking_uri_left_behind():
 def mlflow_store(tmp_path_factory):
     """One embedded MLflow store for the session's training runs: creating its tables takes seconds."""
     return tmp_path_factory.mktemp("mlruns")
+
+
+# ---- expensive runs that several tests read: one each per session -------------------------------
+# A new test that needs a trained run reads one of these (or adds one here) rather than training
+# its own. They must be treated as read-only: a test that changes a run copies it to its tmp_path.
+
+PRETRAIN_STEPS = 30
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory) -> SimpleNamespace:
+    """The pretrain recipe run as a user runs it, in a fresh directory and a process of its own, on
+    the stage tests' small data: the recipe test reads its log and MLflow run, the pipeline test
+    mid-trains from its checkpoint."""
+    import forked_cli  # imports the package: only after TRITON_INTERPRET is set, above
+    from suite import STAGE_DATA, recipe
+
+    cwd = tmp_path_factory.mktemp("pretrained")
+    argv = ["fit", "--config", recipe("pretrain"), *STAGE_DATA, "--data.batch_size", "16",
+            "--trainer.max_steps", str(PRETRAIN_STEPS), "--trainer.val_check_interval", str(PRETRAIN_STEPS)]  # fmt: skip
+    log = cwd / "pretrain.log"
+    code = forked_cli.run(argv, log, cwd, timeout=900)
+    return SimpleNamespace(
+        code=code, log=log.read_text(), cwd=cwd, steps=PRETRAIN_STEPS,
+        checkpoints=cwd / "runs" / "pretrain" / "checkpoints", store=f"sqlite:///{cwd / 'mlruns' / 'mlflow.db'}",
+    )  # fmt: skip

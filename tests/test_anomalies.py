@@ -15,10 +15,10 @@ from mlflow import MlflowClient
 
 from checkpoint_helpers import checkpoint_tensors
 from faults import Arrivals, Probe
+from suite import QUICK, RECIPE
 from uma_lightning.callbacks.anomalies import RollingZScore
 from uma_lightning.cli import UmaCLI, main
 from uma_lightning.tracking.mlflow_logger import local_store_uri
-from test_cli import QUICK, RECIPE
 
 NAN_STEP, SPIKE_STEP = 3, 13
 

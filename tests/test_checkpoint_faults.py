@@ -13,7 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 import forked_cli
-from test_checkpoint_resume import write_recipe as resume_recipe
+from checkpoint_modules import resume_recipe
 from uma_lightning.checkpoint import committed, read_manifest, verify
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
 from uma_lightning.cli import UmaCLI

@@ -12,13 +12,13 @@ import torch.distributed.checkpoint as dcp
 
 from checkpoint_helpers import backbone, full_state, optimizer_for, save_module, train_step
 from checkpoint_modules import RunsCommand
+from suite import REPO
 from uma_lightning.checkpoint import CheckpointError, CheckpointWriter, choose_checkpoint, committed, read_manifest, steps_to_keep, verify
 from uma_lightning.checkpoint.codec import decode, encode
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def trained(seed: int = 0, steps: int = 2):

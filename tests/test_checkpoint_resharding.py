@@ -8,7 +8,6 @@ parallelize_module, as the parallel strategies build them.
 """
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,12 @@ import torch
 
 import forked_cli
 from checkpoint_helpers import backbone, full_state, save_module, train_step
+from suite import free_port
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.checkpoint.storage import tensor_metadata
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Two gloo ranks save and reshard for every test here.
+pytestmark = pytest.mark.slow
 
 
 def optimizer_for(model):

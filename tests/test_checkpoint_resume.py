@@ -1,63 +1,22 @@
 """Resume is exact: a run interrupted and continued matches the uninterrupted run bit for bit."""
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 import forked_cli
-from checkpoint_helpers import checkpoint_tensors
-from checkpoint_modules import recorded_steps
-from test_cli import RECIPE
+from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
+from checkpoint_modules import MAX_STEPS, crash_at, recorded_steps
+from checkpoint_modules import resume_recipe as write_recipe
 from uma_lightning.cli import UmaCLI, main
 from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size
 from uma_lightning.data.spec import DataSpec
 
-TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
 # 16 batches per epoch: the runs cross an epoch boundary, and a checkpoint falls on its last batch.
 DATA = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "2"]
-MAX_STEPS = 22
-
-
-def write_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps: int = 4, trainer: dict | None = None) -> str:
-    """A recipe for these tests: NoisyPretrain, deterministic, checkpoints every ``every_n_steps``, each step
-    recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
-    recipe = {
-        "include": [RECIPE],
-        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"network": {"size": TINY}}},
-        "trainer": {
-            "logger": False,
-            "deterministic": True,
-            "max_steps": MAX_STEPS,
-            # With an epoch limit, the LR schedule's estimated_stepping_batches builds the train loader
-            # before the checkpoint is restored (the path that needs the loader rebuilt).
-            "max_epochs": 5,
-            "val_check_interval": 5,
-            "limit_val_batches": 2,
-            "callbacks": [
-                {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": every_n_steps, "keep_last": 2}},
-                {"class_path": "checkpoint_modules.RecordSteps", "init_args": {"dir": str(record_dir)}},
-                *extra_callbacks,
-            ],
-            **(trainer or {}),
-        },
-    }
-    path.write_text(yaml.safe_dump(recipe))
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def crash_at(step: int) -> dict:
-    return {"class_path": "checkpoint_modules.CrashAt", "init_args": {"step": step}}
 
 
 def fit(recipe: str, run_dir: Path, *extra: str) -> UmaCLI:
@@ -69,12 +28,6 @@ def trained_state(cli: UmaCLI) -> dict[str, torch.Tensor]:
     for index, values in cli.trainer.optimizers[0].state_dict()["state"].items():
         state.update({f"optimizer/{index}/{k}": v for k, v in values.items()})
     return state
-
-
-def assert_bitwise_equal(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    different = [key for key in expected if not torch.equal(actual[key], expected[key])]
-    assert not different, f"differ: {different[:5]}"
 
 
 @pytest.fixture(scope="module")
@@ -139,24 +92,14 @@ def test_exported_weights_load_into_a_plain_model_with_the_same_outputs(referenc
     assert torch.equal(actual, expected)
 
 
-def launch_two_ranks(argv: list[str], log: Path, cwd: Path) -> int:
-    """Two processes started the way torchrun starts them (Lightning joins them instead of launching its own)."""
-    port = str(free_port())
-    ranks = [forked_cli.start(argv, log.with_suffix(f".rank{rank}.log"), cwd, {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank)})
-        for rank in range(2)]
-    for process in ranks:
-        process.join(300)
-    log.write_text("".join(log.with_suffix(f".rank{rank}.log").read_text() for rank in range(2)))
-    return max(abs(process.exitcode) for process in ranks)
-
-
 PARALLEL = {
     # Lightning's DDP, its two processes forked by Lightning.
     "ddp": ({"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2}, "checkpoint_modules.NoisyPretrain",
             lambda argv, log, cwd: forked_cli.run(argv, log, cwd, timeout=300)),
     # FSDP2 through the project's mesh strategy and the robot model's parallel plan.
-    "fsdp": ({"strategy": "fsdp", "accelerator": "cpu", "devices": 2}, "checkpoint_modules.NoisyPretrain", launch_two_ranks),
+    # Its two ranks started the way torchrun starts them (Lightning joins them instead of launching its own).
+    "fsdp": ({"strategy": "fsdp", "accelerator": "cpu", "devices": 2}, "checkpoint_modules.NoisyPretrain",
+             lambda argv, log, cwd: max(map(abs, forked_cli.run_as_ranks(argv, log, cwd)))),
 }
 
 

@@ -1,6 +1,5 @@
 """The `uma` command: recipe composition, overrides, printing, and clear errors for bad configs."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -8,28 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from uma_lightning.cli import UmaCLI, expand_includes, main
-
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = str(REPO / "recipes" / "pretrain.yaml")
-# A few seconds of training: a one-layer backbone on a six-episode dataset.
-QUICK = [
-    "--model.network.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
-    "--data.generation.n_episodes", "6",
-    "--data.batch_size", "4",
-    "--data.loader.num_workers", "0",
-    "--trainer.max_steps", "4",
-    "--trainer.val_check_interval", "2",
-    "--trainer.limit_val_batches", "1",
-    "--trainer.enable_progress_bar", "false",
-]
-
-
-def run_main(args, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+from suite import QUICK, RECIPE, REPO, assert_short_error, run_main
+from uma_lightning.cli import UmaCLI, expand_includes
 
 
 def resolved_config(args, capsys) -> dict:
@@ -103,14 +82,6 @@ def write_recipe(tmp_path, body: dict) -> str:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"include": [RECIPE], **body}))
     return str(path)
-
-
-def assert_short_error(code, err, *fragments):
-    assert code == 2
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) <= 2, err
-    for fragment in fragments:
-        assert fragment in err, err
 
 
 def test_unknown_key_in_a_recipe_names_the_file_and_suggests(tmp_path, capsys):
@@ -210,6 +181,7 @@ def test_research_subclass_trains_through_class_path(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-000000004" / "manifest.json").is_file()  # saved when training ended
 
 
+@pytest.mark.slow  # a new interpreter
 def test_console_script_runs(tmp_path):
     result = subprocess.run(
         [Path(sys.executable).parent / "uma", "fit", "--config", RECIPE, "--print_config"],

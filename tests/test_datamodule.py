@@ -222,6 +222,7 @@ def test_cached_dataset_is_reused_from_the_default_cache_dir(tmp_path, monkeypat
     assert ensure_dataset(n_episodes=1, image_size=32) == root
 
 
+@pytest.mark.slow  # two new interpreters
 def test_concurrent_processes_generate_the_dataset_once(tmp_path):
     cache = tmp_path / "shared"
     cache.mkdir()

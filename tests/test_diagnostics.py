@@ -16,12 +16,12 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from mlflow import MlflowClient
 
+from suite import QUICK, RECIPE
 from uma_lightning.callbacks import StepTimeBreakdown, ThroughputLogger
 from uma_lightning.callbacks.peak_flops import matmul_dtype, resolve_peak, table_entry, PEAK_TFLOPS
 from uma_lightning.cli import UmaCLI
 from uma_lightning.tracking.mlflow_logger import local_store_uri
 from uma_lightning.tracking.provenance import PACKAGE_DIR, git_diff, git_root
-from test_cli import QUICK, RECIPE
 
 STEPS = 6
 

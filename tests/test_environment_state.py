@@ -25,7 +25,7 @@ from uma_lightning.models.flow import ActionExpertConfig, RobotFlowTransformer
 from uma_lightning.modules import PosttrainModule, PretrainModule
 from uma_lightning.sim import PlanarArmConfig
 
-from test_models import random_inputs, small_config
+from suite import random_inputs, small_config
 
 MICRO = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
 

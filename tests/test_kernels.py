@@ -10,13 +10,12 @@ import importlib.util
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_models import SPEC, random_inputs, small_config
 
+from suite import REPO, SPEC, random_inputs, small_config
 from uma_lightning.kernels import KernelConfig, apply_rotary, attention, checks, convert_to_float8, linear_cross_entropy, rms_norm, swiglu
 from uma_lightning.kernels import cross_entropy as cross_entropy_module
 from uma_lightning.kernels import dispatch
@@ -400,7 +399,7 @@ def test_attention_backends_compile_without_graph_breaks(backend):
 
 # ---- the GPU script -----------------------------------------------------------------------
 
-GPU_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "kernels.py"
+GPU_SCRIPT = REPO / "benchmarks" / "gpu" / "kernels.py"
 
 
 @pytest.mark.slow

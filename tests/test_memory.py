@@ -7,10 +7,10 @@ import logging
 import pytest
 from mlflow import MlflowClient
 
+from suite import QUICK, RECIPE
 from uma_lightning.callbacks.memory import LeakDetector
 from uma_lightning.cli import UmaCLI
 from uma_lightning.tracking.mlflow_logger import local_store_uri
-from test_cli import QUICK, RECIPE
 
 LEAK_MIB, LEAK_FROM = 16, 16
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from suite import SPEC, random_inputs, small_config
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig, attention
 from uma_lightning.models import (
@@ -19,29 +20,11 @@ from uma_lightning.models import (
 from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer, ImageKeypointTokenizer
 from uma_lightning.models.transformer import apply_rotary, rotary_tables
 
-SPEC = DataSpec(cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10)
-
-
-def small_config(**overrides) -> RobotModelConfig:
-    backbone = load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128})
-    return RobotModelConfig(backbone=backbone, spec=SPEC, max_text_len=16, n_action_bins=32, **overrides)
-
-
 VISION = {
     "patches": VisionConfig(),
     "keypoints": VisionConfig(tokenizer="keypoints", n_keypoints=6, channels=4),
     "keypoints_film": VisionConfig(tokenizer="keypoints", n_keypoints=6, channels=4, film=True),
 }
-
-
-def random_inputs(model: RobotTransformer, batch: int = 3, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    spec = model.cfg.spec
-    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
-    state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
-    text_ids, text_mask = model.text_tokenizer(["reach the red square", "go", "touch blue"][:batch])
-    actions = torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
-    return images, state, text_ids, text_mask, model.action_binner.encode(actions).flatten(1)
 
 
 # ---- attention entry point ----------------------------------------------------------------------

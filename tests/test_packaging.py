@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from suite import REPO
+
 PACKAGE_DIRS = {"uma_lightning": "uma_lightning", "uma_lightning.callbacks": "callbacks", "uma_lightning.kernels": "kernels"}
 
 
@@ -27,6 +28,7 @@ def test_every_source_package_is_declared():
     assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
 
 
+@pytest.mark.slow  # a new interpreter
 def test_callbacks_and_kernels_are_not_top_level_modules():
     code = (
         "import importlib.util, uma_lightning.callbacks, uma_lightning.kernels;"
@@ -37,6 +39,7 @@ def test_callbacks_and_kernels_are_not_top_level_modules():
     assert Path(out.strip()).parent == REPO / "callbacks"
 
 
+@pytest.mark.slow  # a new interpreter
 def test_models_import_neither_lightning_nor_distributed():
     # Policy too: inference rebuilds a checkpoint's network without Lightning.
     code = "import sys, uma_lightning.models, uma_lightning.policy; print(sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning', 'mlflow'))))"

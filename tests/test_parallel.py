@@ -2,10 +2,8 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from mlflow import MlflowClient
 from torch import nn
 
-from test_cli import REPO, RECIPE, assert_short_error, run_main
+import forked_cli
+from suite import RECIPE, REPO, TESTS, assert_short_error, free_port, run_main
 from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.models import RobotTransformer
 from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
@@ -22,7 +21,6 @@ from uma_lightning.parallel.apply import ParallelConfig, apply_ac
 from uma_lightning.parallel.mesh import resolve_mesh_shape
 from uma_lightning.parallel.parity import TOLERANCES, main as parity_main
 
-TESTS = Path(__file__).resolve().parent
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
 DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0"]
@@ -199,6 +197,7 @@ def test_ddp_fsdp_tp_match_one_process(tmp_path):
     assert results["ddp"]["bitwise_vs_accumulation"]
 
 
+@pytest.mark.slow
 def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environment_state_head(tmp_path):
     """The FiLM pooling mixes replicated embeddings with the plain text mask, and the environment-state
     head reads the gathered hidden states: the TP plan must handle both. Losses and every step's
@@ -244,23 +243,16 @@ def test_parity_catches_and_locates_a_data_parallel_bug(tmp_path, capsys):
 # ---- uma fit on two processes --------------------------------------------------------------------
 
 
-def uma(tmp_path, *args, timeout=600, env=None):
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "uma"), *args],
-        cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})},
-    )  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "tp", "ddp"])
 def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
-    result = uma(
-        tmp_path, *quick_fit(tmp_path, "--trainer.devices", "2", "--trainer.strategy", strategy, "--model.network.size", json.dumps(TINY)),
+    argv = [
+        *quick_fit(tmp_path, "--trainer.devices", "2", "--trainer.strategy", strategy, "--model.network.size", json.dumps(TINY)),
         "--trainer.callbacks+", json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}}),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = result.stderr
+    ]  # fmt: skip
+    codes = forked_cli.run_as_ranks(argv, tmp_path / "job.log", tmp_path, timeout=600)
+    log = (tmp_path / "job.log").read_text()
+    assert codes == [0, 0], log[-3000:]
     assert log.count("strategy: ") == 1 and "parallel plan robot on RobotTransformer" in log  # rank 0 says what it chose
     assert "step 4/4 | loss" in log and "training: 4 steps, 2 process(es)" in log
     # Both ranks ended with the same full model.
@@ -280,12 +272,6 @@ def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
 
 
 # ---- multi-node launch -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -1,31 +1,22 @@
 """The three training stages end to end, as a user runs them with the shipped recipes at the tiny
-size: pretrain (1 process) -> midtrain (2 processes, FSDP) -> posttrain (1 process), each stage
-starting from the previous stage's checkpoint; then test, predict, and a mismatched checkpoint.
+size: pretrain (1 process, the session's ``pretrained`` run) -> midtrain (2 processes, FSDP) ->
+posttrain (1 process), each stage starting from the previous stage's checkpoint; then test, predict,
+and a mismatched checkpoint.
 
 One-process commands run in this process (``uma_lightning.cli.main``), which saves the seconds each
-new Python process spends importing; the two-process stage runs the ``uma`` command."""
+new Python process spends importing; the two ranks of the midtrain stage are forked (``forked_cli``)."""
 
 import logging
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
+import forked_cli
+from suite import STAGE_DATA, recipe
 from uma_lightning.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
-UMA = str(Path(sys.executable).parent / "uma")
-# Small data and short runs; validation runs once, at the end of each stage.
-DATA = ["--data.generation.n_episodes", "24", "--data.val_episodes", "4", "--data.loader.num_workers", "0", "--trainer.limit_val_batches", "4"]
-
-
-def recipe(name: str) -> str:
-    return str(REPO / "recipes" / f"{name}.yaml")
 
 
 def uma_here(*args, caplog, expect: int = 0) -> str:
@@ -40,17 +31,18 @@ def uma_here(*args, caplog, expect: int = 0) -> str:
     return caplog.text
 
 
-def uma_processes(*args, cwd: Path) -> str:
-    """Run the ``uma`` command in a new process (one that starts others); returns its stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    result = subprocess.run([UMA, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Traceback" not in result.stderr
-    return result.stderr
+def uma_ranks(*args, cwd: Path) -> str:
+    """Run ``uma ARGS`` as the two ranks of one job, forked; returns what they printed."""
+    log = cwd / "ranks.log"
+    codes = forked_cli.run_as_ranks(list(args), log, cwd, timeout=900)
+    output = log.read_text()
+    assert codes == [0, 0], output[-4000:]
+    assert "Traceback" not in output
+    return output
 
 
 def fit_args(name: str, steps: int, *args) -> list[str]:
-    return ["fit", "--config", recipe(name), *DATA, "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps), *args]
+    return ["fit", "--config", recipe(name), *STAGE_DATA, "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps), *args]
 
 
 def checkpoint(cwd: Path, name: str) -> Path:
@@ -61,7 +53,7 @@ def checkpoint(cwd: Path, name: str) -> Path:
 
 
 def metrics(cwd: Path, experiment: str, having: str) -> dict[str, float]:
-    """The metrics of the one run in ``experiment`` that logged the metric ``having``."""
+    """The metrics of the one run in ``experiment``, in ``cwd``'s MLflow store, that logged the metric ``having``."""
     client = MlflowClient(f"sqlite:///{cwd / 'mlruns' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     (run,) = [run for run in runs if having in run.data.metrics]
@@ -74,17 +66,17 @@ def first_steps_mse(values: dict[str, float], steps: int = 8) -> float:
 
 
 @pytest.mark.slow
-def test_pretrain_midtrain_posttrain_pipeline(tmp_path, monkeypatch, caplog, capsys):
+def test_pretrain_midtrain_posttrain_pipeline(pretrained, tmp_path, monkeypatch, caplog, capsys):
     monkeypatch.chdir(tmp_path)
     caplog.set_level(logging.INFO)
-    uma_here(*fit_args("pretrain", 30, "--data.batch_size", "16"), caplog=caplog)
-    pretrained = checkpoint(tmp_path, "pretrain")
-    log = uma_processes(
-        *fit_args("midtrain", 6, "--model.init_from", str(pretrained), "--data.batch_size", "8"),
+    assert pretrained.code == 0, pretrained.log[-4000:]
+    pretrain_checkpoints = checkpoint(pretrained.cwd, "pretrain")
+    log = uma_ranks(
+        *fit_args("midtrain", 6, "--model.init_from", str(pretrain_checkpoints), "--data.batch_size", "8"),
         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "fsdp", cwd=tmp_path,
     )
     assert "training: 6 steps, 2 process(es)" in log and "strategy: FSDP" in log
-    assert re.search(rf"initialised RobotTransformer from {pretrained}/step-000000030 \(raw weights\): \d+ tensors loaded, 0 new \(none\), 0 dropped", log)
+    assert re.search(rf"initialised RobotTransformer from {pretrain_checkpoints}/step-{pretrained.steps:09d} \(raw weights\): \d+ tensors loaded, 0 new \(none\), 0 dropped", log)
     assert "context: 1 -> 2 observation steps, 8 -> 16-step action chunks; backbone RoPE positions 0..208" in log
     midtrained = checkpoint(tmp_path, "midtrain")
     log = uma_here(
@@ -99,24 +91,24 @@ def test_pretrain_midtrain_posttrain_pipeline(tmp_path, monkeypatch, caplog, cap
     posttrained = checkpoint(tmp_path, "posttrain")
 
     # Post-training beats the pretrained model on the held-out episodes, in robot units.
-    before, after = metrics(tmp_path, "pretrain", "train/loss"), metrics(tmp_path, "posttrain", "train/loss")
+    before, after = metrics(pretrained.cwd, "pretrain", "train/loss"), metrics(tmp_path, "posttrain", "train/loss")
     print(f"held-out action MSE, first 8 chunk steps: pretrained {first_steps_mse(before):.4f}, post-trained {first_steps_mse(after):.4f}")
     assert first_steps_mse(after) < 0.8 * first_steps_mse(before)
     assert 0.0 <= after["val/success_rate"] <= 1.0 and "val/action_mse/gripper" in after
 
     # `uma test` reports the same metrics on the held-out episodes, to MLflow.
-    uma_here("test", "--config", recipe("posttrain"), *DATA, "--model.init_from", str(posttrained), "--trainer.callbacks.n_episodes", "2", caplog=caplog)
+    uma_here("test", "--config", recipe("posttrain"), *STAGE_DATA, "--model.init_from", str(posttrained), "--trainer.callbacks.n_episodes", "2", caplog=caplog)
     tested = metrics(tmp_path, "posttrain", "test/action_mse")
     assert {"test/action_l1/dq2", "test/action_mse/step_15", "test/success_rate"} <= set(tested)
 
     # `uma predict` writes a row per held-out frame.
-    uma_here("predict", "--config", recipe("posttrain"), *DATA, "--model.init_from", str(posttrained), caplog=caplog)
+    uma_here("predict", "--config", recipe("posttrain"), *STAGE_DATA, "--model.init_from", str(posttrained), caplog=caplog)
     predictions = pq.read_table(tmp_path / "runs" / "posttrain" / "predictions" / "val-rank0.parquet")
     assert predictions.num_rows > 0 and len(predictions.column("predicted_actions")[0]) == 16
 
     # A checkpoint of another model family stops mid-training before it starts, listing the keys.
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", recipe("midtrain"), *DATA, "--model.init_from", str(posttrained)])
+        main(["fit", "--config", recipe("midtrain"), *STAGE_DATA, "--model.init_from", str(posttrained)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "uma: error: model.init_from:" in err and "cannot initialise RobotTransformer" in err

@@ -12,11 +12,13 @@ import pytest
 import yaml
 
 import forked_cli
-from checkpoint_helpers import checkpoint_tensors
-from test_checkpoint_resume import TINY, assert_bitwise_equal, free_port
-from test_checkpoint_resume import write_recipe as deterministic_recipe
-from test_cli import RECIPE
+from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
+from checkpoint_modules import resume_recipe as deterministic_recipe
+from suite import RECIPE, TINY, free_port
 from uma_lightning.checkpoint import committed, verify
+
+# Every test starts a training process and signals it.
+pytestmark = pytest.mark.slow
 
 ARGS = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "0"]
 

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
+from rl_checks import check_versions, collect_until_version, new_weights
 from uma_lightning.rl.data import RolloutDataModule
 from uma_lightning.rl.env import probe_env
 from uma_lightning.rl.local import ActorSetup, LocalActors
 from uma_lightning.rl.policy import GaussianMLPPolicy
+
+# Every test starts rollout worker processes.
+pytestmark = pytest.mark.slow
 
 SERVER = {"max_batch": 8, "max_wait": 0.005, "device": "cpu"}
 
@@ -23,41 +26,6 @@ SERVER = {"max_batch": 8, "max_wait": 0.005, "device": "cpu"}
 @pytest.fixture(scope="module")
 def spec():
     return probe_env("Pendulum-v1")
-
-
-def new_weights(policy: torch.nn.Module, seed: int) -> None:
-    """Distinct weights and observation statistics for every version."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for tensor in policy.state_dict().values():
-            if tensor.is_floating_point():
-                tensor.copy_(torch.rand(tensor.shape, generator=g, dtype=tensor.dtype) + 0.5)
-
-
-def check_versions(chunks, snapshots: dict, newest_seen: dict) -> None:
-    """Every step was computed by exactly the weights its version tag names, and by no other version;
-    a worker's tags never go back in time."""
-    for chunk in chunks:
-        tags = chunk.data["version"]
-        assert int(tags.min()) >= newest_seen.get(chunk.worker, -1)
-        newest_seen[chunk.worker] = int(tags.max())
-        for tag in tags.unique().tolist():
-            steps = tags == tag
-            obs, action = chunk.data["obs"][steps], chunk.data["action"][steps]
-            with torch.no_grad():
-                out = snapshots[tag](obs)
-                assert torch.allclose(out.value, chunk.data["value"][steps], atol=1e-5)
-                assert torch.allclose(out.distribution.log_prob(action), chunk.data["log_prob"][steps], atol=1e-4)
-                for other, snapshot in snapshots.items():
-                    if other != tag:
-                        assert not torch.allclose(snapshot(obs).value, chunk.data["value"][steps], atol=1e-3)
-
-
-def collect_until_version(actors, version: int) -> list:
-    chunks = []
-    while not any(int(c.data["version"].min()) == version for c in chunks):
-        chunks.append(actors.next_chunk(timeout=120))
-    return chunks
 
 
 @pytest.mark.parametrize("inference", ["local", "server"])

@@ -4,14 +4,14 @@ import copy
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
+from rl_checks import check_versions, collect_until_version, new_weights
+from suite import TESTS
 from uma_lightning.rl.env import probe_env
 from uma_lightning.rl.local import ActorSetup
 from uma_lightning.rl.policy import GaussianMLPPolicy
-from test_rl_actors import check_versions, collect_until_version, new_weights
 
 ray = pytest.importorskip("ray")
 
@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 def cluster():
     # Two CPUs, one per rollout worker; the tests' env factories importable by Ray's worker processes.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
     yield
     ray.shutdown()
 

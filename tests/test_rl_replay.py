@@ -102,6 +102,7 @@ def _writer(buffer: ReplayBuffer, start: int, count: int) -> None:
         buffer.update_priorities(torch.arange(5), torch.full((5,), float(start + 1)))
 
 
+@pytest.mark.slow  # writer processes
 def test_processes_writing_and_sampling_concurrently_never_see_torn_transitions():
     buffer = ReplayBuffer(64, LAYOUT, prioritized=True)
     buffer.add(rows(0, 5))

@@ -6,27 +6,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from mlflow import MlflowClient
 
-from uma_lightning.cli import main
+from suite import TESTS, recipe, run_main
 from uma_lightning.rl.cli import RLCLI
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT = str(REPO / "recipes" / "rl.yaml")
-PPO = str(REPO / "recipes" / "rl_inverted_pendulum.yaml")
-SAC = str(REPO / "recipes" / "rl_pendulum_sac.yaml")
-
-
-def run_main(args, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+DEFAULT, PPO, SAC = recipe("rl"), recipe("rl_inverted_pendulum"), recipe("rl_pendulum_sac")
 
 
 def test_default_recipe_trains_ppo_on_humanoid_and_resolves_fully(capsys):
@@ -88,7 +77,7 @@ def test_sac_learns_pendulum_with_the_replay_buffer(tmp_path):
 
 
 def uma_rl(args: list[str], **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen([sys.executable, "-m", "uma_lightning.cli", "rl", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 

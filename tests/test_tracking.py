@@ -5,7 +5,6 @@ import logging
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from suite import QUICK, RECIPE, assert_short_error, free_port, run_main
 from uma_lightning.cli import UmaCLI
 from uma_lightning.data import LeRobotMetadata
 from uma_lightning.data.generate import generate_planar_arm
@@ -25,13 +25,6 @@ from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModul
 from uma_lightning.tracking.datasets import metadata_digest
 from uma_lightning.tracking.run_config import headline_metrics
 from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
-from test_cli import QUICK, RECIPE, assert_short_error, run_main
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +80,7 @@ def first_run(mlflow_server, tmp_path_factory):
 NAME_SUFFIX = r" #[0-9a-f]{6}"
 
 
+@pytest.mark.slow  # a server process and a training run
 def test_run_is_tracked_on_a_real_server(mlflow_server, first_run, tmp_path):
     cli, run_dir = first_run
     client = MlflowClient(mlflow_server)
@@ -171,6 +165,7 @@ def assert_dataset_input(dataset_input, meta, **tags):
     assert {tag.key: tag.value for tag in dataset_input.tags} == {"mlflow.data.context": "train", **tags}
 
 
+@pytest.mark.slow  # a server process and three training runs
 def test_runs_are_named_apart_and_a_resumed_run_keeps_its_name(mlflow_server, first_run, tmp_path):
     client = MlflowClient(mlflow_server)
     first = client.get_run(first_run[0].trainer.logger.run_id)

@@ -3,29 +3,20 @@ training step; both ranks dump their stacks and flight recorders and exit non-ze
 timeout plus a small slack."""
 
 import json
-import os
 import pickle
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
+import forked_cli
+from suite import QUICK, RECIPE
 from uma_lightning.data.generate import ensure_dataset
 from uma_lightning.tracking.mlflow_logger import local_store_uri
-from test_cli import QUICK, RECIPE
 
 TIMEOUT_S, HANG_STEP, EXIT_CODE = 6.0, 3, 75
 SLACK_S = 12.0  # polling, writing the dumps, reporting to MLflow, on a loaded 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -40,7 +31,7 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
         {"class_path": "uma_lightning.callbacks.MemoryMonitor"},
     ]
     command = [
-        str(Path(sys.executable).parent / "uma"), "fit", "--config", RECIPE, *QUICK,
+        "fit", "--config", RECIPE, *QUICK,
         "--model", "faults.FaultyPretrain",
         "--model.hang_at_step", str(HANG_STEP), "--model.hang_rank", "1", "--model.hang_marker", str(marker),
         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy.class_path", "lightning.pytorch.strategies.DDPStrategy",  # its comm hook times the all-reduces
@@ -51,26 +42,24 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
         "--trainer.callbacks", json.dumps(callbacks),
     ]
     # Two ranks started side by side, as a scheduler (or torchrun) does; Lightning joins them into one DDP group.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"}
-    logs = [open(tmp_path / f"rank{rank}.log", "w") for rank in range(2)]
-    ranks = [subprocess.Popen(command, env={**env, "LOCAL_RANK": str(rank)}, stdout=logs[rank], stderr=subprocess.STDOUT)
-             for rank in range(2)]
+    log = tmp_path / "job.log"
+    ranks = forked_cli.start_ranks(command, log, tmp_path)
     exited_at = [None, None]
     deadline = time.time() + 300
     while None in exited_at and time.time() < deadline:
         for rank, process in enumerate(ranks):
-            if exited_at[rank] is None and process.poll() is not None:
+            if exited_at[rank] is None and process.exitcode is not None:
                 exited_at[rank] = time.time()
         time.sleep(0.05)
     for process in ranks:
-        if process.poll() is None:
+        if process.is_alive():
             process.kill()
-    output = [(tmp_path / f"rank{rank}.log").read_text() for rank in range(2)]
+            process.join()
+    output = [forked_cli.rank_log(log, rank).read_text() for rank in range(2)]
     assert None not in exited_at, f"a rank did not exit:\n{output[0][-3000:]}\n{output[1][-3000:]}"
 
     # Both ranks exit non-zero, after the timeout and within it plus the slack.
-    assert [p.returncode for p in ranks] == [EXIT_CODE, EXIT_CODE], output
+    assert [p.exitcode for p in ranks] == [EXIT_CODE, EXIT_CODE], output
     hang_started = json.loads(marker.read_text())["time"]
     for rank in range(2):
         assert TIMEOUT_S - 1 < exited_at[rank] - hang_started < TIMEOUT_S + SLACK_S, (rank, exited_at[rank] - hang_started)

@@ -1,0 +1,88 @@
+"""What the test modules share: the repository's paths, a few seconds' training arguments, running
+``uma`` in this process and reading its error, a free port, a small model and inputs for it.
+
+Expensive runs that several tests read are session fixtures in ``conftest.py``. Test modules import
+from here and from the modules of test components (``checkpoint_modules``, ``faults``, ...), never
+from each other."""
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from uma_lightning.cli import main
+from uma_lightning.data.spec import DataSpec
+from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+RECIPE = str(REPO / "recipes" / "pretrain.yaml")
+# A one-layer backbone of width 32: seconds per run on two loaded cores.
+TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
+# A few seconds of training: the tiny backbone on a six-episode dataset.
+QUICK = [
+    "--model.network.size", json.dumps(TINY),
+    "--data.generation.n_episodes", "6",
+    "--data.batch_size", "4",
+    "--data.loader.num_workers", "0",
+    "--trainer.max_steps", "4",
+    "--trainer.val_check_interval", "2",
+    "--trainer.limit_val_batches", "1",
+    "--trainer.enable_progress_bar", "false",
+]  # fmt: skip
+
+# Small data for the stage recipes run end to end (pretrain, midtrain, posttrain); validation runs
+# once, at the end of each stage.
+STAGE_DATA = ["--data.generation.n_episodes", "24", "--data.val_episodes", "4", "--data.loader.num_workers", "0", "--trainer.limit_val_batches", "4"]
+
+
+def recipe(name: str) -> str:
+    """The shipped recipe ``recipes/<name>.yaml``."""
+    return str(REPO / "recipes" / f"{name}.yaml")
+
+
+def run_main(args, capsys):
+    """Run ``uma ARGS`` in this process; returns (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def assert_short_error(code, err, *fragments):
+    """A config error: exit status 2, at most two lines, no traceback, every fragment in it."""
+    assert code == 2
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- a small robot model and inputs for it, without data or Lightning ------------------------------
+
+SPEC = DataSpec(cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10)
+
+
+def small_config(**overrides) -> RobotModelConfig:
+    """A two-layer robot model of width 64 on ``SPEC``."""
+    backbone = load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128})
+    return RobotModelConfig(backbone=backbone, spec=SPEC, max_text_len=16, n_action_bins=32, **overrides)
+
+
+def random_inputs(model: RobotTransformer, batch: int = 3, seed: int = 0):
+    """Images, state, instruction tokens and binned action targets for ``model``, from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = model.cfg.spec
+    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
+    text_ids, text_mask = model.text_tokenizer(["reach the red square", "go", "touch blue"][:batch])
+    actions = torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
+    return images, state, text_ids, text_mask, model.action_binner.encode(actions).flatten(1)
