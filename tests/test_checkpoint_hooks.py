@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from checkpoint_modules import LinearRegression, RunsCommand
-from test_cli import QUICK, RECIPE
+from suite import QUICK, RECIPE
 from uma_lightning.callbacks import ShardedCheckpoint
 from uma_lightning.checkpoint.manifest import MANIFEST, describe_files, read_manifest, write_json_durably
 from uma_lightning.cli import UmaCLI, main

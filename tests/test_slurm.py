@@ -8,8 +8,7 @@ import pytest
 import yaml
 
 from slurm_cluster import SlurmCluster, SlurmUnavailable
-from test_checkpoint_resume import TINY
-from test_cli import RECIPE
+from suite import RECIPE, TINY
 from uma_lightning.checkpoint import committed, verify
 
 TEMPLATE = Path(RECIPE).parents[1] / "configs" / "launch" / "slurm.sbatch"
