@@ -3,6 +3,7 @@
     uma data info ROOT [--preview sheet.png] [--episode N]   what a dataset holds; a contact sheet of an episode
     uma data stats ROOT [--cameras] [--write]                 feature statistics by a fast pass over the parquet files
     uma data convert SRC DST --to v3.0                        rewrite a dataset in the v2.1 or v3.0 layout
+    uma data generate --preset realistic [--codec av1] [--gop 2]  the benchmark dataset, generated once into the cache
 
 ROOT may be a directory or an fsspec URL (remote files are cached under --cache-dir).
 """
@@ -17,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from uma_lightning.data.generate import default_cache_dir
+from uma_lightning.data.generate import RealisticPreset, default_cache_dir, ensure_realistic
 from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, INDEX_KEYS, STATE_KEY, VECTOR_KEYS, DatasetError, LeRobotMetadata
 from uma_lightning.data.stats import compute_stats, stats_to_json
 from uma_lightning.data.storage import Storage, StorageError
-from uma_lightning.data.video import VideoError, VideoReader
+from uma_lightning.data.video import CODECS, VideoError, VideoReader
 from uma_lightning.data.writer import LeRobotWriter
 
 logger = logging.getLogger("uma_lightning")
@@ -47,7 +48,21 @@ def main(argv: list[str]) -> int:
     convert.add_argument("--to", choices=("v2.1", "v3.0"), required=True, dest="version")
     convert.add_argument("--data-file-mb", type=float, default=100.0, help="v3.0: start a new parquet file past this size")
     convert.add_argument("--video-file-mb", type=float, default=500.0, help="v3.0: start a new mp4 past this size")
+    generate = commands.add_parser("generate", help="generate a benchmark dataset into the cache (once; later calls print its path)")
+    generate.add_argument("--preset", choices=("realistic",), required=True)
+    generate.add_argument("--codec", choices=sorted(CODECS), default="av1")
+    generate.add_argument("--gop", type=int, default=2, help="frames per group of pictures (LeRobot writes 2)")
+    generate.add_argument("--episodes", type=int, default=RealisticPreset.n_episodes)
+    generate.add_argument("--seconds", type=float, default=RealisticPreset.seconds, help="length of each episode")
+    generate.add_argument("--version", choices=("v2.1", "v3.0"), default="v2.1")
+    generate.add_argument("--out", type=Path, default=None, help="directory the dataset goes under (default: the uma cache)")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        preset = RealisticPreset(n_episodes=args.episodes, seconds=args.seconds, codec=args.codec, gop=args.gop, version=args.version)
+        start = time.perf_counter()
+        print(ensure_realistic(preset, args.out))
+        logger.info("dataset ready in %.1fs", time.perf_counter() - start)
+        return 0
     try:
         options = json.loads(args.storage_options)
         root = args.root if args.command != "convert" else args.source

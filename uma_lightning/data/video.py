@@ -68,25 +68,42 @@ def rgb_to_yuv420p(images: np.ndarray) -> np.ndarray:
     return np.concatenate(planes, axis=-1).astype(np.uint8).reshape(*lead, height * 3 // 2, width)
 
 
-class VideoStreamWriter:
-    """Appends uint8 RGB frames [T, H, W, 3] to one H.264 (yuv420p) mp4; several episodes may share a file.
+# Encoders the writer knows, by the name meta/info.json gives the codec (video.codec).
+CODECS = {"h264": "libx264", "av1": "libsvtav1"}
 
-    A short GOP keeps random access cheap. The colour conversion is ours (`rgb_to_yuv420p`), the
-    encoder runs one thread without B-frames and the muxer writes no version string, so the
-    output bytes are a pure function of the input: regenerating a dataset reproduces the same files.
+
+def _encoder_options(codec: str, crf: int, gop: int) -> dict[str, str]:
+    """One thread and no reordered frames: the output bytes are then a pure function of the input."""
+    if codec == "h264":
+        return {"crf": str(crf), "g": str(gop), "bf": "0", "preset": "fast", "threads": "1"}
+    # SVT-AV1's crf scale runs to 63; preset 10 is its fast end that still compresses well.
+    return {"crf": str(min(63, crf + 10)), "g": str(gop), "preset": "10", "svtav1-params": "lp=1"}
+
+
+class VideoStreamWriter:
+    """Appends uint8 RGB frames [T, H, W, 3] to one H.264 or AV1 (yuv420p) mp4; several episodes may share a file.
+
+    A short GOP keeps random access cheap (LeRobot writes GOP 2). The colour conversion is ours
+    (`rgb_to_yuv420p`), the encoder runs one thread without B-frames and the muxer writes no
+    version string, so the output bytes are a pure function of the input: regenerating a dataset
+    reproduces the same files.
     """
 
-    def __init__(self, path: str | Path, fps: float, height: int, width: int, crf: int = 20, gop: int = 2, preset: str = "fast"):
+    def __init__(self, path: str | Path, fps: float, height: int, width: int, crf: int = 20, gop: int = 2, codec: str = "h264"):
         self.path = Path(path)
         if height % 2 or width % 2:
             raise ValueError(f"{self.path}: yuv420p needs even height and width, got {height}x{width}")
+        if codec not in CODECS:
+            raise ValueError(f"{self.path}: unknown codec {codec!r}; choose from {sorted(CODECS)}")
+        if gop < 1:
+            raise ValueError(f"{self.path}: gop must be >= 1, got {gop}")
         self.rate = Fraction(fps).limit_denominator(1001)
         self.shape = (height, width, 3)
         self.frames = 0
         self._container = av.open(str(self.path), mode="w", options={"fflags": "+bitexact"})
-        self._stream = self._container.add_stream("libx264", rate=self.rate)
+        self._stream = self._container.add_stream(CODECS[codec], rate=self.rate)
         self._stream.width, self._stream.height, self._stream.pix_fmt = width, height, "yuv420p"
-        self._stream.options = {"crf": str(crf), "g": str(gop), "bf": "0", "preset": preset, "threads": "1"}
+        self._stream.options = _encoder_options(codec, crf, gop)
 
     def add(self, frames: np.ndarray) -> tuple[float, float]:
         """Encode `frames`; returns the time span [from, to) they occupy in the file, in seconds."""
@@ -112,12 +129,12 @@ class VideoStreamWriter:
         self.close()
 
 
-def encode_video(frames: np.ndarray, path: str | Path, fps: float, crf: int = 20, gop: int = 2, preset: str = "fast") -> None:
-    """Write uint8 RGB frames [T, H, W, 3] to a new H.264 mp4 at `path`."""
+def encode_video(frames: np.ndarray, path: str | Path, fps: float, crf: int = 20, gop: int = 2, codec: str = "h264") -> None:
+    """Write uint8 RGB frames [T, H, W, 3] to a new mp4 at `path`."""
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
         raise ValueError(f"{path}: frames must be uint8 [T, H, W, 3] with T >= 1, got {frames.dtype} {frames.shape}")
-    with VideoStreamWriter(path, fps, frames.shape[1], frames.shape[2], crf, gop, preset) as writer:
+    with VideoStreamWriter(path, fps, frames.shape[1], frames.shape[2], crf, gop, codec) as writer:
         writer.add(frames)
 
 
