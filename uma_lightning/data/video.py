@@ -146,37 +146,47 @@ class VideoReader:
     wrong state and action.
     """
 
-    # Decode forward instead of seeking when the next request is at most this many frames ahead.
+    # Decode forward instead of seeking when the next request is at most this many frames ahead (or
+    # within the longest GOP seen so far, where a seek would land on a keyframe behind the position).
     FORWARD_FRAMES = 8
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None) -> None:
         self.path = Path(path)
         try:
             self._container = av.open(str(self.path))
             self._stream = self._container.streams.video[0]
         except (av.FFmpegError, OSError, IndexError) as error:
             raise VideoError(f"cannot open video {self.path}: {error}") from error
-        self._stream.thread_count = 1  # small frames: threads cost more than they save, and loader workers run in parallel
+        # One thread for small frames (threads cost more than they save, and loader workers run in
+        # parallel); see `decoder_threads`. Threaded decoding returns the same pixels.
+        self._stream.thread_count = threads
+        if threads > 1:
+            self._stream.thread_type = "AUTO"
+        self.size = tuple(size) if size is not None else (self._stream.height, self._stream.width)
         rate = self._stream.average_rate or self._stream.guessed_rate or 30
         self._frame_s = 1.0 / float(rate)
         self._frames: Any = None  # the decode generator, positioned after the last decoded frame
         self._last_time: float | None = None
         self._first_after_seek: float | None = None
+        self._gop_frames = 1  # the longest distance between keyframes decoded so far
+        self._last_key: float | None = None
 
     @property
     def nbytes_per_frame(self) -> int:
-        return self._stream.height * self._stream.width * 3
+        return self.size[0] * self.size[1] * 3
 
-    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None) -> np.ndarray:
+    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, keep: dict[int, int] | None = None) -> np.ndarray:
         """Frames at `timestamps`, uint8 [N, H, W, 3]. With an `LRU` cache, frames are looked up by
-        (path, microsecond) first, and the frames returned are stored there."""
+        (path, microsecond) first, and the frames returned are stored there. `keep` maps frame numbers
+        (time x fps, rounded) to the microsecond keys later requests will use: frames decoded on the
+        way that it names are converted and cached too, so that no frame is decoded twice."""
         query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
         found: dict[float, np.ndarray] = {}
         for target in np.unique(query):
             key = (str(self.path), int(round(target * 1e6)))
             frame = cache.peek(key) if cache is not None else None
             if frame is None:
-                frame = self._decode_at(float(target), tolerance_s, cache)
+                frame = self._decode_at(float(target), tolerance_s, cache, keep)
             found[float(target)] = frame
         return np.stack([found[float(t)] for t in query])
 
@@ -184,12 +194,13 @@ class VideoReader:
         self._frames = None
         self._container.close()
 
-    def _decode_at(self, target: float, tolerance_s: float, cache: Any) -> np.ndarray:
-        ahead = self._last_time is not None and self._last_time < target <= self._last_time + self.FORWARD_FRAMES * self._frame_s
+    def _decode_at(self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> np.ndarray:
+        reach = (max(self.FORWARD_FRAMES, self._gop_frames) + 0.5) * self._frame_s
+        ahead = self._last_time is not None and self._last_time < target <= self._last_time + reach
         if not ahead:
             self._seek(target)
         for attempt in range(2):
-            frame, time = self._decode_until(target, tolerance_s, cache)
+            frame, time = self._decode_until(target, tolerance_s, cache, keep)
             if frame is not None:
                 return frame
             if attempt == 0 and self._first_after_seek is not None and self._first_after_seek > target:
@@ -208,8 +219,9 @@ class VideoReader:
         self._frames = self._container.decode(self._stream)
         self._last_time = None
         self._first_after_seek = None
+        self._last_key = None
 
-    def _decode_until(self, target: float, tolerance_s: float, cache: Any) -> tuple[np.ndarray | None, float | None]:
+    def _decode_until(self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> tuple[np.ndarray | None, float | None]:
         """Decode forward to `target`: (the frame, its time), or (None, time of the first frame past it)."""
         if self._frames is None:
             self._seek(target)
@@ -221,8 +233,13 @@ class VideoReader:
                 if self._last_time is None:
                     self._first_after_seek = time
                 self._last_time = time
+                if frame.key_frame:
+                    if self._last_key is not None:
+                        self._gop_frames = max(self._gop_frames, round((time - self._last_key) / self._frame_s))
+                    self._last_key = time
                 if time < target - tolerance_s:
-                    continue  # not converted to RGB: most of these frames are never asked for
+                    self._keep(frame, time, tolerance_s, cache, keep)  # others are not converted to RGB: never asked for
+                    continue
                 if time > target + tolerance_s:
                     return None, time
                 image = self._rgb(frame)
@@ -235,8 +252,31 @@ class VideoReader:
         self._frames = None  # end of file: the next request seeks
         return None, self._last_time
 
+    def _keep(self, frame: av.VideoFrame, time: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> None:
+        if keep is None or cache is None:
+            return
+        micros = keep.get(int(round(time / self._frame_s)))
+        if micros is not None and abs(micros / 1e6 - time) <= tolerance_s and (str(self.path), micros) not in cache:
+            cache.put((str(self.path), micros), self._rgb(frame))
+
     def _rgb(self, frame: av.VideoFrame) -> np.ndarray:
+        return to_rgb(frame, self.size)
+
+
+def to_rgb(frame: av.VideoFrame, size: tuple[int, int]) -> np.ndarray:
+    """uint8 RGB [H, W, 3] of a decoded frame at (height, width) `size`: scaled, when it differs from
+    the stored size, in the same colour-conversion pass (area averaging when shrinking)."""
+    height, width = size
+    if (frame.height, frame.width) == (height, width):
         return _to_rgb().reformat(frame, format="rgb24").to_ndarray()
+    return _to_rgb().reformat(frame, format="rgb24", width=width, height=height, interpolation="AREA").to_ndarray()
+
+
+def decoder_threads(workers: int, height: int, width: int, cpus: int | None = None) -> int:
+    """Decoder threads per open video: the cores each loader process may use, but no more than one
+    per ~100k pixels (below that, frame threading costs more than it saves)."""
+    cpus = cpus or len(os.sched_getaffinity(0))
+    return max(1, min(cpus // max(1, workers), height * width // 100_000))
 
 
 @dataclass(frozen=True)
@@ -257,7 +297,7 @@ def decode_video(path: str | Path) -> DecodedVideo:
             stream = container.streams.video[0]
             stream.thread_count = 1
             for frame in container.decode(stream):
-                frames.append(_to_rgb().reformat(frame, format="rgb24").to_ndarray())
+                frames.append(to_rgb(frame, (frame.height, frame.width)))
                 timestamps.append(float(frame.pts * frame.time_base))
     except (av.FFmpegError, OSError, IndexError) as error:
         raise VideoError(f"cannot decode video {path}: {error}") from error
@@ -266,9 +306,9 @@ def decode_video(path: str | Path) -> DecodedVideo:
     return DecodedVideo(path, np.stack(frames), np.asarray(timestamps))
 
 
-def decode_frames_at(path: str | Path, timestamps: np.ndarray, tolerance_s: float = 1e-4) -> np.ndarray:
+def decode_frames_at(path: str | Path, timestamps: np.ndarray, tolerance_s: float = 1e-4, size: tuple[int, int] | None = None) -> np.ndarray:
     """Frames of a video file at the given timestamps (seconds), uint8 [N, H, W, 3]."""
-    reader = VideoReader(path)
+    reader = VideoReader(path, size=size)
     try:
         return reader.frames_at(timestamps, tolerance_s)
     finally:

@@ -229,7 +229,8 @@ class LeRobotWriter:
 
     def _append_video(self, camera: str, frames: np.ndarray) -> dict[str, Any]:
         video, chunk_file = self._videos.get(camera, (None, (0, -1)))
-        if video is None or video.path.stat().st_size >= self.video_file_bytes:
+        # An encoder with lookahead (SVT-AV1) may not have written the file yet.
+        if video is None or (video.path.exists() and video.path.stat().st_size >= self.video_file_bytes):
             if video is not None:
                 video.close()
             chunk_file = _next_file(chunk_file) if video is not None else (0, 0)
