@@ -190,3 +190,15 @@ def test_reader_reaches_ahead_by_the_longest_gop_instead_of_seeking(datasets):
     reader.close()
     expected = decode_frames_at(meta.video_path(0, meta.cameras[0]), np.array([0.0, 5, 11, 21, 31]) / 30)
     assert np.array_equal(np.concatenate([first, later]), expected)
+
+
+def test_gpu_decode_script_cpu_smoke_falls_back_to_the_cpu_and_says_why(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "video_decode.py"
+    out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "=== decoder choice: cpu (no GPU decoder" in out.stdout
+    assert "all checks passed" in out.stdout and "FAILED" not in out.stdout

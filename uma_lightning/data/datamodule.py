@@ -23,7 +23,7 @@ from uma_lightning.data.loader import BadDataPolicy, BatchStream, RobotDataLoade
 from uma_lightning.data.order import OrderConfig, OrderSettings
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
-from uma_lightning.data.video import decoder_threads
+from uma_lightning.data.video import choose_decoder, decoder_threads
 from uma_lightning.parallel.mesh import data_parallel_rank
 from uma_lightning.stop_signals import LoaderWorkerSignals
 
@@ -101,7 +101,7 @@ class LoaderConfig:
     image_size: Optional[int] = None
     decoder_threads: Optional[int] = None
     frame_store: str = "auto"
-    decoder: Literal["auto", "cpu", "cuda"] = "cpu"
+    decoder: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("prefetch_factor", "max_open_files", "plan_batches"):
@@ -381,7 +381,18 @@ class RobotDataModule(L.LightningDataModule):
             image_size=size if loader.image_size is not None else None,
             decoder_threads=loader.decoder_threads or decoder_threads(loader.num_workers, *size),
             frame_store=self.frame_stores[d],
+            decoder=self._decoder(),
         )
+
+    def _decoder(self) -> str:
+        """The video decoder the loader's `decoder` setting resolves to here, logged once."""
+        if getattr(self, "_decoder_choice", None) is None:
+            choice, why = choose_decoder(self.loader.decoder, self.loader.num_workers)
+            if self.loader.decoder == "cuda" and choice != "cuda":
+                logger.warning("loader.decoder=cuda is not available, decoding on the CPU: %s", why)
+            logger.info("video decoder: %s (%s)", "GPU (NVDEC)" if choice == "cuda" else "CPU (PyAV)", why)
+            self._decoder_choice = choice
+        return self._decoder_choice
 
     def _loader(self, sets: Optional[list[FrameDataset]], config: OrderConfig, resumable: bool) -> RobotDataLoader:
         if sets is None:

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from uma_lightning.data.cache import LRU
 from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, STATE_KEY, DatasetError, EpisodeData, LeRobotMetadata
 from uma_lightning.data.frame_store import FrameStore
-from uma_lightning.data.video import VideoError, VideoReader
+from uma_lightning.data.video import CudaVideoReader, VideoError, VideoReader
 
 NormMode = Literal["mean_std", "min_max", "quantile"]
 # The two statistics each normalisation mode is built from.
@@ -127,6 +127,7 @@ class FrameDataset(Dataset):
         image_size: tuple[int, int] | None = None,
         decoder_threads: int = 1,
         frame_store: FrameStore | None = None,
+        decoder: str = "cpu",
     ) -> None:
         n_total = len(metadata.episodes)
         self.episodes = tuple(range(n_total)) if episodes is None else tuple(int(e) for e in episodes)
@@ -148,6 +149,7 @@ class FrameDataset(Dataset):
         self.image_size = self.decode_size or metadata.image_size
         self.decoder_threads = decoder_threads
         self.frame_store = frame_store
+        self.reader_class = CudaVideoReader if decoder == "cuda" else VideoReader
         self.state_normalizer = Normalizer.from_stats(state_norm, metadata.stats[STATE_KEY], STATE_KEY)
         self.action_normalizer = Normalizer.from_stats(action_norm, metadata.stats[ACTION_KEY], ACTION_KEY)
         self.environment_state_normalizer = None  # samples carry the current frame's environment state when set
@@ -278,7 +280,7 @@ class FrameDataset(Dataset):
     def _reader(self, episode: int, camera: str) -> VideoReader:
         files, _ = self._caches()
         path = self.metadata.video_path(episode, camera)
-        return files.get(("video", str(path)), lambda: VideoReader(path, self.decoder_threads, self.decode_size))
+        return files.get(("video", str(path)), lambda: self.reader_class(path, self.decoder_threads, self.decode_size))
 
     def _frames(self, episode: int, camera: str, times: np.ndarray) -> np.ndarray:
         _, decoded = self._caches()

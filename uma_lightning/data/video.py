@@ -313,3 +313,64 @@ def decode_frames_at(path: str | Path, timestamps: np.ndarray, tolerance_s: floa
         return reader.frames_at(timestamps, tolerance_s)
     finally:
         reader.close()
+
+
+def gpu_decoder() -> str | None:
+    """The GPU video decoder installed next to a usable CUDA device ("torchcodec" or "PyNvVideoCodec"), else None."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    for name in ("torchcodec", "PyNvVideoCodec"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
+def choose_decoder(setting: str, num_workers: int) -> tuple[str, str]:
+    """("cpu" or "cuda", why) for the loader's `decoder` setting; cuda falls back to cpu, saying why."""
+    if setting == "cpu":
+        return "cpu", "set in the config"
+    found = gpu_decoder()
+    if found is None:
+        return "cpu", "no GPU decoder (torchcodec's CUDA build or PyNvVideoCodec) with a CUDA device is installed"
+    if num_workers > 0:
+        return "cpu", f"{found} decodes in the training process, and loader.num_workers is {num_workers} (set it to 0 for GPU decoding)"
+    return "cuda", f"{found} on {__import__('torch').cuda.get_device_name()}"
+
+
+class CudaVideoReader:
+    """`VideoReader`'s interface over torchcodec's GPU decoder (NVDEC). Its colour conversion is the
+    GPU's, so frames differ from the CPU path's by a few levels; the frames come back to host memory
+    for collation, as the CPU path's do."""
+
+    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None) -> None:
+        from torchcodec.decoders import VideoDecoder
+
+        self.path = Path(path)
+        self.size = size
+        try:
+            self._decoder = VideoDecoder(str(self.path), device="cuda", seek_mode="approximate")
+        except (RuntimeError, ValueError, OSError) as error:
+            raise VideoError(f"cannot open video {self.path} on the GPU: {error}") from error
+
+    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, keep: dict[int, int] | None = None) -> np.ndarray:
+        import torch
+
+        query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
+        try:
+            batch = self._decoder.get_frames_played_at(seconds=query.tolist())
+        except (RuntimeError, IndexError) as error:
+            raise VideoError(f"{self.path}: cannot decode frames at {query.tolist()} on the GPU: {error}") from error
+        off = np.abs(batch.pts_seconds.cpu().numpy() - query) > tolerance_s
+        if off.any():
+            raise VideoError(f"{self.path}: no frame at timestamp {query[off][0]:.6f}s (tolerance {tolerance_s}s)")
+        frames = batch.data
+        if self.size is not None and tuple(frames.shape[-2:]) != tuple(self.size):
+            frames = torch.nn.functional.interpolate(frames.float(), size=self.size, mode="area").round_().clamp_(0, 255).to(torch.uint8)
+        return frames.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+
+    def close(self) -> None:
+        self._decoder = None
