@@ -15,6 +15,7 @@ naming the file; `uma data cache ROOT --rebuild` writes it again. `--verify` has
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -92,8 +93,21 @@ def store_files(metadata: LeRobotMetadata, cameras: tuple[str, ...]) -> list[str
 @dataclass
 class _Shard:
     path: Path
-    times: np.ndarray  # float64 [T], seconds
+    times: list[float]  # seconds, increasing
     shape: tuple[int, int, int, int]
+
+    def __post_init__(self) -> None:
+        span = self.times[-1] - self.times[0]
+        self._rate = (len(self.times) - 1) / span if span > 0 else 0.0
+
+    def index_of(self, time: float, tolerance_s: float) -> int:
+        """The frame at `time`: first guessed from the frame rate, else searched."""
+        k = min(max(int(round((time - self.times[0]) * self._rate)), 0), len(self.times) - 1)
+        if abs(self.times[k] - time) > tolerance_s:
+            k = min(bisect.bisect_left(self.times, time - tolerance_s), len(self.times) - 1)
+            if abs(self.times[k] - time) > tolerance_s:
+                raise VideoError(f"{self.path}: no stored frame at timestamp {time:.6f}s (tolerance {tolerance_s}s)")
+        return k
 
 
 class FrameStore:
@@ -104,7 +118,7 @@ class FrameStore:
         self.size = tuple(manifest["image_size"])
         self.cameras = tuple(manifest["cameras"])
         self._shards = {
-            relative: _Shard(directory / entry["shard"], np.asarray(entry["times"], dtype=np.float64), tuple(entry["shape"]))
+            relative: _Shard(directory / entry["shard"], [float(t) for t in entry["times"]], tuple(entry["shape"]))
             for relative, entry in manifest["files"].items()
         }
         self._maps: dict[str, np.memmap] = {}
@@ -122,14 +136,16 @@ class FrameStore:
     def frames(self, relative: str, timestamps: np.ndarray, tolerance_s: float) -> np.ndarray:
         """uint8 [N, H, W, 3] at `timestamps` (seconds in the file); a time without a stored frame is an error."""
         shard = self._shards[relative]
-        query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
-        index = np.clip(np.searchsorted(shard.times, query - tolerance_s), 0, len(shard.times) - 1)
-        off = np.abs(shard.times[index] - query) > tolerance_s
-        if off.any():
-            raise VideoError(f"{shard.path}: no stored frame at timestamp {query[off][0]:.6f}s of {relative} (tolerance {tolerance_s}s)")
+        # Python scalars rather than numpy calls: a sample asks for a few frames, and per-call
+        # overhead, not the copy, would otherwise dominate.
+        index = [shard.index_of(t, tolerance_s) for t in np.asarray(timestamps, dtype=np.float64).reshape(-1).tolist()]
         if relative not in self._maps:
-            self._maps[relative] = np.memmap(shard.path, dtype=np.uint8, mode="r", shape=shard.shape)
-        return self._maps[relative][index].view(np.ndarray)  # fancy indexing copies: the batch owns its frames
+            self._maps[relative] = np.memmap(shard.path, dtype=np.uint8, mode="r", shape=shard.shape).view(np.ndarray)
+        frames = self._maps[relative]
+        first = index[0]
+        if index == list(range(first, first + len(index))):
+            return frames[first : first + len(index)].copy()  # a history window: one contiguous copy
+        return frames[index]  # fancy indexing copies: the batch owns its frames
 
 
 def open_store(directory: Path, metadata: LeRobotMetadata) -> FrameStore | None:

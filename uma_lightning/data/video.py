@@ -195,8 +195,7 @@ class VideoReader:
         self._container.close()
 
     def _decode_at(self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> np.ndarray:
-        reach = (max(self.FORWARD_FRAMES, self._gop_frames) + 0.5) * self._frame_s
-        ahead = self._last_time is not None and self._last_time < target <= self._last_time + reach
+        ahead = self._last_time is not None and self._last_time < target and self._wasted_frames(target, keep) <= max(self.FORWARD_FRAMES, self._gop_frames)
         if not ahead:
             self._seek(target)
         for attempt in range(2):
@@ -209,6 +208,14 @@ class VideoReader:
             break
         where = f"nearest decoded is {time:.6f}s" if time is not None else "no frame decodes there"
         raise VideoError(f"{self.path}: no frame at timestamp {target:.6f}s ({where}, tolerance {tolerance_s}s)")
+
+    def _wasted_frames(self, target: float, keep: dict[int, int] | None) -> int:
+        """Frames that decoding forward to `target` would decode and throw away: those between the
+        position and the target that no later request (`keep`) names."""
+        first, last = int(round(self._last_time / self._frame_s)) + 1, int(round(target / self._frame_s))
+        if keep is None:
+            return last - first
+        return sum(1 for n in range(first, last) if n not in keep)
 
     def _seek(self, target: float) -> None:
         offset = int(max(target, 0.0) / float(self._stream.time_base))
