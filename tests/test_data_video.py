@@ -202,3 +202,15 @@ def test_gpu_decode_script_cpu_smoke_falls_back_to_the_cpu_and_says_why(tmp_path
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "=== decoder choice: cpu (no GPU decoder" in out.stdout
     assert "all checks passed" in out.stdout and "FAILED" not in out.stdout
+
+
+def test_reader_seeks_back_for_the_frame_it_decoded_last(datasets):
+    """Its last frame, asked for again at a time a hair later (within tolerance) once the cache has
+    dropped it: the decoder is past it, so decoding on would miss it."""
+    meta = LeRobotMetadata.load(datasets["h264-gop2"])
+    path = meta.video_path(0, meta.cameras[0])
+    reader = VideoReader(path)
+    first = reader.frames_at(np.array([5 / 30]), 1e-4)
+    again = reader.frames_at(np.array([5 / 30 + 5e-5]), 1e-4)
+    reader.close()
+    assert np.array_equal(first, again) and np.array_equal(first, decode_frames_at(path, np.array([5 / 30])))

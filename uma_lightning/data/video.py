@@ -195,7 +195,13 @@ class VideoReader:
         self._container.close()
 
     def _decode_at(self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> np.ndarray:
-        ahead = self._last_time is not None and self._last_time < target and self._wasted_frames(target, keep) <= max(self.FORWARD_FRAMES, self._gop_frames)
+        # Strictly after the last decoded frame: that frame itself is behind the decoder now (it was
+        # evicted from the cache if it is asked for again), so it needs a seek.
+        ahead = (
+            self._last_time is not None
+            and self._last_time + tolerance_s < target
+            and self._wasted_frames(target, keep) <= max(self.FORWARD_FRAMES, self._gop_frames)
+        )
         if not ahead:
             self._seek(target)
         for attempt in range(2):
