@@ -5,6 +5,10 @@ resized in the decoder), the store's checks (stale, corrupt, size bound), and bo
 import json
 import logging
 import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ from uma_lightning.data import LeRobotMetadata, RobotDataModule
 from uma_lightning.data.frame_store import FrameStoreError, default_store_dir, open_store
 from uma_lightning.data.generate import RealisticPreset, generate_realistic
 from uma_lightning.data.tools import main as data_tool
-from uma_lightning.data.video import VideoReader, decode_frames_at, decoder_threads
+from uma_lightning.data.video import VideoReader, decode_frames_at, decoder_threads, encode_video
 
 
 @pytest.fixture(scope="module")
@@ -97,22 +101,13 @@ def test_the_frame_store_serves_the_decoders_frames_and_says_so(datasets, cache_
         assert torch.equal(batch["images"], expected_images(dm.metadata[0], batch))
 
 
-def copy_dataset(source, target):
-    import shutil
-
-    shutil.copytree(source, target)
-    return target
-
-
 def test_a_store_whose_source_changed_is_not_used(datasets, cache_dir, tmp_path, caplog):
-    root = copy_dataset(datasets["h264-gop2"], tmp_path / "data")
+    root = shutil.copytree(datasets["h264-gop2"], tmp_path / "data")
     assert data_tool(["cache", str(root)]) == 0
     meta = LeRobotMetadata.load(root)
     assert open_store(default_store_dir(meta, meta.image_size, cache_dir), meta) is not None  # silent on a valid store
     video = meta.video_path(1, meta.cameras[0])
     frames = decode_frames_at(video, np.arange(20) / 30)
-    from uma_lightning.data.video import encode_video
-
     encode_video(frames[:, ::-1].copy(), video, 30)  # the same size, other pixels: the store is stale
     with caplog.at_level(logging.WARNING):
         dm = datamodule(root)
@@ -193,10 +188,6 @@ def test_reader_reaches_ahead_by_the_longest_gop_instead_of_seeking(datasets):
 
 
 def test_gpu_decode_script_cpu_smoke_falls_back_to_the_cpu_and_says_why(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "video_decode.py"
     out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
