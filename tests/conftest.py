@@ -84,6 +84,6 @@ def s3():
     import s3fs
 
     fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("robots")
+    fs.makedirs("robots", exist_ok=True)  # moto's state is per process: an earlier test's server made it already
     yield fs, options
     server.stop()

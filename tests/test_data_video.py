@@ -211,13 +211,13 @@ def test_reader_seeks_back_for_the_frame_it_decoded_last(datasets):
 def test_the_frame_store_works_behind_the_s3_shard_cache(datasets, cache_dir, s3, tmp_path, caplog):
     fs, options = s3
     local = datasets["av1-gop10"]  # v3.0: episodes share video files
-    fs.put(str(local), "robots/arm", recursive=True)
+    fs.put(str(local), "robots/store-source", recursive=True)
     remote = ["--storage-options", json.dumps(options), "--cache-dir", str(tmp_path / "shards")]
-    assert data_tool([*remote, "cache", "s3://robots/arm"]) == 0
+    assert data_tool([*remote, "cache", "s3://robots/store-source"]) == 0
 
     def remote_datamodule():
         dm = RobotDataModule(
-            root="s3://robots/arm", batch_size=4, n_obs_steps=2, val_episodes=0,
+            root="s3://robots/store-source", batch_size=4, n_obs_steps=2, val_episodes=0,
             loader={"num_workers": 0, "persistent_workers": False}, order={"shuffle_buffer": 8, "partitions": 2},
             storage={"options": options, "cache_dir": str(tmp_path / "shards")},
         )
@@ -231,7 +231,7 @@ def test_the_frame_store_works_behind_the_s3_shard_cache(datasets, cache_dir, s3
         assert torch.equal(batch["images"], expected_images(meta, batch))
     # Another object under the same name: its ETag changes, so the store is stale and not used.
     video = meta.episodes[0].videos[meta.cameras[0]][0]
-    fs.pipe(f"robots/arm/{video}", (local / video).read_bytes() + b"\0")
+    fs.pipe(f"robots/store-source/{video}", (local / video).read_bytes() + b"\0")
     with caplog.at_level(logging.WARNING):
         assert remote_datamodule().train_sets[0].frame_store is None
     assert any("stale" in r.getMessage() and video in r.getMessage() for r in caplog.records)

@@ -276,7 +276,8 @@ class RobotDataModule(L.LightningDataModule):
             **dataclasses.asdict(self.order_settings), batch_size=batch_size, weights=tuple(float(s.weight) for s in sources)
         )
         self.pin_memory = torch.cuda.is_available() if self.loader.pin_memory is None else self.loader.pin_memory
-        self.frame_stores: dict[int, Optional[FrameStore]] = {}
+        # Opened here, not in setup(), so a corrupt store fails at construction (`uma: error: ...`).
+        self.frame_stores: dict[int, Optional[FrameStore]] = {d: self._frame_store(d) for d in range(len(self.metadata))}
         self.train_sets: Optional[list[FrameDataset]] = None
         self.val_sets: Optional[list[FrameDataset]] = None
 
@@ -365,8 +366,6 @@ class RobotDataModule(L.LightningDataModule):
     def _dataset(self, d: int, episodes: list[int]) -> FrameDataset:
         loader = self.loader
         size = self._image_size(self.metadata[d])
-        if d not in self.frame_stores:
-            self.frame_stores[d] = self._frame_store(d)
         return FrameDataset(
             self.metadata[d],
             episodes,

@@ -28,7 +28,7 @@ from typing import Any
 import av
 import numpy as np
 
-from uma_lightning.data.lerobot import LeRobotMetadata
+from uma_lightning.data.lerobot import DatasetError, LeRobotMetadata
 from uma_lightning.data.video import VideoError, to_rgb
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ STORE_FORMAT = 1
 SAMPLE_BYTES = 2**20  # the head and tail of each shard hashed at every load
 
 
-class FrameStoreError(RuntimeError):
+class FrameStoreError(DatasetError):
     """A store that cannot be used: corrupt, of another dataset, or too large for its bound."""
 
 

@@ -288,7 +288,7 @@ def to_rgb(frame: av.VideoFrame, size: tuple[int, int]) -> np.ndarray:
 def decoder_threads(workers: int, height: int, width: int, cpus: int | None = None) -> int:
     """Decoder threads per open video: the cores each loader process may use, but no more than one
     per ~100k pixels (below that, frame threading costs more than it saves)."""
-    cpus = cpus or len(os.sched_getaffinity(0))
+    cpus = cpus or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     return max(1, min(cpus // max(1, workers), height * width // 100_000))
 
 
