@@ -4,16 +4,24 @@
    videos, normalisation, collation) for each worker count, against PyAV decoding the very same
    frames in one process in the cheapest order: file by file, each file's frames in time order
    (no seeking back). Steady state: the clock starts at the first batch, after worker start-up.
-   Rounds alternate the variants; medians and ratios are printed.
-2. The fraction of step time spent waiting for data in the default pretrain recipe
-   (`uma fit --config recipes/pretrain.yaml`, as measured by its StepTimeBreakdown callback).
+   Rounds alternate the variants; medians and ratios are printed, the loader's per worker
+   (loader frames/s / (workers x raw frames/s)).
+2. The fraction of step time spent waiting for data in `uma fit` (as measured by its
+   StepTimeBreakdown callback): the default pretrain recipe, or with --preset realistic the
+   `small` model on the realistic data.
+3. With --preset realistic: the datasets of `uma data generate --preset realistic` (3 cameras of
+   224x224 at 30 fps, AV1 and H.264 at GOP 2; --gops adds long-GOP variants), generated once into
+   the cache, and the decoded-frame store (`uma data cache`): its frames/s reading the frames of the
+   same batches against a plain memory copy of the same bytes.
 
     python benchmarks/data_loader.py [--batches 60] [--workers 0 1 2] [--rounds 2] [--recipe-steps 300]
+    python benchmarks/data_loader.py --preset realistic [--episodes 40] [--gops 2 150] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -23,7 +31,9 @@ import numpy as np
 import torch
 
 from harness import median, print_table
-from uma_lightning.data import RobotDataModule, VideoReader
+from uma_lightning.data import LeRobotMetadata, RobotDataModule, VideoReader
+from uma_lightning.data.frame_store import build_store, default_store_dir, open_store
+from uma_lightning.data.generate import RealisticPreset, default_cache_dir, ensure_realistic
 from uma_lightning.data.order import EpochOrder
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "pretrain.yaml")
@@ -70,7 +80,35 @@ def loader_seconds(dm: RobotDataModule, n_batches: int) -> float:
     return time.perf_counter() - start
 
 
-def recipe_wait_fraction(steps: int) -> tuple[float, float, float]:
+def store_and_memcpy_seconds(dm: RobotDataModule, n_batches: int) -> tuple[float, float, int]:
+    """(seconds reading the first batches' frames from the frame store, seconds copying as many bytes
+    in the same pieces from memory, bytes): each sample's frames per camera, as the loader reads them."""
+    source, store = dm.train_sets[0], dm.train_sets[0].frame_store
+    loader = dm.train_dataloader()
+    order = EpochOrder(loader.stream.layouts, dm.order, epoch=0)
+    reads = []
+    for b in range(n_batches):
+        for row in order.batch(b)[1].tolist():
+            episode, t = source.locate(row)
+            timestamps = source.metadata.read_episode(episode).timestamp.astype(np.float64)
+            steps = timestamps[np.clip(t + source.obs_offsets, 0, len(timestamps) - 1)]
+            for camera in source.metadata.cameras:
+                relative, start = source.metadata.episodes[episode].videos[camera]
+                reads.append((relative, start + steps))
+    for relative, times in reads:  # warm the page cache: both sides then read memory
+        store.frames(relative, times, 1e-4)
+    start = time.perf_counter()
+    nbytes = sum(store.frames(relative, times, 1e-4).nbytes for relative, times in reads)
+    store_s = time.perf_counter() - start
+    piece = nbytes // len(reads)
+    memory = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    start = time.perf_counter()
+    for k in range(len(reads)):
+        memory[k * piece : (k + 1) * piece].copy()
+    return store_s, time.perf_counter() - start, nbytes
+
+
+def recipe_wait_fraction(steps: int, overrides: tuple[str, ...] = ()) -> tuple[float, float, float]:
     """Run the recipe as `uma fit` does, in a fresh process (its own thread settings), and read the
     totals of its StepTimeBreakdown."""
     script = (
@@ -83,38 +121,119 @@ def recipe_wait_fraction(steps: int) -> tuple[float, float, float]:
         "wait = next(c for c in cli.trainer.callbacks if isinstance(c, StepTimeBreakdown))\n"
         "print('DATA_WAIT', wait.total_data_wait, wait.total_step)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script, RECIPE, str(steps)], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", script, RECIPE, str(steps), *overrides], capture_output=True, text=True, check=True)
     waited, total = (float(v) for v in done.stdout.split("DATA_WAIT")[-1].split())
     return waited / total, waited, total
+
+
+def measure_loader(root: str | None, workers_list: list[int], n_batches: int, rounds: int, **settings) -> dict[str, float]:
+    """Median frames/s of the raw decoder and of the loader per worker count, over `rounds` alternating rounds."""
+
+    def datamodule(workers: int) -> RobotDataModule:
+        loader = {"num_workers": workers, "persistent_workers": False, "frame_store": "off"}
+        dm = RobotDataModule(root=root, loader=loader, **settings)
+        dm.setup("fit")
+        return dm
+
+    frames = frames_of_first_batches(datamodule(0), n_batches)
+    timed_frames = len(frames) * (n_batches - 1) / n_batches  # the loader's clock skips the first batch
+    rates: dict[str, list[float]] = {"raw": []} | {str(w): [] for w in workers_list}
+    for _ in range(rounds):
+        rates["raw"].append(len(frames) / raw_decode_seconds(frames))
+        for workers in workers_list:
+            rates[str(workers)].append(timed_frames / loader_seconds(datamodule(workers), n_batches))
+    return {name: median(r) for name, r in rates.items()}
+
+
+def realistic(args: argparse.Namespace) -> None:
+    results: dict[str, float] = {}
+    rows, ratios = [], []
+    settings = dict(batch_size=args.batch_size, n_obs_steps=2, val_episodes=0, order={"partitions": 2, "shuffle_buffer": 256})
+    roots = {}
+    for gop in args.gops:
+        for codec in args.codecs:
+            start = time.perf_counter()
+            roots[codec, gop] = str(ensure_realistic(RealisticPreset(n_episodes=args.episodes, codec=codec, gop=gop)))
+            print(f"dataset {codec} GOP {gop}: {roots[codec, gop]} ({time.perf_counter() - start:.1f}s to generate or find)")
+    for (codec, gop), root in roots.items():
+        rates = measure_loader(root, args.workers, args.batches, args.rounds, **settings)
+        for workers in args.workers:
+            per_worker = rates[str(workers)] / (max(1, workers) * rates["raw"])
+            rows.append([f"{codec} GOP {gop}", workers, rates["raw"], rates[str(workers)], per_worker])
+            if gop == 2:
+                ratios.append(per_worker)
+    print_table(
+        f"decoded frames/s, the frames of the first {args.batches} training batches (3 cameras of 224x224, 2 observation steps), median of {args.rounds} rounds",
+        ["dataset", "workers", "raw decoder, 1 process", "loader", "loader / (workers x raw)"],
+        rows,
+    )
+    results["loader_vs_raw_per_worker"] = min(ratios)
+    # The frame store, built once from the first dataset.
+    root = roots[args.codecs[0], args.gops[0]]
+    meta = LeRobotMetadata.load(root)
+    directory = default_store_dir(meta, meta.image_size, default_cache_dir())
+    if open_store(directory, meta) is None:
+        start = time.perf_counter()
+        build_store(meta, directory)
+        print(f"frame store {directory} written in {time.perf_counter() - start:.1f}s")
+    dm = RobotDataModule(root=root, loader={"num_workers": 0, "persistent_workers": False}, **settings)
+    dm.setup("fit")
+    store_s, memcpy_s, nbytes = store_and_memcpy_seconds(dm, args.batches)
+    results["store_vs_memcpy"] = memcpy_s / store_s
+    timed = len(frames_of_first_batches(dm, args.batches)) * (args.batches - 1) / args.batches
+    store_loader = timed / loader_seconds(dm, args.batches)
+    print_table(
+        f"frame store, the same frames ({nbytes / 2**20:.0f} MiB)",
+        ["store frames/s", "memcpy of the same bytes, frames/s", "store / memcpy", "loader on the store, 0 workers, frames/s"],
+        [[nbytes / store_s / meta.image_size[0] / meta.image_size[1] / 3, nbytes / memcpy_s / meta.image_size[0] / meta.image_size[1] / 3, results["store_vs_memcpy"], store_loader]],
+    )
+    if args.recipe_steps:
+        overrides = (
+            "--model.init_args.network.size", "small", "--data.init_args.root", root,
+            "--data.init_args.batch_size", str(args.batch_size), "--data.init_args.loader.num_workers", str(max(args.workers)),
+            "--model.init_args.optimizer.warmup_steps", "1", "--trainer.val_check_interval", str(args.recipe_steps + 1),
+            "--trainer.limit_val_batches", "0",
+        )
+        fraction, waited, total = recipe_wait_fraction(args.recipe_steps, overrides)
+        results["data_wait_fraction"] = fraction
+        print_table(
+            f"uma fit, small model on the realistic {args.codecs[0]} data, {args.recipe_steps} steps, {max(args.workers)} workers",
+            ["data wait (s)", "step time (s)", "wait fraction"],
+            [[waited, total, f"{100 * fraction:.2f}%"]],
+        )
+    print(json.dumps(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=None, help="LeRobot dataset; default: the embedded planar-arm dataset")
+    parser.add_argument("--preset", choices=("realistic",), default=None, help="the realistic datasets (see above) instead of --root")
+    parser.add_argument("--episodes", type=int, default=RealisticPreset.n_episodes, help="--preset realistic: episodes of each dataset")
+    parser.add_argument("--gops", type=int, nargs="+", default=[2], help="--preset realistic: GOPs to measure (the ratio's goal is on GOP 2)")
+    parser.add_argument("--codecs", nargs="+", choices=("av1", "h264"), default=["av1", "h264"], help="--preset realistic: codecs to measure")
+    parser.add_argument("--batch-size", type=int, default=32, help="--preset realistic: samples per batch")
+    parser.add_argument("--json", default=None, help="--preset realistic: write the ratios to this file")
     parser.add_argument("--batches", type=int, default=60)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workers", type=int, nargs="+", default=None, help="default: 0 1 2 (realistic: 1 2)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--recipe-steps", type=int, default=300, help="0 skips the recipe measurement")
+    parser.add_argument("--recipe-steps", type=int, default=None, help="0 skips the recipe measurement (default 300; realistic: 6)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the loader's collation in the main process (0 workers) runs single-threaded, as in workers
-
-    def datamodule(workers: int) -> RobotDataModule:
-        dm = RobotDataModule(root=args.root, loader={"num_workers": workers, "persistent_workers": False})
-        dm.setup("fit")
-        return dm
-
-    frames = frames_of_first_batches(datamodule(0), args.batches)
-    timed_frames = len(frames) * (args.batches - 1) / args.batches  # the loader's clock skips the first batch
-    rates: dict[str, list[float]] = {"raw decoder, 1 process": []} | {f"loader, {w} workers": [] for w in args.workers}
-    for _ in range(args.rounds):
-        rates["raw decoder, 1 process"].append(len(frames) / raw_decode_seconds(frames))
-        for workers in args.workers:
-            rates[f"loader, {workers} workers"].append(timed_frames / loader_seconds(datamodule(workers), args.batches))
-    raw_rate = median(rates["raw decoder, 1 process"])
+    if args.preset == "realistic":
+        args.workers = args.workers or [1, 2]
+        args.recipe_steps = 6 if args.recipe_steps is None else args.recipe_steps
+        realistic(args)
+        return
+    args.workers = args.workers or [0, 1, 2]
+    args.recipe_steps = 300 if args.recipe_steps is None else args.recipe_steps
+    rates = measure_loader(args.root, args.workers, args.batches, args.rounds)
+    raw_rate = rates.pop("raw")
     print_table(
         f"decoded frames/s, the frames of the first {args.batches} training batches, median of {args.rounds} rounds",
         ["variant", "frames/s", "vs raw decoder"],
-        [[name, median(r), median(r) / raw_rate] for name, r in rates.items()],
+        [["raw decoder, 1 process", raw_rate, 1.0]] + [[f"loader, {w} workers", rate, rate / raw_rate] for w, rate in rates.items()],
     )
     if args.recipe_steps:
         fraction, waited, total = recipe_wait_fraction(args.recipe_steps)

@@ -1,4 +1,5 @@
 import os
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -63,3 +64,26 @@ def pretrained(tmp_path_factory) -> SimpleNamespace:
         code=code, log=log.read_text(), cwd=cwd, steps=PRETRAIN_STEPS,
         checkpoints=cwd / "runs" / "pretrain" / "checkpoints", store=f"sqlite:///{cwd / 'mlruns' / 'mlflow.db'}",
     )  # fmt: skip
+
+
+@pytest.fixture
+def s3():
+    """A local S3-compatible server (moto) with a bucket `robots`: (its s3fs filesystem, fsspec options)."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {
+        "key": "test-key",
+        "secret": "test-secret",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "eu-west-1"},
+    }
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    fs.makedirs("robots", exist_ok=True)  # moto's state is per process: an earlier test's server made it already
+    yield fs, options
+    server.stop()

@@ -2,7 +2,6 @@
 read from a real S3-compatible server through a bounded, checked local cache."""
 
 import logging
-import socket
 
 import numpy as np
 import psutil
@@ -60,28 +59,6 @@ def test_streaming_a_dataset_much_larger_than_the_caches_keeps_rss_bounded(tmp_p
 
 
 # ---------------------------------------------------------------------------------------- S3
-@pytest.fixture
-def s3():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {
-        "key": "test-key",
-        "secret": "test-secret",
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "eu-west-1"},
-    }
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("robots")
-    yield fs, options
-    server.stop()
-
-
 @pytest.mark.slow
 def test_s3_dataset_streams_through_a_bounded_checked_cache(s3, tmp_path, caplog):
     fs, options = s3

@@ -150,9 +150,9 @@ def test_unknown_normalisation_mode_is_rejected(meta):
 def test_each_file_is_opened_once_per_process_while_it_fits_the_lru(meta, monkeypatch):
     opened = []
 
-    def counting_reader(path):
+    def counting_reader(path, *settings):
         opened.append(path)
-        return VideoReader(path)
+        return VideoReader(path, *settings)
 
     monkeypatch.setattr(dataset_module, "VideoReader", counting_reader)
     ds = FrameDataset(meta, n_obs_steps=2, max_open_files=8)

@@ -8,6 +8,7 @@ import math
 import multiprocessing
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional, Union
 
 import lightning as L
@@ -15,12 +16,14 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader
 
 from uma_lightning.data.dataset import FrameDataset, NormMode, Normalizer, Window
+from uma_lightning.data.frame_store import FrameStore, default_store_dir, open_store
 from uma_lightning.data.generate import default_cache_dir, ensure_dataset
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
 from uma_lightning.data.loader import BadDataPolicy, BatchStream, RobotDataLoader, collate
 from uma_lightning.data.order import OrderConfig, OrderSettings
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
+from uma_lightning.data.video import choose_decoder, decoder_threads
 from uma_lightning.parallel.mesh import data_parallel_rank
 from uma_lightning.stop_signals import LoaderWorkerSignals
 
@@ -69,6 +72,16 @@ class LoaderConfig:
     - ``decode_cache_mb``: bound on decoded frames and episode columns kept per process, in MiB;
       ``max_open_files``: open parquet and video files kept per process;
     - ``tolerance_s``: how far a frame's timestamp may be from the requested time, in seconds;
+    - ``plan_batches``: each worker decodes its batch's frames file by file in time order, keeping
+      the frames its next ``plan_batches`` batches show (bounded by ``decode_cache_mb``);
+    - ``image_size``: square side the frames are decoded at (scaled in the decoder's colour
+      conversion), when the model wants smaller images than stored; None: as stored;
+    - ``decoder_threads``: threads per open video; None: from the worker count and frame size;
+    - ``frame_store``: decoded frames written by ``uma data cache``: auto uses the store at its
+      default place when it exists and matches the dataset (a stale one is logged and ignored);
+      off never; a directory must hold a valid store;
+    - ``decoder``: cpu (PyAV), cuda (torchcodec's or PyNvVideoCodec's GPU decoder, 0 workers), or
+      auto: cuda where a GPU decoder and a GPU are present, else cpu; the choice is logged;
     - ``on_bad_data``: a sample whose files are missing, corrupt or disagree with meta/info.json:
       error stops with a message naming the episode and file; skip leaves it out of its batch (which
       gets smaller), counts it and logs it.
@@ -84,13 +97,22 @@ class LoaderConfig:
     max_open_files: int = 64
     tolerance_s: float = 1e-4
     on_bad_data: BadDataPolicy = "error"
+    plan_batches: int = 8
+    image_size: Optional[int] = None
+    decoder_threads: Optional[int] = None
+    frame_store: str = "auto"
+    decoder: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("prefetch_factor", "max_open_files"):
+        for name in ("prefetch_factor", "max_open_files", "plan_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"loader.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_workers < 0:
             raise ValueError(f"loader.num_workers must be >= 0, got {self.num_workers}")
+        if self.image_size is not None and (self.image_size < 2 or self.image_size % 2):
+            raise ValueError(f"loader.image_size must be an even number of pixels >= 2, got {self.image_size}")
+        if self.decoder_threads is not None and self.decoder_threads < 1:
+            raise ValueError(f"loader.decoder_threads must be >= 1, got {self.decoder_threads}")
         if self.multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
             raise ValueError(
                 f"loader.multiprocessing_context must be one of {multiprocessing.get_all_start_methods()}, got {self.multiprocessing_context!r}"
@@ -218,7 +240,7 @@ class RobotDataModule(L.LightningDataModule):
         first = self.metadata[0]
         self.spec = DataSpec(
             cameras=first.cameras,
-            image_size=first.image_size,
+            image_size=self._image_size(first),
             state_dim=first.state_dim,
             action_dim=first.action_dim,
             n_obs_steps=n_obs_steps,
@@ -228,8 +250,8 @@ class RobotDataModule(L.LightningDataModule):
             environment_state_dim=first.environment_state_dim if len({m.environment_state_dim for m in self.metadata}) == 1 else 0,
         )
         for source, meta in zip(sources[1:], self.metadata[1:]):
-            shape = (len(meta.cameras), meta.image_size, meta.state_dim, meta.action_dim, meta.fps)
-            expected = (len(first.cameras), first.image_size, first.state_dim, first.action_dim, first.fps)
+            shape = (len(meta.cameras), self._image_size(meta), meta.state_dim, meta.action_dim, meta.fps)
+            expected = (len(first.cameras), self._image_size(first), first.state_dim, first.action_dim, first.fps)
             if shape != expected:
                 raise ValueError(
                     f"dataset {source.root}: (cameras, image size, state dim, action dim, fps) = {shape}, "
@@ -254,6 +276,8 @@ class RobotDataModule(L.LightningDataModule):
             **dataclasses.asdict(self.order_settings), batch_size=batch_size, weights=tuple(float(s.weight) for s in sources)
         )
         self.pin_memory = torch.cuda.is_available() if self.loader.pin_memory is None else self.loader.pin_memory
+        # Opened here, not in setup(), so a corrupt store fails at construction (`uma: error: ...`).
+        self.frame_stores: dict[int, Optional[FrameStore]] = {d: self._frame_store(d) for d in range(len(self.metadata))}
         self.train_sets: Optional[list[FrameDataset]] = None
         self.val_sets: Optional[list[FrameDataset]] = None
 
@@ -315,8 +339,33 @@ class RobotDataModule(L.LightningDataModule):
             "action": {**action.to_dict(), "names": meta.feature_names(ACTION_KEY)},
         }
 
+    def _image_size(self, metadata: LeRobotMetadata) -> tuple[int, int]:
+        side = self.loader.image_size
+        return (side, side) if side is not None else metadata.image_size
+
+    def _frame_store(self, d: int) -> Optional[FrameStore]:
+        """The decoded-frame store of dataset d, when loader.frame_store allows it and one is valid (logged once)."""
+        setting, meta = self.loader.frame_store, self.metadata[d]
+        if setting == "off":
+            return None
+        size = self._image_size(meta)
+        directory = default_store_dir(meta, size, default_cache_dir()) if setting == "auto" else Path(setting)
+        store = open_store(directory, meta)
+        if store is None and setting != "auto":
+            raise ValueError(f"loader.frame_store={setting!r}: no valid frame store of {meta.root} there (see the log); write one with `uma data cache`")
+        if store is not None and store.size != size:
+            if setting != "auto":
+                raise ValueError(f"loader.frame_store={setting!r} holds {store.size[0]}x{store.size[1]} frames, but the loader wants {size[0]}x{size[1]}")
+            store = None
+        if store is not None:
+            logger.info("frame store %s: %d camera(s) of %s read from decoded frames (%.1f GiB), not decoded", directory, len(store.cameras), meta.root, store.nbytes / 2**30)
+        else:
+            logger.info("no frame store for %s (looked in %s): frames are decoded", meta.root, directory)
+        return store
+
     def _dataset(self, d: int, episodes: list[int]) -> FrameDataset:
         loader = self.loader
+        size = self._image_size(self.metadata[d])
         return FrameDataset(
             self.metadata[d],
             episodes,
@@ -328,7 +377,21 @@ class RobotDataModule(L.LightningDataModule):
             window=Window.of_steps(self.spec.n_obs_steps, self.spec.action_horizon, self.metadata[d].fps),
             dataset_index=d,
             environment_state=self.spec.environment_state_dim > 0,
+            image_size=size if loader.image_size is not None else None,
+            decoder_threads=loader.decoder_threads or decoder_threads(loader.num_workers, *size),
+            frame_store=self.frame_stores[d],
+            decoder=self._decoder(),
         )
+
+    def _decoder(self) -> str:
+        """The video decoder the loader's `decoder` setting resolves to here, logged once."""
+        if getattr(self, "_decoder_choice", None) is None:
+            choice, why = choose_decoder(self.loader.decoder, self.loader.num_workers)
+            if self.loader.decoder == "cuda" and choice != "cuda":
+                logger.warning("loader.decoder=cuda is not available, decoding on the CPU: %s", why)
+            logger.info("video decoder: %s (%s)", "GPU (NVDEC)" if choice == "cuda" else "CPU (PyAV)", why)
+            self._decoder_choice = choice
+        return self._decoder_choice
 
     def _loader(self, sets: Optional[list[FrameDataset]], config: OrderConfig, resumable: bool) -> RobotDataLoader:
         if sets is None:
@@ -337,7 +400,7 @@ class RobotDataModule(L.LightningDataModule):
         trainer = self.trainer
         rank, world = data_parallel_rank(trainer)
         device = trainer.strategy.root_device if trainer is not None else None
-        stream = BatchStream(sets, config, rank, world, loader.on_bad_data, self.storage.prefetch_batches)
+        stream = BatchStream(sets, config, rank, world, loader.on_bad_data, self.storage.prefetch_batches, loader.plan_batches)
         return RobotDataLoader(
             stream,
             num_workers=loader.num_workers,

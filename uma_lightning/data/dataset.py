@@ -25,7 +25,8 @@ from torch.utils.data import Dataset
 
 from uma_lightning.data.cache import LRU
 from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, STATE_KEY, DatasetError, EpisodeData, LeRobotMetadata
-from uma_lightning.data.video import VideoError, VideoReader
+from uma_lightning.data.frame_store import FrameStore
+from uma_lightning.data.video import CudaVideoReader, VideoError, VideoReader
 
 NormMode = Literal["mean_std", "min_max", "quantile"]
 # The two statistics each normalisation mode is built from.
@@ -123,6 +124,10 @@ class FrameDataset(Dataset):
         window: Window | None = None,
         dataset_index: int = 0,
         environment_state: bool = False,
+        image_size: tuple[int, int] | None = None,
+        decoder_threads: int = 1,
+        frame_store: FrameStore | None = None,
+        decoder: str = "cpu",
     ) -> None:
         n_total = len(metadata.episodes)
         self.episodes = tuple(range(n_total)) if episodes is None else tuple(int(e) for e in episodes)
@@ -139,6 +144,12 @@ class FrameDataset(Dataset):
         self.cache_bytes = int(decode_cache_mb * 2**20)
         self.max_open_files = max_open_files
         self.dataset_index = dataset_index
+        # Frames are decoded at `image_size` (scaled in the decoder's colour conversion) when it is given.
+        self.decode_size = tuple(image_size) if image_size is not None else None
+        self.image_size = self.decode_size or metadata.image_size
+        self.decoder_threads = decoder_threads
+        self.frame_store = frame_store
+        self.reader_class = CudaVideoReader if decoder == "cuda" else VideoReader
         self.state_normalizer = Normalizer.from_stats(state_norm, metadata.stats[STATE_KEY], STATE_KEY)
         self.action_normalizer = Normalizer.from_stats(action_norm, metadata.stats[ACTION_KEY], ACTION_KEY)
         self.environment_state_normalizer = None  # samples carry the current frame's environment state when set
@@ -236,16 +247,52 @@ class FrameDataset(Dataset):
         files, _ = self._caches()
         return files.get(("parquet", str(path)), lambda: _ParquetHandle(path))
 
-    def _frames(self, episode: int, camera: str, times: np.ndarray) -> np.ndarray:
-        files, decoded = self._caches()
+    def prepare(self, rows: Sequence[int], later_rows: Sequence[int] = ()) -> None:
+        """Decode the frames that samples `rows` need, file by file and in time order, so that each
+        file is read forward once; frames passed on the way that samples `later_rows` need are kept
+        in the decoded-frame cache too. Reading the samples afterwards finds their frames there."""
+        _, decoded = self._caches()
+        keep: dict[str, dict[int, int]] = {}  # video file -> frame number -> cache key, of the later samples' frames
+        for (episode, camera), times in self._requests(later_rows).items():
+            relative, start = self.metadata.episodes[episode].videos[camera]
+            keep.setdefault(relative, {}).update({int(round(t * self.metadata.fps)): int(round(t * 1e6)) for t in (start + times).tolist()})
+        wanted = self._requests(rows)
+        for episode, camera in sorted(wanted, key=lambda key: self.metadata.episodes[key[0]].videos[key[1]]):
+            relative, start = self.metadata.episodes[episode].videos[camera]
+            if self.frame_store is not None and relative in self.frame_store:
+                continue
+            try:
+                self._reader(episode, camera).frames_at(start + wanted[episode, camera], self.tolerance_s, cache=decoded, keep=keep.get(relative))
+            except VideoError as error:
+                raise VideoError(f"episode {episode}: {error}") from error
+
+    def _requests(self, rows: Sequence[int]) -> dict[tuple[int, str], np.ndarray]:
+        """(episode, camera) -> the distinct times (seconds in the episode) that samples `rows` show."""
+        times: dict[tuple[int, str], set[float]] = {}
+        for row in rows:
+            episode, t = self.locate(int(row))
+            timestamps = self._episode(episode).timestamp
+            steps = timestamps[np.clip(t + self.obs_offsets, 0, len(timestamps) - 1)]
+            for camera in self.metadata.cameras:
+                times.setdefault((episode, camera), set()).update(steps.tolist())
+        return {key: np.asarray(sorted(values)) for key, values in times.items()}
+
+    def _reader(self, episode: int, camera: str) -> VideoReader:
+        files, _ = self._caches()
         path = self.metadata.video_path(episode, camera)
-        start = self.metadata.episodes[episode].videos[camera][1]
+        return files.get(("video", str(path)), lambda: self.reader_class(path, self.decoder_threads, self.decode_size))
+
+    def _frames(self, episode: int, camera: str, times: np.ndarray) -> np.ndarray:
+        _, decoded = self._caches()
+        relative, start = self.metadata.episodes[episode].videos[camera]
         try:
-            reader = files.get(("video", str(path)), lambda: VideoReader(path))
-            frames = reader.frames_at(start + times, self.tolerance_s, cache=decoded)
+            if self.frame_store is not None and relative in self.frame_store:
+                frames = self.frame_store.frames(relative, start + times, self.tolerance_s)
+            else:
+                frames = self._reader(episode, camera).frames_at(start + times, self.tolerance_s, cache=decoded)
         except VideoError as error:
             raise VideoError(f"episode {episode}: {error}") from error
-        return resize_frames(frames, self.metadata.image_size)
+        return resize_frames(frames, self.image_size)
 
     def _check_times(
         self, episode: int, data: EpisodeData, t: int, rows: np.ndarray, inside: np.ndarray, offsets: tuple[float, ...]

@@ -143,3 +143,104 @@ def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed
         path = writer.finalize()
     logger.info("generated %s in %.1fs (%d failed expert episodes skipped)", path, time.perf_counter() - start, attempts - written)
     return path
+
+
+@dataclass(frozen=True)
+class RealisticPreset:
+    """A dataset shaped like the LeRobot datasets openpi and GR00T train on, for measuring the loader:
+    several cameras of real size at 30 fps, 10-second episodes, AV1 or H.264 with LeRobot's GOP 2
+    or a long GOP. The scene is procedural (a textured, panning background and a moving gripper
+    blob per camera), so encoding it costs about what camera footage costs; the robot columns are
+    smooth random trajectories."""
+
+    n_episodes: int = 40
+    seconds: float = 10.0
+    image_size: int = 224
+    n_cameras: int = 3
+    fps: float = 30.0
+    codec: str = "av1"
+    gop: int = 2
+    version: str = "v2.1"
+    seed: int = 0
+
+    @property
+    def dirname(self) -> str:
+        return (
+            f"realistic-gen{GENERATOR_VERSION}-ep{self.n_episodes}-{self.seconds:g}s-{self.n_cameras}x{self.image_size}"
+            f"-{self.codec}-gop{self.gop}-{self.version}-seed{self.seed}"
+        )
+
+
+REALISTIC_STATE_NAMES = tuple(f"joint_{k}" for k in range(6))
+REALISTIC_TASKS = ("pick up the red block", "open the drawer", "place the cup on the shelf", "push the button")
+
+
+def realistic_episode(preset: RealisticPreset, episode: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, str]:
+    """(frames per camera, state [T, 6], action [T, 6], instruction) of one episode, a pure function of (preset, episode)."""
+    rng = np.random.default_rng([preset.seed, episode])
+    length = int(round(preset.seconds * preset.fps))
+    size = preset.image_size
+    t = np.arange(length) / preset.fps
+    frequencies, phases = rng.uniform(0.05, 0.4, (2, 6)), rng.uniform(0, 2 * np.pi, (1, 6))
+    state = (np.sin(2 * np.pi * frequencies[0] * t[:, None] + phases) * np.cos(2 * np.pi * frequencies[1] * t[:, None])).astype(np.float32)
+    action = np.concatenate([state[1:], state[-1:]]).astype(np.float32)  # the next state is the target
+    frames = {}
+    yy, xx = np.mgrid[0:size, 0:size]
+    for camera in range(preset.n_cameras):
+        # Smooth colour texture twice the frame's side, panned across the view over the episode.
+        coarse = rng.integers(0, 256, (size // 16, size // 16, 3)).astype(np.float32)
+        texture = np.kron(coarse, np.ones((32, 32, 1)))[: 2 * size, : 2 * size]
+        texture += rng.normal(0, 3, texture.shape)  # sensor-like grain, which keeps the encoder honest
+        texture = np.clip(texture, 0, 255).astype(np.uint8)
+        pan = (np.stack([np.sin(t * 0.3 + camera), np.cos(t * 0.2 + camera)], 1) * 0.5 + 0.5) * (size - 1)
+        video = np.empty((length, size, size, 3), dtype=np.uint8)
+        for k in range(length):
+            y, x = int(pan[k, 0]), int(pan[k, 1])
+            video[k] = texture[y : y + size, x : x + size]
+        # The gripper: a disc driven by two joints of the state, in a colour of its own per camera.
+        centres = (state[:, [camera % 6, (camera + 1) % 6]] * 0.35 + 0.5) * size
+        colour = np.array([255, 64 * camera % 256, 255 - 80 * camera], dtype=np.uint8)
+        for k in range(length):
+            disc = (yy - centres[k, 0]) ** 2 + (xx - centres[k, 1]) ** 2 < (size / 10) ** 2
+            video[k][disc] = colour
+        frames[f"observation.images.cam_{camera}"] = video
+    return frames, state, action, REALISTIC_TASKS[episode % len(REALISTIC_TASKS)]
+
+
+def generate_realistic(root: str | Path, preset: RealisticPreset) -> Path:
+    """Write the preset's episodes to `root` in LeRobot format."""
+    start = time.perf_counter()
+    cameras = tuple(f"observation.images.cam_{k}" for k in range(preset.n_cameras))
+    logger.info("generating %s into %s", preset, root)
+    with LeRobotWriter(
+        root,
+        fps=preset.fps,
+        cameras=cameras,
+        image_size=(preset.image_size, preset.image_size),
+        state_names=REALISTIC_STATE_NAMES,
+        action_names=REALISTIC_STATE_NAMES,
+        robot_type="realistic_benchmark",
+        version=preset.version,
+        codec=preset.codec,
+        gop=preset.gop,
+    ) as writer:
+        for episode in range(preset.n_episodes):
+            frames, state, action, task = realistic_episode(preset, episode)
+            writer.add_episode(frames, state, action, task)
+            logger.info("%d/%d episodes (%.1fs)", episode + 1, preset.n_episodes, time.perf_counter() - start)
+        path = writer.finalize()
+    logger.info("generated %s in %.1fs", path, time.perf_counter() - start)
+    return path
+
+
+def ensure_realistic(preset: RealisticPreset, cache_dir: str | Path | None = None) -> Path:
+    """Path of the realistic dataset of this preset, generating it first if it is not cached."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = cache / preset.dirname
+    if root.exists():
+        return root
+    cache.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(root.with_name(root.name + ".lock")):
+        if root.exists():
+            return root
+        return generate_realistic(root, preset)

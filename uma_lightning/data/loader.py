@@ -46,6 +46,7 @@ class BatchStream(IterableDataset):
         world_size: int = 1,
         on_bad_data: BadDataPolicy = "error",
         prefetch_batches: int = 2,
+        plan_batches: int = 8,
     ) -> None:
         if on_bad_data not in ("error", "skip"):
             raise ValueError(f"on_bad_data must be 'error' or 'skip', got {on_bad_data!r}")
@@ -56,6 +57,7 @@ class BatchStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.on_bad_data = on_bad_data
         self.prefetch_batches = prefetch_batches
+        self.plan_batches = plan_batches
         self.layouts = [_layout(source) for source in self.sources]
         self.n_batches = EpochOrder(self.layouts, config, epoch=0).n_batches  # the same in every epoch
         self.position = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch), set by the loader
@@ -79,6 +81,7 @@ class BatchStream(IterableDataset):
         mine = range(start + worker_id, len(self), n_workers)
         for k, local in enumerate(mine):
             self._prefetch_files(order, mine[k + 1 : k + 1 + self.prefetch_batches])
+            self._decode_ahead(order, local, mine[k + 1 : k + 1 + self.plan_batches])
             yield self.batch(order, local)
 
     def batch(self, order: EpochOrder, local: int) -> dict[str, Any]:
@@ -99,16 +102,29 @@ class BatchStream(IterableDataset):
             batch[BAD_SAMPLES_KEY] = bad
         return batch
 
-    def _prefetch_files(self, order: EpochOrder, locals_: range) -> None:
-        remote = [source for source in self.sources if source.metadata.storage.remote]
-        if not remote or not locals_:
-            return
+    def _decode_ahead(self, order: EpochOrder, local: int, later: range) -> None:
+        """Decode this batch's frames file by file, in time order, keeping those that this worker's
+        next `plan_batches` batches show (see FrameDataset.prepare)."""
+        rows, later_rows = self._rows_by_source(order, [local]), self._rows_by_source(order, later)
+        for d, source_rows in rows.items():
+            try:
+                self.sources[d].prepare(source_rows, later_rows.get(d, ()))
+            except BAD_DATA_ERRORS:
+                pass  # reading the samples meets the error again, and handles it as on_bad_data says
+
+    def _rows_by_source(self, order: EpochOrder, locals_: Sequence[int]) -> dict[int, list[int]]:
         rows_by_source: dict[int, list[int]] = {}
         for local in locals_:
             datasets, rows = order.batch(self._global_batch(local))
             for d, row in zip(datasets.tolist(), rows.tolist()):
                 rows_by_source.setdefault(d, []).append(row)
-        for d, rows in rows_by_source.items():
+        return rows_by_source
+
+    def _prefetch_files(self, order: EpochOrder, locals_: range) -> None:
+        remote = [source for source in self.sources if source.metadata.storage.remote]
+        if not remote or not locals_:
+            return
+        for d, rows in self._rows_by_source(order, locals_).items():
             source = self.sources[d]
             if source.metadata.storage.remote:
                 source.metadata.storage.prefetch(source.files_of(rows))

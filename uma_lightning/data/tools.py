@@ -3,6 +3,8 @@
     uma data info ROOT [--preview sheet.png] [--episode N]   what a dataset holds; a contact sheet of an episode
     uma data stats ROOT [--cameras] [--write]                 feature statistics by a fast pass over the parquet files
     uma data convert SRC DST --to v3.0                        rewrite a dataset in the v2.1 or v3.0 layout
+    uma data cache ROOT [--image-size 224] [--cameras ...]     decode every frame once into the frame store the loader reads
+    uma data generate --preset realistic [--codec av1] [--gop 2]  the benchmark dataset, generated once into the cache
 
 ROOT may be a directory or an fsspec URL (remote files are cached under --cache-dir).
 """
@@ -17,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from uma_lightning.data.generate import default_cache_dir
+from uma_lightning.data.frame_store import FrameStoreError, build_store, default_store_dir, open_store, verify_store
+from uma_lightning.data.generate import RealisticPreset, default_cache_dir, ensure_realistic
 from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, INDEX_KEYS, STATE_KEY, VECTOR_KEYS, DatasetError, LeRobotMetadata
 from uma_lightning.data.stats import compute_stats, stats_to_json
 from uma_lightning.data.storage import Storage, StorageError
-from uma_lightning.data.video import VideoError, VideoReader
+from uma_lightning.data.video import CODECS, VideoError, VideoReader
 from uma_lightning.data.writer import LeRobotWriter
 
 logger = logging.getLogger("uma_lightning")
@@ -47,7 +50,29 @@ def main(argv: list[str]) -> int:
     convert.add_argument("--to", choices=("v2.1", "v3.0"), required=True, dest="version")
     convert.add_argument("--data-file-mb", type=float, default=100.0, help="v3.0: start a new parquet file past this size")
     convert.add_argument("--video-file-mb", type=float, default=500.0, help="v3.0: start a new mp4 past this size")
+    cache = commands.add_parser("cache", help="decode every frame once into a memory-mappable frame store on local disk")
+    cache.add_argument("root")
+    cache.add_argument("--image-size", type=int, default=None, help="square side to store the frames at (default: as stored)")
+    cache.add_argument("--cameras", nargs="+", default=None, help="cameras to store (default: all)")
+    cache.add_argument("--out", type=Path, default=None, help="store directory (default: where the loader looks, under the uma cache)")
+    cache.add_argument("--max-gb", type=float, default=100.0, help="refuse to write a store larger than this")
+    cache.add_argument("--rebuild", action="store_true", help="write the store again even if it is valid (a corrupt one is always rewritten with this)")
+    cache.add_argument("--verify", action="store_true", help="hash every shard of an existing store whole against its manifest")
+    generate = commands.add_parser("generate", help="generate a benchmark dataset into the cache (once; later calls print its path)")
+    generate.add_argument("--preset", choices=("realistic",), required=True)
+    generate.add_argument("--codec", choices=sorted(CODECS), default="av1")
+    generate.add_argument("--gop", type=int, default=2, help="frames per group of pictures (LeRobot writes 2)")
+    generate.add_argument("--episodes", type=int, default=RealisticPreset.n_episodes)
+    generate.add_argument("--seconds", type=float, default=RealisticPreset.seconds, help="length of each episode")
+    generate.add_argument("--version", choices=("v2.1", "v3.0"), default="v2.1")
+    generate.add_argument("--out", type=Path, default=None, help="directory the dataset goes under (default: the uma cache)")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        preset = RealisticPreset(n_episodes=args.episodes, seconds=args.seconds, codec=args.codec, gop=args.gop, version=args.version)
+        start = time.perf_counter()
+        print(ensure_realistic(preset, args.out))
+        logger.info("dataset ready in %.1fs", time.perf_counter() - start)
+        return 0
     try:
         options = json.loads(args.storage_options)
         root = args.root if args.command != "convert" else args.source
@@ -60,9 +85,11 @@ def main(argv: list[str]) -> int:
                 print(f"preview of episode {args.episode}: {args.preview}")
         elif args.command == "stats":
             run_stats(metadata, args.cameras, args.frame_stride, args.write)
+        elif args.command == "cache":
+            run_cache(metadata, args)
         else:
             convert_dataset(metadata, args.target, args.version, args.data_file_mb, args.video_file_mb)
-    except (DatasetError, VideoError, StorageError, FileExistsError, ValueError) as error:
+    except (DatasetError, VideoError, StorageError, FrameStoreError, FileExistsError, ValueError) as error:
         print(f"uma data: error: {error}")
         return 1
     return 0
@@ -136,6 +163,23 @@ def _plot(draw, values: np.ndarray, box: tuple[int, int, int, int], names) -> No
         draw.line(points, fill=colour, width=2)
         label = names[d] if names and d < len(names) else f"action {d}"
         draw.text((left + 4 + 90 * d, top + 2), label, fill=colour)
+
+
+def run_cache(metadata: LeRobotMetadata, args: argparse.Namespace) -> None:
+    size = (args.image_size, args.image_size) if args.image_size else metadata.image_size
+    directory = args.out or default_store_dir(metadata, size, default_cache_dir())
+    if args.verify:
+        verify_store(directory)
+        print(f"frame store {directory}: every shard matches its manifest")
+        return
+    if not args.rebuild:
+        store = open_store(directory, metadata)  # a corrupt one raises, naming the file
+        if store is not None and store.size == size and (args.cameras is None or set(args.cameras) <= set(store.cameras)):
+            print(f"frame store {directory} is up to date")
+            return
+    start = time.perf_counter()
+    store = build_store(metadata, directory, size, tuple(args.cameras) if args.cameras else None, int(args.max_gb * 2**30))
+    print(f"wrote frame store {directory}: {len(store.cameras)} camera(s), {store.nbytes / 2**30:.2f} GiB in {time.perf_counter() - start:.1f}s")
 
 
 def run_stats(metadata: LeRobotMetadata, cameras: bool, frame_stride: int, write: bool) -> None:

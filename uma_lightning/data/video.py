@@ -68,25 +68,42 @@ def rgb_to_yuv420p(images: np.ndarray) -> np.ndarray:
     return np.concatenate(planes, axis=-1).astype(np.uint8).reshape(*lead, height * 3 // 2, width)
 
 
-class VideoStreamWriter:
-    """Appends uint8 RGB frames [T, H, W, 3] to one H.264 (yuv420p) mp4; several episodes may share a file.
+# Encoders the writer knows, by the name meta/info.json gives the codec (video.codec).
+CODECS = {"h264": "libx264", "av1": "libsvtav1"}
 
-    A short GOP keeps random access cheap. The colour conversion is ours (`rgb_to_yuv420p`), the
-    encoder runs one thread without B-frames and the muxer writes no version string, so the
-    output bytes are a pure function of the input: regenerating a dataset reproduces the same files.
+
+def _encoder_options(codec: str, crf: int, gop: int) -> dict[str, str]:
+    """One thread and no reordered frames: the output bytes are then a pure function of the input."""
+    if codec == "h264":
+        return {"crf": str(crf), "g": str(gop), "bf": "0", "preset": "fast", "threads": "1"}
+    # SVT-AV1's crf scale runs to 63; preset 10 is its fast end that still compresses well.
+    return {"crf": str(min(63, crf + 10)), "g": str(gop), "preset": "10", "svtav1-params": "lp=1"}
+
+
+class VideoStreamWriter:
+    """Appends uint8 RGB frames [T, H, W, 3] to one H.264 or AV1 (yuv420p) mp4; several episodes may share a file.
+
+    A short GOP keeps random access cheap (LeRobot writes GOP 2). The colour conversion is ours
+    (`rgb_to_yuv420p`), the encoder runs one thread without B-frames and the muxer writes no
+    version string, so the output bytes are a pure function of the input: regenerating a dataset
+    reproduces the same files.
     """
 
-    def __init__(self, path: str | Path, fps: float, height: int, width: int, crf: int = 20, gop: int = 2, preset: str = "fast"):
+    def __init__(self, path: str | Path, fps: float, height: int, width: int, crf: int = 20, gop: int = 2, codec: str = "h264"):
         self.path = Path(path)
         if height % 2 or width % 2:
             raise ValueError(f"{self.path}: yuv420p needs even height and width, got {height}x{width}")
+        if codec not in CODECS:
+            raise ValueError(f"{self.path}: unknown codec {codec!r}; choose from {sorted(CODECS)}")
+        if gop < 1:
+            raise ValueError(f"{self.path}: gop must be >= 1, got {gop}")
         self.rate = Fraction(fps).limit_denominator(1001)
         self.shape = (height, width, 3)
         self.frames = 0
         self._container = av.open(str(self.path), mode="w", options={"fflags": "+bitexact"})
-        self._stream = self._container.add_stream("libx264", rate=self.rate)
+        self._stream = self._container.add_stream(CODECS[codec], rate=self.rate)
         self._stream.width, self._stream.height, self._stream.pix_fmt = width, height, "yuv420p"
-        self._stream.options = {"crf": str(crf), "g": str(gop), "bf": "0", "preset": preset, "threads": "1"}
+        self._stream.options = _encoder_options(codec, crf, gop)
 
     def add(self, frames: np.ndarray) -> tuple[float, float]:
         """Encode `frames`; returns the time span [from, to) they occupy in the file, in seconds."""
@@ -112,12 +129,12 @@ class VideoStreamWriter:
         self.close()
 
 
-def encode_video(frames: np.ndarray, path: str | Path, fps: float, crf: int = 20, gop: int = 2, preset: str = "fast") -> None:
-    """Write uint8 RGB frames [T, H, W, 3] to a new H.264 mp4 at `path`."""
+def encode_video(frames: np.ndarray, path: str | Path, fps: float, crf: int = 20, gop: int = 2, codec: str = "h264") -> None:
+    """Write uint8 RGB frames [T, H, W, 3] to a new mp4 at `path`."""
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
         raise ValueError(f"{path}: frames must be uint8 [T, H, W, 3] with T >= 1, got {frames.dtype} {frames.shape}")
-    with VideoStreamWriter(path, fps, frames.shape[1], frames.shape[2], crf, gop, preset) as writer:
+    with VideoStreamWriter(path, fps, frames.shape[1], frames.shape[2], crf, gop, codec) as writer:
         writer.add(frames)
 
 
@@ -129,37 +146,47 @@ class VideoReader:
     wrong state and action.
     """
 
-    # Decode forward instead of seeking when the next request is at most this many frames ahead.
+    # Decode forward instead of seeking when the next request is at most this many frames ahead (or
+    # within the longest GOP seen so far, where a seek would land on a keyframe behind the position).
     FORWARD_FRAMES = 8
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None) -> None:
         self.path = Path(path)
         try:
             self._container = av.open(str(self.path))
             self._stream = self._container.streams.video[0]
         except (av.FFmpegError, OSError, IndexError) as error:
             raise VideoError(f"cannot open video {self.path}: {error}") from error
-        self._stream.thread_count = 1  # small frames: threads cost more than they save, and loader workers run in parallel
+        # One thread for small frames (threads cost more than they save, and loader workers run in
+        # parallel); see `decoder_threads`. Threaded decoding returns the same pixels.
+        self._stream.thread_count = threads
+        if threads > 1:
+            self._stream.thread_type = "AUTO"
+        self.size = tuple(size) if size is not None else (self._stream.height, self._stream.width)
         rate = self._stream.average_rate or self._stream.guessed_rate or 30
         self._frame_s = 1.0 / float(rate)
         self._frames: Any = None  # the decode generator, positioned after the last decoded frame
         self._last_time: float | None = None
         self._first_after_seek: float | None = None
+        self._gop_frames = 1  # the longest distance between keyframes decoded so far
+        self._last_key: float | None = None
 
     @property
     def nbytes_per_frame(self) -> int:
-        return self._stream.height * self._stream.width * 3
+        return self.size[0] * self.size[1] * 3
 
-    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None) -> np.ndarray:
+    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, keep: dict[int, int] | None = None) -> np.ndarray:
         """Frames at `timestamps`, uint8 [N, H, W, 3]. With an `LRU` cache, frames are looked up by
-        (path, microsecond) first, and the frames returned are stored there."""
+        (path, microsecond) first, and the frames returned are stored there. `keep` maps frame numbers
+        (time x fps, rounded) to the microsecond keys later requests will use: frames decoded on the
+        way that it names are converted and cached too, so that no frame is decoded twice."""
         query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
         found: dict[float, np.ndarray] = {}
         for target in np.unique(query):
             key = (str(self.path), int(round(target * 1e6)))
             frame = cache.peek(key) if cache is not None else None
             if frame is None:
-                frame = self._decode_at(float(target), tolerance_s, cache)
+                frame = self._decode_at(float(target), tolerance_s, cache, keep)
             found[float(target)] = frame
         return np.stack([found[float(t)] for t in query])
 
@@ -167,12 +194,18 @@ class VideoReader:
         self._frames = None
         self._container.close()
 
-    def _decode_at(self, target: float, tolerance_s: float, cache: Any) -> np.ndarray:
-        ahead = self._last_time is not None and self._last_time < target <= self._last_time + self.FORWARD_FRAMES * self._frame_s
+    def _decode_at(self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> np.ndarray:
+        # Strictly after the last decoded frame: that frame itself is behind the decoder now (it was
+        # evicted from the cache if it is asked for again), so it needs a seek.
+        ahead = (
+            self._last_time is not None
+            and self._last_time + tolerance_s < target
+            and self._wasted_frames(target, keep) <= max(self.FORWARD_FRAMES, self._gop_frames)
+        )
         if not ahead:
             self._seek(target)
         for attempt in range(2):
-            frame, time = self._decode_until(target, tolerance_s, cache)
+            frame, time = self._decode_until(target, tolerance_s, cache, keep)
             if frame is not None:
                 return frame
             if attempt == 0 and self._first_after_seek is not None and self._first_after_seek > target:
@@ -181,6 +214,14 @@ class VideoReader:
             break
         where = f"nearest decoded is {time:.6f}s" if time is not None else "no frame decodes there"
         raise VideoError(f"{self.path}: no frame at timestamp {target:.6f}s ({where}, tolerance {tolerance_s}s)")
+
+    def _wasted_frames(self, target: float, keep: dict[int, int] | None) -> int:
+        """Frames that decoding forward to `target` would decode and throw away: those between the
+        position and the target that no later request (`keep`) names."""
+        first, last = int(round(self._last_time / self._frame_s)) + 1, int(round(target / self._frame_s))
+        if keep is None:
+            return last - first
+        return sum(1 for n in range(first, last) if n not in keep)
 
     def _seek(self, target: float) -> None:
         offset = int(max(target, 0.0) / float(self._stream.time_base))
@@ -191,8 +232,9 @@ class VideoReader:
         self._frames = self._container.decode(self._stream)
         self._last_time = None
         self._first_after_seek = None
+        self._last_key = None
 
-    def _decode_until(self, target: float, tolerance_s: float, cache: Any) -> tuple[np.ndarray | None, float | None]:
+    def _decode_until(self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> tuple[np.ndarray | None, float | None]:
         """Decode forward to `target`: (the frame, its time), or (None, time of the first frame past it)."""
         if self._frames is None:
             self._seek(target)
@@ -204,8 +246,13 @@ class VideoReader:
                 if self._last_time is None:
                     self._first_after_seek = time
                 self._last_time = time
+                if frame.key_frame:
+                    if self._last_key is not None:
+                        self._gop_frames = max(self._gop_frames, round((time - self._last_key) / self._frame_s))
+                    self._last_key = time
                 if time < target - tolerance_s:
-                    continue  # not converted to RGB: most of these frames are never asked for
+                    self._keep(frame, time, tolerance_s, cache, keep)  # others are not converted to RGB: never asked for
+                    continue
                 if time > target + tolerance_s:
                     return None, time
                 image = self._rgb(frame)
@@ -218,8 +265,31 @@ class VideoReader:
         self._frames = None  # end of file: the next request seeks
         return None, self._last_time
 
+    def _keep(self, frame: av.VideoFrame, time: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> None:
+        if keep is None or cache is None:
+            return
+        micros = keep.get(int(round(time / self._frame_s)))
+        if micros is not None and abs(micros / 1e6 - time) <= tolerance_s and (str(self.path), micros) not in cache:
+            cache.put((str(self.path), micros), self._rgb(frame))
+
     def _rgb(self, frame: av.VideoFrame) -> np.ndarray:
+        return to_rgb(frame, self.size)
+
+
+def to_rgb(frame: av.VideoFrame, size: tuple[int, int]) -> np.ndarray:
+    """uint8 RGB [H, W, 3] of a decoded frame at (height, width) `size`: scaled, when it differs from
+    the stored size, in the same colour-conversion pass (area averaging when shrinking)."""
+    height, width = size
+    if (frame.height, frame.width) == (height, width):
         return _to_rgb().reformat(frame, format="rgb24").to_ndarray()
+    return _to_rgb().reformat(frame, format="rgb24", width=width, height=height, interpolation="AREA").to_ndarray()
+
+
+def decoder_threads(workers: int, height: int, width: int, cpus: int | None = None) -> int:
+    """Decoder threads per open video: the cores each loader process may use, but no more than one
+    per ~100k pixels (below that, frame threading costs more than it saves)."""
+    cpus = cpus or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(1, min(cpus // max(1, workers), height * width // 100_000))
 
 
 @dataclass(frozen=True)
@@ -240,7 +310,7 @@ def decode_video(path: str | Path) -> DecodedVideo:
             stream = container.streams.video[0]
             stream.thread_count = 1
             for frame in container.decode(stream):
-                frames.append(_to_rgb().reformat(frame, format="rgb24").to_ndarray())
+                frames.append(to_rgb(frame, (frame.height, frame.width)))
                 timestamps.append(float(frame.pts * frame.time_base))
     except (av.FFmpegError, OSError, IndexError) as error:
         raise VideoError(f"cannot decode video {path}: {error}") from error
@@ -249,10 +319,71 @@ def decode_video(path: str | Path) -> DecodedVideo:
     return DecodedVideo(path, np.stack(frames), np.asarray(timestamps))
 
 
-def decode_frames_at(path: str | Path, timestamps: np.ndarray, tolerance_s: float = 1e-4) -> np.ndarray:
+def decode_frames_at(path: str | Path, timestamps: np.ndarray, tolerance_s: float = 1e-4, size: tuple[int, int] | None = None) -> np.ndarray:
     """Frames of a video file at the given timestamps (seconds), uint8 [N, H, W, 3]."""
-    reader = VideoReader(path)
+    reader = VideoReader(path, size=size)
     try:
         return reader.frames_at(timestamps, tolerance_s)
     finally:
         reader.close()
+
+
+def gpu_decoder() -> str | None:
+    """The GPU video decoder installed next to a usable CUDA device ("torchcodec" or "PyNvVideoCodec"), else None."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    for name in ("torchcodec", "PyNvVideoCodec"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
+def choose_decoder(setting: str, num_workers: int) -> tuple[str, str]:
+    """("cpu" or "cuda", why) for the loader's `decoder` setting; cuda falls back to cpu, saying why."""
+    if setting == "cpu":
+        return "cpu", "set in the config"
+    found = gpu_decoder()
+    if found is None:
+        return "cpu", "no GPU decoder (torchcodec's CUDA build or PyNvVideoCodec) with a CUDA device is installed"
+    if num_workers > 0:
+        return "cpu", f"{found} decodes in the training process, and loader.num_workers is {num_workers} (set it to 0 for GPU decoding)"
+    return "cuda", f"{found} on {__import__('torch').cuda.get_device_name()}"
+
+
+class CudaVideoReader:
+    """`VideoReader`'s interface over torchcodec's GPU decoder (NVDEC). Its colour conversion is the
+    GPU's, so frames differ from the CPU path's by a few levels; the frames come back to host memory
+    for collation, as the CPU path's do."""
+
+    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None) -> None:
+        from torchcodec.decoders import VideoDecoder
+
+        self.path = Path(path)
+        self.size = size
+        try:
+            self._decoder = VideoDecoder(str(self.path), device="cuda", seek_mode="approximate")
+        except (RuntimeError, ValueError, OSError) as error:
+            raise VideoError(f"cannot open video {self.path} on the GPU: {error}") from error
+
+    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, keep: dict[int, int] | None = None) -> np.ndarray:
+        import torch
+
+        query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
+        try:
+            batch = self._decoder.get_frames_played_at(seconds=query.tolist())
+        except (RuntimeError, IndexError) as error:
+            raise VideoError(f"{self.path}: cannot decode frames at {query.tolist()} on the GPU: {error}") from error
+        off = np.abs(batch.pts_seconds.cpu().numpy() - query) > tolerance_s
+        if off.any():
+            raise VideoError(f"{self.path}: no frame at timestamp {query[off][0]:.6f}s (tolerance {tolerance_s}s)")
+        frames = batch.data
+        if self.size is not None and tuple(frames.shape[-2:]) != tuple(self.size):
+            frames = torch.nn.functional.interpolate(frames.float(), size=self.size, mode="area").round_().clamp_(0, 255).to(torch.uint8)
+        return frames.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+
+    def close(self) -> None:
+        self._decoder = None

@@ -63,6 +63,8 @@ class LeRobotWriter:
         robot_type: str = "unknown",
         crf: int = 20,
         version: Version = "v2.1",
+        codec: str = "h264",
+        gop: int = 2,
         data_file_mb: float = 100.0,
         video_file_mb: float = 500.0,
     ) -> None:
@@ -78,6 +80,7 @@ class LeRobotWriter:
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.robot_type = robot_type
         self.crf = crf
+        self.codec, self.gop = codec, gop
         self.version = version
         self.data_file_bytes = int(data_file_mb * 2**20)
         self.video_file_bytes = int(video_file_mb * 2**20)
@@ -142,7 +145,7 @@ class LeRobotWriter:
             if self.version == "v2.1":
                 video_path = self.partial / self._v2_path(V2_VIDEO_PATH, episode_index, camera)
                 video_path.parent.mkdir(parents=True, exist_ok=True)
-                with VideoStreamWriter(video_path, self.fps, *self.image_size, crf=self.crf) as video:
+                with VideoStreamWriter(video_path, self.fps, *self.image_size, crf=self.crf, gop=self.gop, codec=self.codec) as video:
                     video.add(frames[camera])
             else:
                 row.update(self._append_video(camera, frames[camera]))
@@ -226,13 +229,14 @@ class LeRobotWriter:
 
     def _append_video(self, camera: str, frames: np.ndarray) -> dict[str, Any]:
         video, chunk_file = self._videos.get(camera, (None, (0, -1)))
-        if video is None or video.path.stat().st_size >= self.video_file_bytes:
+        # An encoder with lookahead (SVT-AV1) may not have written the file yet.
+        if video is None or (video.path.exists() and video.path.stat().st_size >= self.video_file_bytes):
             if video is not None:
                 video.close()
             chunk_file = _next_file(chunk_file) if video is not None else (0, 0)
             path = self.partial / V3_VIDEO_PATH.format(video_key=camera, chunk_index=chunk_file[0], file_index=chunk_file[1])
             path.parent.mkdir(parents=True, exist_ok=True)
-            video = VideoStreamWriter(path, self.fps, *self.image_size, crf=self.crf)
+            video = VideoStreamWriter(path, self.fps, *self.image_size, crf=self.crf, gop=self.gop, codec=self.codec)
             self._videos[camera] = (video, chunk_file)
         start, end = video.add(frames)
         prefix = f"videos/{camera}"
@@ -273,7 +277,7 @@ class LeRobotWriter:
             "video.height": height,
             "video.width": width,
             "video.channels": 3,
-            "video.codec": "h264",
+            "video.codec": self.codec,
             "video.pix_fmt": "yuv420p",
             "video.is_depth_map": False,
             "has_audio": False,
