@@ -141,9 +141,10 @@ def cpu_time_main(args, recipe: dict) -> None:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
-def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int = 3) -> tuple[float, float, float]:
+def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int = 3,
+                  accelerator: str = "cpu") -> tuple[float, float, float]:
     """(trained env steps/s, received env steps/s, CPU seconds per 1000 trained env steps) of the
-    recipe's learner and data module."""
+    recipe's learner and data module, the learner on ``accelerator``."""
     import lightning as L
     from lightning.pytorch import Callback
 
@@ -166,7 +167,7 @@ def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int =
     clock = Clock()
     trainer = L.Trainer(max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
-                        accelerator="cpu", devices=1)
+                        accelerator=accelerator, devices=1)
     trainer.fit(model, data)
     (t0, trained0, received0, cpu0), (t1, trained1, received1, cpu1) = clock.marks[skip_iterations], clock.marks[-1]
     return (trained1 - trained0) / (t1 - t0), (received1 - received0) / (t1 - t0), 1000 * (cpu1 - cpu0) / (trained1 - trained0)
