@@ -156,6 +156,10 @@ def test_fused_act_draws_and_scores_bitwise_as_the_distribution_it_replaces():
                     results.append((*sample(policy, obs), torch.rand(3)))  # the last: the generator moved alike
             for reference, fused in zip(*results):
                 assert torch.equal(reference, fused), (normalize_obs, batch)
+            with torch.no_grad():  # new weights copied in, as actors load them: act must not keep the old ones
+                for tensor in policy.state_dict().values():
+                    if tensor.is_floating_point():
+                        tensor.mul_(1.5)
     # Only the class whose forward act mirrors gets the fused path.
     assert fused_act(policy) is not None and fused_act(TanhGaussianMLPPolicy(spec)) is None
     changed = _ForwardChanged(spec, hidden=(16, 16))
