@@ -2,7 +2,7 @@
 stepping of the same environments in the same number of processes, measured in one run.
 
     python benchmarks/rl_throughput.py [--env Humanoid-v5] [--seconds 60] [--repeats 2]
-    python benchmarks/rl_throughput.py --cpu-time [--seconds 20] [--repeats 5] [--json FILE]
+    python benchmarks/rl_throughput.py --cpu-time [--seconds 20] [--repeats 5] [--json FILE] [--envs-per-worker 16]
 
 raw:       N processes, each stepping a gymnasium SyncVectorEnv of M environments with random actions.
 pipeline:  the default recipe (recipes/rl.yaml: PPO, N workers x M envs, asynchronous) trained by the
@@ -120,7 +120,7 @@ def actor_cpu_per_step(env: str, n_workers: int, n_envs: int, steps_per_chunk: i
 
 def cpu_time_main(args, recipe: dict) -> None:
     data = recipe["data"]["init_args"]
-    n_workers, n_envs, steps = data["n_workers"], data["envs_per_worker"], data.get("steps_per_chunk", 64)
+    n_workers, n_envs, steps = data["n_workers"], args.envs_per_worker or data["envs_per_worker"], data.get("steps_per_chunk", 64)
     hidden = recipe["model"]["init_args"].get("hidden", [64, 64])
     raw, actor = [], []
     for repeat in range(args.repeats):
@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per variant and repeat")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true", help="actor CPU per env step against raw stepping's")
+    parser.add_argument("--envs-per-worker", type=int, help="with --cpu-time: envs per worker instead of the recipe's")
     parser.add_argument("--json", help="with --cpu-time: write the medians and actor_cpu_per_step_vs_raw to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds per variant and repeat")
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
-    seconds = 3.0 if args.cpu_smoke else args.seconds
+    seconds = 1.5 if args.cpu_smoke else args.seconds
     started = time.perf_counter()
     section("RL throughput: actors on their own cores, inference server and PPO learner on the " + ("CPU (smoke run)" if args.cpu_smoke else "GPU"))
     try:
