@@ -2,6 +2,7 @@
 stepping of the same environments in the same number of processes, measured in one run.
 
     python benchmarks/rl_throughput.py [--env Humanoid-v5] [--seconds 60] [--repeats 2]
+    python benchmarks/rl_throughput.py --cpu-time [--seconds 20] [--repeats 5] [--json FILE] [--envs-per-worker 16]
 
 raw:       N processes, each stepping a gymnasium SyncVectorEnv of M environments with random actions.
 pipeline:  the default recipe (recipes/rl.yaml: PPO, N workers x M envs, asynchronous) trained by the
@@ -12,11 +13,17 @@ The two alternate, ``--repeats`` times each; the table shows medians and the rat
 On a shared machine wall-clock rates follow the load, so the table also shows CPU seconds per 1000
 env steps of every process involved (workers and learner): raw / pipeline of that is the throughput
 ratio on cores of one's own.
+
+``--cpu-time`` measures the actors alone: CPU time per env step of the recipe's worker processes
+(local inference, a learner that only takes chunks and publishes a version per iteration) against
+raw stepping's, alternating the two. It counts process CPU time, not wall time, so a busy machine
+changes little; ``--json FILE`` writes the medians and ``actor_cpu_per_step_vs_raw``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -69,9 +76,75 @@ def _cpu_seconds() -> float:
     return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
 
 
-def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int = 3) -> tuple[float, float, float]:
+def _process_cpu(pid: int) -> float:
+    import psutil
+
+    return sum(psutil.Process(pid).cpu_times()[:2])
+
+
+def actor_cpu_per_step(env: str, n_workers: int, n_envs: int, steps_per_chunk: int, hidden: list[int], seconds: float,
+                       skip_chunks: int = 2) -> float:
+    """CPU milliseconds per env step of rollout workers with local inference (``GaussianMLPPolicy``, the
+    recipe's hidden sizes). Each worker's CPU is read when its chunks arrive, after the first
+    ``skip_chunks`` (start-up), so the part of the next chunk a worker has begun is in both readings."""
+    from uma_lightning.rl.env import probe_env
+    from uma_lightning.rl.local import ActorSetup, LocalActors
+    from uma_lightning.rl.policy import GaussianMLPPolicy
+
+    spec = probe_env(env)
+    policy = GaussianMLPPolicy(spec, tuple(hidden))
+    actors = LocalActors(ActorSetup(spec, n_envs=n_envs, steps=steps_per_chunk), policy, n_workers, slots_per_worker=1)
+    try:
+        version, received, marks = 0, [0] * n_workers, {}
+        actors.publish(policy.state_dict(), version)
+        start = None
+        while start is None or time.perf_counter() - start < seconds or len(marks) < n_workers:
+            chunk = actors.next_chunk(timeout=300)
+            received[chunk.worker] += 1
+            if received[chunk.worker] > skip_chunks:
+                cpu = _process_cpu(actors.pids[chunk.worker])
+                first = marks.get(chunk.worker, (cpu, received[chunk.worker]))[:2]
+                marks[chunk.worker] = (*first, cpu, received[chunk.worker])
+                start = start or time.perf_counter()
+            if sum(received) % n_workers == 0:  # one learner iteration: a new version, as training publishes
+                version += 1
+                actors.publish(policy.state_dict(), version)
+        if actors.restarts:
+            raise RuntimeError(f"{actors.restarts} actor restart(s) during the measurement")
+    finally:
+        actors.close()
+    cpu = sum(last - first for first, _, last, _ in marks.values())
+    chunks = sum(n_last - n_first for _, n_first, _, n_last in marks.values())
+    return 1000 * cpu / (chunks * n_envs * steps_per_chunk)
+
+
+def cpu_time_main(args, recipe: dict) -> None:
+    data = recipe["data"]["init_args"]
+    n_workers, n_envs, steps = data["n_workers"], args.envs_per_worker or data["envs_per_worker"], data.get("steps_per_chunk", 64)
+    hidden = recipe["model"]["init_args"].get("hidden", [64, 64])
+    raw, actor = [], []
+    for repeat in range(args.repeats):
+        raw.append(raw_rate(args.env, n_workers, n_envs, args.seconds)[1])
+        actor.append(actor_cpu_per_step(args.env, n_workers, n_envs, steps, hidden, args.seconds))
+        print(f"repeat {repeat + 1}: raw {raw[-1]:.4f} ms CPU / env step | actor {actor[-1]:.4f} ms | "
+              f"ratio {actor[-1] / raw[-1]:.3f}", flush=True)
+    ratios = [a / r for a, r in zip(actor, raw)]
+    print_table(
+        f"{args.env}: {n_workers} processes x {n_envs} envs, local inference, {args.seconds:.0f} s per variant, median of {args.repeats}",
+        ["variant", "CPU ms / env step", "ratio to raw"],
+        [["raw vectorised stepping", median(raw), 1.0], ["actor (policy, bookkeeping, chunk writes)", median(actor), median(ratios)]],
+    )
+    if args.json:
+        result = {"env": args.env, "n_workers": n_workers, "envs_per_worker": n_envs, "repeats": args.repeats,
+                  "raw_cpu_ms_per_step": median(raw), "actor_cpu_ms_per_step": median(actor),
+                  "actor_cpu_per_step_vs_raw": median(ratios), "ratios": ratios}
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int = 3,
+                  accelerator: str = "cpu") -> tuple[float, float, float]:
     """(trained env steps/s, received env steps/s, CPU seconds per 1000 trained env steps) of the
-    recipe's learner and data module."""
+    recipe's learner and data module, the learner on ``accelerator``."""
     import lightning as L
     from lightning.pytorch import Callback
 
@@ -94,7 +167,7 @@ def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int =
     clock = Clock()
     trainer = L.Trainer(max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
-                        accelerator="cpu", devices=1)
+                        accelerator=accelerator, devices=1)
     trainer.fit(model, data)
     (t0, trained0, received0, cpu0), (t1, trained1, received1, cpu1) = clock.marks[skip_iterations], clock.marks[-1]
     return (trained1 - trained0) / (t1 - t0), (received1 - received0) / (t1 - t0), 1000 * (cpu1 - cpu0) / (trained1 - trained0)
@@ -106,9 +179,15 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "rl.yaml"))
     parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per variant and repeat")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cpu-time", action="store_true", help="actor CPU per env step against raw stepping's")
+    parser.add_argument("--envs-per-worker", type=int, help="with --cpu-time: envs per worker instead of the recipe's")
+    parser.add_argument("--json", help="with --cpu-time: write the medians and actor_cpu_per_step_vs_raw to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     recipe = yaml.safe_load(Path(args.recipe).read_text())
+    if args.cpu_time:
+        cpu_time_main(args, recipe)
+        return
     n_workers, n_envs = recipe["data"]["init_args"]["n_workers"], recipe["data"]["init_args"]["envs_per_worker"]
 
     raw, raw_cpu, trained, received, cpu = [], [], [], [], []

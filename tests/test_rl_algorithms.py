@@ -8,7 +8,7 @@ from torch.distributions import AffineTransform, Independent, Normal, TanhTransf
 
 from uma_lightning.rl.advantages import gae, vtrace
 from uma_lightning.rl.env import EnvSpec, probe_env
-from uma_lightning.rl.policy import GaussianMLPPolicy, RunningNorm, SquashedNormal, TanhGaussianMLPPolicy, check_policy
+from uma_lightning.rl.policy import GaussianMLPPolicy, RunningNorm, SquashedNormal, TanhGaussianMLPPolicy, check_policy, fused_act
 
 SPEC = EnvSpec("test", obs_dim=3, action_dim=2, action_low=(-2.0, -1.0), action_high=(2.0, 3.0))
 
@@ -126,3 +126,80 @@ def test_env_spec_from_gymnasium_id_and_factory_and_clear_errors():
         probe_env("rl_envs:discrete_env")
     with pytest.raises(ValueError, match="rl_envs has no callable 'nothing'"):
         probe_env("rl_envs:nothing")
+
+
+# ---- acting: the fused path and the chunk writes --------------------------------------------------
+
+
+class _ForwardChanged(GaussianMLPPolicy):
+    def forward(self, obs):
+        return super().forward(obs * 2)
+
+
+def test_fused_act_draws_and_scores_bitwise_as_the_distribution_it_replaces():
+    from uma_lightning.rl.rollout import sample_actions, sample_from_distribution
+
+    spec = EnvSpec("test", obs_dim=11, action_dim=5, action_low=(-1.0,) * 5, action_high=(1.0,) * 5)
+    g = torch.Generator().manual_seed(0)
+    for normalize_obs in (True, False):
+        policy = GaussianMLPPolicy(spec, hidden=(16, 16), normalize_obs=normalize_obs).eval()
+        with torch.no_grad():  # weights, log-std and statistics away from their initial values
+            for tensor in policy.state_dict().values():
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.rand(tensor.shape, generator=g, dtype=tensor.dtype) + 0.5)
+        for batch in (1, 8, 33):  # torch's normal sampler takes another path from 16 values on
+            obs = torch.randn(batch, spec.obs_dim, generator=g) * 30  # some beyond the clip of the normalisation
+            results = []
+            for sample in (sample_from_distribution, sample_actions):
+                torch.manual_seed(batch)
+                with torch.inference_mode():
+                    results.append((*sample(policy, obs), torch.rand(3)))  # the last: the generator moved alike
+            for reference, fused in zip(*results):
+                assert torch.equal(reference, fused), (normalize_obs, batch)
+            with torch.no_grad():  # new weights copied in, as actors load them: act must not keep the old ones
+                for tensor in policy.state_dict().values():
+                    if tensor.is_floating_point():
+                        tensor.mul_(1.5)
+    # Only the class whose forward act mirrors gets the fused path.
+    assert fused_act(policy) is not None and fused_act(TanhGaussianMLPPolicy(spec)) is None
+    changed = _ForwardChanged(spec, hidden=(16, 16))
+    assert fused_act(changed) is None
+    torch.manual_seed(0)
+    reference = sample_from_distribution(changed, obs)
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(reference, sample_actions(changed, obs)))
+
+
+def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
+    """Observations written straight into the chunk: each row matches a separate vector env replayed
+    with the chunk's actions, episode ends keep their final observation, and chunks join seamlessly."""
+    import numpy as np
+
+    from uma_lightning.rl.env import make_vector_env
+    from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout
+
+    spec = probe_env("InvertedPendulum-v5")
+    torch.manual_seed(0)
+    runner = EnvRunner(spec, None, 4, seed=3, return_discount=0.9)
+    act = PolicyActor(GaussianMLPPolicy(spec, hidden=(8,), init_log_std=1.0), version=7)
+    layout = chunk_layout(spec, 16, 4)
+    chunks = []
+    for _ in range(2):
+        chunk = {name: np.zeros(shape, torch.empty((), dtype=dtype).numpy().dtype) for name, (shape, dtype) in layout.items()}
+        runner.fill(chunk, act)
+        chunks.append(chunk)
+    runner.close()
+    data = {name: np.concatenate([c[name] for c in chunks]) for name in layout}
+    replay = make_vector_env(spec.env, None, 4)
+    obs, _ = replay.reset(seed=[3 + i for i in range(4)])
+    for t in range(32):
+        assert np.array_equal(data["obs"][t], obs.astype(np.float32))
+        obs, reward, terminated, truncated, info = replay.step(np.clip(data["action"][t], spec.action_low, spec.action_high))
+        final = obs.copy()
+        if (terminated | truncated).any():
+            final[terminated | truncated] = np.stack(info["final_obs"][terminated | truncated])
+        assert np.array_equal(data["next_obs"][t], final.astype(np.float32))
+        assert np.array_equal(data["reward"][t], reward.astype(np.float32))
+        assert np.array_equal(data["terminated"][t], terminated) and np.array_equal(data["truncated"][t], truncated)
+    replay.close()
+    assert data["terminated"].any() and (data["version"] == 7).all()

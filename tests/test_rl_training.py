@@ -12,7 +12,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from suite import TESTS, recipe, run_main
+from suite import REPO, TESTS, recipe, run_main
 from uma_lightning.rl.cli import RLCLI
 
 DEFAULT, PPO, SAC = recipe("rl"), recipe("rl_inverted_pendulum"), recipe("rl_pendulum_sac")
@@ -127,3 +127,17 @@ def test_ddp_learner_keeps_ranks_identical_while_each_collects_its_own_data(tmp_
     assert ranks[0]["global_step"] == ranks[1]["global_step"] > 0
     # Different data on each rank, identical weights and observation statistics after every update.
     assert ranks[0]["digest"] == ranks[1]["digest"]
+
+
+@pytest.mark.slow
+def test_gpu_rl_case_cpu_smoke_runs_from_a_checkout_without_the_package_installed(tmp_path):
+    """The GPU machine's RL case (14 actors, server inference, learner on the GPU), run as that machine
+    runs it, without uma-lightning installed, on the CPU at tiny sizes."""
+    script = REPO / "benchmarks" / "gpu" / "rl_throughput.py"
+    site_packages = [p for p in sys.path if p.endswith("site-packages")]
+    code = f"import sys, runpy; sys.path[:0] = {site_packages!r}; sys.argv = ['rl_throughput.py', '--cpu-smoke']; runpy.run_path({str(script)!r}, run_name='__main__')"
+    # -S: no site hooks, so the editable install's import hook is not there.
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "=== RL throughput" in out.stdout and "FAILED" not in out.stdout
+    assert "pipeline, server inference (trained)" in out.stdout and "pipeline / raw: " in out.stdout

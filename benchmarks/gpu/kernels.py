@@ -1,4 +1,4 @@
-"""GPU checks for uma_lightning.kernels, in one run of under 8 minutes on one H200.
+"""GPU checks for uma_lightning.kernels, and the RL throughput case, in one run of under 10 minutes on one H200.
 
 Prints, section by section:
 
@@ -10,7 +10,11 @@ Prints, section by section:
    PyTorch version, and liger-kernel where installed;
 3. attention backends at sequence lengths 1k-16k (causal and block-causal);
 4. tokens/s and MFU of a ``1b`` model training step (bf16 autocast, AdamW) with every backend on
-   ``auto`` against the plain-PyTorch path (PyTorch ops, SDPA, unfused cross-entropy).
+   ``auto`` against the plain-PyTorch path (PyTorch ops, SDPA, unfused cross-entropy);
+5. RL throughput with the learner and inference server on the GPU and 14 actors on the cores
+   (``benchmarks/gpu/rl_throughput.py``, in its own process, about 2 minutes; it needs gymnasium
+   with MuJoCo and is skipped, saying so, without it). The CPU smoke run leaves it out: the test
+   suite runs that script's ``--cpu-smoke`` on its own.
 
 It installs nothing and needs only torch (and Triton, which CUDA builds of torch bring); it runs
 from a checkout without ``pip install``. Every failure names its check, and the script exits 1
@@ -474,10 +478,30 @@ def _time_training(cfg, kernels, fused: bool, device, batch_size: int, warmup: i
     return seconds, peak
 
 
+RL_SCRIPT = REPO / "benchmarks" / "gpu" / "rl_throughput.py"
+
+
+def rl_throughput(report: Report, cpu_smoke: bool) -> None:
+    """The RL case in a process of its own (its actors, CUDA context and memory stay out of this one)."""
+    import subprocess
+
+    section("RL throughput (benchmarks/gpu/rl_throughput.py)")
+    if cpu_smoke:
+        print("left out of the smoke run: the test suite runs rl_throughput.py --cpu-smoke itself")
+        return
+    missing = [name for name in ("gymnasium", "mujoco") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"skipped: {', '.join(missing)} not installed (pip install 'gymnasium[mujoco]')")
+        return
+    done = subprocess.run([sys.executable, str(RL_SCRIPT)], timeout=300)
+    if done.returncode != 0:
+        report.fail("rl throughput", f"rl_throughput.py exited with {done.returncode} (its output is above)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="run the CPU-possible parts at tiny sizes")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["correctness", "ops", "attention", "model"], help="sections to leave out")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["correctness", "ops", "attention", "model", "rl"], help="sections to leave out")
     args = parser.parse_args()
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("FAILED setup: no CUDA device (use --cpu-smoke on a CPU machine)")
@@ -492,6 +516,7 @@ def main() -> int:
         "ops": lambda: op_benchmarks(report, device, args.cpu_smoke, bench),
         "attention": lambda: attention_benchmarks(report, device, args.cpu_smoke, bench),
         "model": lambda: model_step_benchmark(report, device, args.cpu_smoke),
+        "rl": lambda: rl_throughput(report, args.cpu_smoke),
     }
     for name, run in sections.items():
         if name not in args.skip:

@@ -301,13 +301,20 @@ class _Pulse:
     asked every process to stop or is gone. A killed learner cannot ask; its end of the lifeline pipe
     closes with it (its parent pid would not tell: workers are children of the forkserver)."""
 
+    LIFELINE_INTERVAL = 0.05  # seconds between polls of the lifeline: a system call, too dear for every step
+
     def __init__(self, heartbeats: torch.Tensor, index: int, lifeline):
         self.beats, self.index, self.lifeline = heartbeats.numpy(), index, lifeline
+        self.next_poll = 0.0
 
     def __call__(self) -> None:
-        self.beats[self.index] = time.monotonic()
-        if self.beats[-1] or self.lifeline.poll():
+        now = self.beats[self.index] = time.monotonic()
+        if self.beats[-1]:
             raise SystemExit(0)
+        if now >= self.next_poll:
+            self.next_poll = now + self.LIFELINE_INTERVAL
+            if self.lifeline.poll():
+                raise SystemExit(0)
 
 
 def _worker_main(index: int, incarnation: int, setup: ActorSetup, policy: Optional[torch.nn.Module],

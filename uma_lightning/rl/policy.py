@@ -7,6 +7,11 @@ Everything the policy needs to act (weights, observation statistics) lives in it
 because that is what is published to actors. A policy that standardises observations with running
 statistics keeps a ``RunningNorm`` as ``obs_norm``; learners update it from the data they train on. A post-trained transformer policy is adapted by
 wrapping it in a module with this ``forward``; the learners build theirs in ``build_policy()``.
+
+Actors only need a sample, its log-probability and the value, batch after batch. A policy class may
+define ``act(obs) -> (action, log_prob, value)`` that computes exactly that in few ops, drawing the
+same random numbers; ``fused_act`` returns it only while ``forward`` is that class's own, so a
+subclass that changes ``forward`` is acted with through ``forward`` again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import torch.nn.functional as F
 from torch.distributions import Distribution, Independent, Normal
 
 from uma_lightning.rl.env import EnvSpec
+
+
+_LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))  # as torch.distributions.Normal.log_prob writes it
 
 
 class PolicyOutput(NamedTuple):
@@ -41,6 +49,15 @@ def check_policy(policy: nn.Module, spec: EnvSpec, needs_value: bool) -> None:
         raise ValueError(f"{name}: log_prob must give one value per sample; wrap per-dimension distributions in Independent")
     if needs_value and (out.value is None or tuple(out.value.shape) != (2,)):
         raise ValueError(f"{name}: this learner needs a value estimate of shape [B] from the policy")
+
+
+def fused_act(policy: nn.Module):
+    """``policy.act`` when the class that defines it also defines the ``forward`` in use, else None."""
+    cls = type(policy)
+    owner = next((klass for klass in cls.__mro__ if "act" in vars(klass)), None)
+    if owner is None or vars(owner).get("forward") is not cls.forward:
+        return None
+    return policy.act
 
 
 class RunningNorm(nn.Module):
@@ -95,6 +112,19 @@ def mlp(sizes: Sequence[int], activation: type[nn.Module], out_gain: float) -> n
     return nn.Sequential(*layers)
 
 
+_IN_PLACE = {nn.Tanh: torch.Tensor.tanh_, nn.ReLU: torch.Tensor.relu_}
+
+
+def mlp_forward_(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """``net(x)`` of an ``mlp`` for acting: the same ops, activations in place, no module calls."""
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            x = F.linear(x, layer.weight, layer.bias)
+        else:
+            x = _IN_PLACE[type(layer)](x)
+    return x
+
+
 class GaussianMLPPolicy(nn.Module):
     """Actor-critic for PPO: a diagonal Gaussian whose mean is an MLP of the observation, a learned
     state-independent log standard deviation, and a separate MLP value head."""
@@ -111,6 +141,33 @@ class GaussianMLPPolicy(nn.Module):
         mean = self.actor(x)
         distribution = Independent(Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False), 1, validate_args=False)
         return PolicyOutput(distribution, self.critic(x).squeeze(-1))
+
+    def act(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sample of ``forward``'s distribution, its log-probability and the value, bitwise as the
+        distribution objects compute them, with no objects built (about 25 ops per batch). For
+        callers under ``torch.inference_mode`` (actors, inference servers)."""
+        std, two_var, log_std, obs_scale = self._per_version()
+        norm = self.obs_norm
+        x = torch.sub(obs, norm.mean).div_(obs_scale).clamp_(-norm.clip, norm.clip) if obs_scale is not None else obs
+        mean = mlp_forward_(self.actor, x)
+        action = torch.normal(mean, std.expand_as(mean))  # Normal.sample's call: the same draws
+        # Normal.log_prob's formula, op for op, then Independent's sum over the action dimensions.
+        log_prob = (action - mean).square_().neg_().div_(two_var).sub_(log_std).sub_(_LOG_SQRT_2PI).sum(-1)
+        return action, log_prob, mlp_forward_(self.critic, x).squeeze(-1)
+
+    def _per_version(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """What ``act`` derives from the weights alone (the std, twice the variance, the log-std, the
+        observation scale), computed again only when they changed: copying new weights in, as actors
+        do, moves the tensors' version counters."""
+        norm = self.obs_norm if isinstance(self.obs_norm, RunningNorm) else None
+        sources = (self.log_std,) if norm is None else (self.log_std, norm.var)
+        key = tuple((id(t), t.data_ptr(), t._version) for t in sources)
+        cached = self.__dict__.get("_act_constants")
+        if cached is None or cached[0] != key:
+            std = self.log_std.detach().exp()
+            obs_scale = None if norm is None else torch.sqrt(norm.var + norm.eps)
+            cached = self._act_constants = (key, std, 2 * std.square(), std.log(), obs_scale)
+        return cached[1:]
 
 
 class SquashedNormal(Distribution):

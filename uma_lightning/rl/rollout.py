@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from uma_lightning.rl.env import EnvSpec, make_vector_env
-from uma_lightning.rl.policy import PolicyOutput
+from uma_lightning.rl.policy import PolicyOutput, fused_act
 
 # act(obs [N, obs_dim] float32) -> (action [N, A], log_prob [N], value [N], version)
 ActFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, int]]
@@ -65,16 +65,25 @@ class EnvRunner:
         self.discounted = np.zeros(n_envs, np.float64)
 
     def fill(self, chunk: dict[str, np.ndarray], act: ActFn, heartbeat: Callable[[], None] = lambda: None) -> None:
-        """Step ``T`` times, writing every step into ``chunk`` (arrays laid out as ``chunk_layout``)."""
-        for t in range(chunk["reward"].shape[0]):
-            action, log_prob, value, version = act(self.obs)
+        """Step ``T`` times, writing every step into ``chunk`` (arrays laid out as ``chunk_layout``).
+
+        Observations go from the env straight into the chunk, converted to float32 on the way, and the
+        policy acts on the chunk's own row: no step makes a private copy first."""
+        obs_rows, next_rows, steps = chunk["obs"], chunk["next_obs"], chunk["reward"].shape[0]
+        obs_rows[0] = self.obs
+        for t in range(steps):
+            action, log_prob, value, version = act(obs_rows[t])
             next_obs, reward, terminated, truncated, info = self.envs.step(np.clip(action, self.low, self.high))
-            next_obs = next_obs.astype(np.float32)
+            # The next step acts on the next episode's first observation; next_obs keeps the last one.
+            if t + 1 < steps:
+                obs_rows[t + 1] = next_obs
+            else:
+                self.obs[:] = next_obs
+            next_rows[t] = next_obs
             done = terminated | truncated
-            chunk["obs"][t] = self.obs
-            chunk["next_obs"][t] = next_obs
-            if done.any():
-                chunk["next_obs"][t, done] = np.stack(info["final_obs"][done])
+            any_done = done.any()
+            if any_done:
+                next_rows[t, done] = np.stack(info["final_obs"][done])
             chunk["action"][t] = action
             chunk["log_prob"][t] = log_prob
             chunk["value"][t] = value
@@ -82,16 +91,17 @@ class EnvRunner:
             chunk["terminated"][t] = terminated
             chunk["truncated"][t] = truncated
             chunk["version"][t] = version
-            self.discounted = self.discounted * self.return_discount + reward
+            self.discounted *= self.return_discount
+            self.discounted += reward
             chunk["discounted_return"][t] = self.discounted
             self.episode_return += reward
             self.episode_length += 1
             chunk["episode_return"][t] = self.episode_return
             chunk["episode_length"][t] = self.episode_length
-            self.episode_return[done] = 0.0
-            self.episode_length[done] = 0
-            self.discounted[done] = 0.0
-            self.obs = next_obs
+            if any_done:
+                self.episode_return[done] = 0.0
+                self.episode_length[done] = 0
+                self.discounted[done] = 0.0
             heartbeat()
 
     def close(self) -> None:
@@ -113,6 +123,13 @@ class PolicyActor:
 
 
 def sample_actions(policy: torch.nn.Module, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(action, log_prob, value) for a batch: through the policy's fused ``act`` where it has one."""
+    act = fused_act(policy)
+    return act(obs) if act is not None else sample_from_distribution(policy, obs)
+
+
+def sample_from_distribution(policy: torch.nn.Module, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference computation: ``forward``'s distribution, sampled, and the sample's log-probability."""
     out: PolicyOutput = policy(obs)
     action = out.distribution.sample()
     value = out.value if out.value is not None else torch.zeros(obs.shape[0], device=obs.device)
