@@ -1,5 +1,8 @@
+import fcntl
 import os
 import socket
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,10 +14,56 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# ---- two test processes at once (pytest-xdist, `-n 2` in pyproject's addopts) ---------------------
+# The suite is mostly one core's work: imports, Lightning's loop around tiny models, waits for child
+# processes. Two workers run the test files side by side. What is computed once per run (the dataset
+# cache, the session's shared runs) is shared between them through the folder both work in, under a
+# file lock; a test marked `alone` (it times something, or waits on a heartbeat) runs while the other
+# worker waits between tests.
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def run_folder(tmp_path_factory) -> Path:
+    """The folder every test process of this run shares (each xdist worker's own tmp folder is in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if WORKER else base
+
+
+@contextmanager
+def locked(path: Path, operation: int = fcntl.LOCK_EX):
+    """Hold ``flock(operation)`` on the file ``path`` (created if missing) for the block."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, operation)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, every test holds a shared lock from its setup to its teardown (fixtures it starts
+    included) and an `alone` test an exclusive one. The gate lets an `alone` test in ahead of the
+    other worker's next tests instead of waiting for a gap between them."""
+    if not WORKER:
+        return (yield)
+    folder = Path(item.config.option.basetemp).parent
+    alone = item.get_closest_marker("alone") is not None
+    with open(folder / "tests-running.lock", "a") as running:
+        with locked(folder / "tests-gate.lock"):
+            fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_environment(tmp_path_factory):
     """Generated datasets go to one cache per test session; nothing logs to a real tracking server."""
-    cache = tmp_path_factory.mktemp("uma_cache")
+    cache = run_folder(tmp_path_factory) / "uma_cache"  # a dataset is generated once per run, under a lock
+    cache.mkdir(exist_ok=True)
     saved = {key: os.environ.get(key) for key in ("UMA_CACHE_DIR", "MLFLOW_TRACKING_URI")}
     os.environ["UMA_CACHE_DIR"] = str(cache)
     os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -51,17 +100,21 @@ PRETRAIN_STEPS = 30
 def pretrained(tmp_path_factory) -> SimpleNamespace:
     """The pretrain recipe run as a user runs it, in a fresh directory and a process of its own, on
     the stage tests' small data: the recipe test reads its log and MLflow run, the pipeline test
-    mid-trains from its checkpoint."""
+    mid-trains from its checkpoint. Run once per test run: the first worker to need it runs it, the
+    other waits for it."""
     import forked_cli  # imports the package: only after TRITON_INTERPRET is set, above
     from suite import STAGE_DATA, recipe
 
-    cwd = tmp_path_factory.mktemp("pretrained")
-    argv = ["fit", "--config", recipe("pretrain"), *STAGE_DATA, "--data.batch_size", "16",
-            "--trainer.max_steps", str(PRETRAIN_STEPS), "--trainer.val_check_interval", str(PRETRAIN_STEPS)]  # fmt: skip
-    log = cwd / "pretrain.log"
-    code = forked_cli.run(argv, log, cwd, timeout=900)
+    cwd = run_folder(tmp_path_factory) / "pretrained"
+    log, status = cwd / "pretrain.log", cwd / "exit-status"
+    with locked(cwd.with_name("pretrained.lock")):
+        if not status.exists():
+            cwd.mkdir(exist_ok=True)
+            argv = ["fit", "--config", recipe("pretrain"), *STAGE_DATA, "--data.batch_size", "16",
+                    "--trainer.max_steps", str(PRETRAIN_STEPS), "--trainer.val_check_interval", str(PRETRAIN_STEPS)]  # fmt: skip
+            status.write_text(str(forked_cli.run(argv, log, cwd, timeout=900)))
     return SimpleNamespace(
-        code=code, log=log.read_text(), cwd=cwd, steps=PRETRAIN_STEPS,
+        code=int(status.read_text()), log=log.read_text(), cwd=cwd, steps=PRETRAIN_STEPS,
         checkpoints=cwd / "runs" / "pretrain" / "checkpoints", store=f"sqlite:///{cwd / 'mlruns' / 'mlflow.db'}",
     )  # fmt: skip
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel")
 # The grace Slurm gives between SIGTERM and SIGKILL (its default) and the wait before a requeued job may
-# start again (120 s by default: the lifetime of a step's credential, which this shortens).
+# start again (120 s by default: the lifetime of a step's credential, which this shortens). A requeued job
+# then waits for the next scheduling pass: every second here, not Slurm's 30 s (backfill) or 60 s (main).
 KILL_WAIT_S = 30
 CRED_EXPIRE_S = 10
 
@@ -144,6 +145,7 @@ KillWait={KILL_WAIT_S}
 # Jobs are not requeueable unless they ask to be (#SBATCH --requeue), as on many clusters.
 JobRequeue=0
 MinJobAge=3600
+SchedulerParameters=sched_interval=1,bf_interval=1
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """

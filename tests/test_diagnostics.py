@@ -25,6 +25,8 @@ from uma_lightning.tracking.mlflow_logger import local_store_uri
 from uma_lightning.tracking.provenance import PACKAGE_DIR, git_diff, git_root
 
 STEPS = 6
+# The module's run and the data-wait test compare clocks: nothing else may run beside them.
+pytestmark = pytest.mark.alone
 
 
 @pytest.fixture(scope="module")

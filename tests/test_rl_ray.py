@@ -26,6 +26,7 @@ def cluster():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a worker slower than the 4 s heartbeat would be restarted as hung
 def test_ray_actors_sync_weights_restart_crashed_and_hung_workers_and_batch_on_a_server(cluster, tmp_path):
     from uma_lightning.rl.ray_backend import RayActors
 

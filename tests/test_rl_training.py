@@ -12,7 +12,8 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from suite import REPO, TESTS, recipe, run_main
+import forked_cli
+from suite import REPO, recipe, run_main
 from uma_lightning.rl.cli import RLCLI
 
 DEFAULT, PPO, SAC = recipe("rl"), recipe("rl_inverted_pendulum"), recipe("rl_pendulum_sac")
@@ -76,32 +77,26 @@ def test_sac_learns_pendulum_with_the_replay_buffer(tmp_path):
     assert len(cli.model.buffer) == data.env_steps
 
 
-def uma_rl(args: list[str], **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, "-m", "uma_lightning.cli", "rl", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
-
-
 @pytest.mark.slow
 def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_command(tmp_path):
     run_dir = tmp_path / "run"
     command = ["--config", SAC, "--trainer.default_root_dir", str(run_dir), "--trainer.logger", "false",
                "--data.total_env_steps", "2000", "--model.learning_starts", "300", "--model.updates_per_step", "0.25"]
     last = run_dir / "checkpoints" / "last.ckpt"
-    first = uma_rl(command)
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    first = forked_cli.start(["rl", *command], first_log, tmp_path)  # a process of its own, as `uma rl` is
     deadline = time.monotonic() + 300
     while not (last.exists() and torch.load(last, weights_only=True)["policy_version"] >= 5):
-        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()[-3000:]
+        assert first.is_alive() and time.monotonic() < deadline, first_log.read_text()[-3000:]
         time.sleep(0.5)
-    first.send_signal(signal.SIGKILL)  # no chance to clean up or save
-    first.wait(timeout=30)
+    os.kill(first.pid, signal.SIGKILL)  # no chance to clean up or save
+    first.join(timeout=30)
     killed_at = torch.load(last, weights_only=True)
     steps_at_kill = killed_at["RolloutDataModule"]["env_steps"]
     assert 0 < steps_at_kill < 2000
 
-    second = uma_rl(command)
-    out, _ = second.communicate(timeout=600)
-    assert second.returncode == 0, out[-3000:]
+    assert forked_cli.run(["rl", *command], second_log, tmp_path, timeout=600) == 0, second_log.read_text()[-3000:]
+    out = second_log.read_text()
     assert f"resuming at {steps_at_kill}" in out
     final = torch.load(last, weights_only=True)
     # Every iteration is accounted for once, and the buffer holds the transitions from before the kill too.
@@ -112,13 +107,15 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_command(tmp_path
 
 @pytest.mark.slow
 def test_ddp_learner_keeps_ranks_identical_while_each_collects_its_own_data(tmp_path):
-    digests = tmp_path / "digests"
-    proc = uma_rl(["--config", PPO, "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false",
-                   "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy.class_path", "lightning.pytorch.strategies.DDPStrategy",
-                   "--data.n_workers", "1", "--data.total_env_steps", "2048",
-                   "--trainer.callbacks+=rl_checks.PolicyDigest", f"--trainer.callbacks.out_dir={digests}"])
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
+    digests, log = tmp_path / "digests", tmp_path / "ddp.log"
+    # The two ranks started as torchrun starts them (Lightning joins them instead of launching its own).
+    statuses = forked_cli.run_as_ranks(
+        ["rl", "--config", PPO, "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false",
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy.class_path", "lightning.pytorch.strategies.DDPStrategy",
+         "--data.n_workers", "1", "--data.total_env_steps", "2048",
+         "--trainer.callbacks+=rl_checks.PolicyDigest", f"--trainer.callbacks.out_dir={digests}"],
+        log, tmp_path, timeout=600)  # fmt: skip
+    assert statuses == [0, 0], log.read_text()[-3000:]
     ranks = [json.loads((digests / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["world_size"] == 2
     # 256 env steps per iteration and rank: the 2048-step budget is split, 4 iterations each.

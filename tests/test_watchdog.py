@@ -20,6 +20,7 @@ SLACK_S = 12.0  # polling, writing the dumps, reporting to MLflow, on a loaded 2
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # exits are timed against the watchdog's timeout
 def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store):
     ensure_dataset("planar_arm", 6, 64, 0, None)  # generated once here, not raced by two ranks
     run_dir, marker = tmp_path / "run", tmp_path / "hang_started.json"
