@@ -119,6 +119,8 @@ def apply_tp(model: RobotBase, tp_mesh, heads: list[HeadPlan]) -> str:
     from torch.distributed.tensor import Replicate, distribute_module
     from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
+    # Frozen parameters stay frozen: SequenceParallel re-creates the norms' weights as trainable.
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
     for tokenizer in (model.text_embed, model.image_tokenizer, model.camera_embed, model.state_proj):
         distribute_module(tokenizer, tp_mesh)  # parameters and buffers replicated as DTensors
     # Tensor inputs become replicated DTensors for the replicated tokenizers and heads; text_mask stays
@@ -140,6 +142,8 @@ def apply_tp(model: RobotBase, tp_mesh, heads: list[HeadPlan]) -> str:
     for head in heads:
         if head.tp_layout is not None:
             head.tp_layout(model, tp_mesh)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     return f"tensor parallel over {tp_mesh.size()} ranks (attention heads, feed-forward; sequence-parallel norms; heads: {', '.join(h.name for h in heads) or 'none'})"
 
 
