@@ -278,7 +278,8 @@ def flow_plan_matches_one_process(rank: int, world_size: int, port: int, layout:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    mesh = build_mesh(MeshShape(1, 2, 1) if layout == "fsdp" else MeshShape(1, 1, 2), "cpu")
+    shape = FLOW_LAYOUTS[layout]
+    mesh = build_mesh(shape, "cpu")
     for model_class in (RobotFlowTransformer, ProgressRobot):
         torch.manual_seed(0)
         reference = model_class(small_config(), ActionExpertConfig(dim=32, ffn_dim=64))
@@ -289,8 +290,9 @@ def flow_plan_matches_one_process(rank: int, world_size: int, port: int, layout:
         model = copy.deepcopy(reference)
         applied = plan_for(model).parallelize(model, mesh, ParallelConfig())
         inputs = flow_inputs(reference, batch=4, seed=1)
-        # Tensor-parallel ranks see the whole batch; data-parallel ranks their half of it.
-        mine = inputs if layout == "tp" else tuple(x[2 * rank : 2 * rank + 2] for x in inputs)
+        # The ranks of a tensor-parallel group share their data-parallel rank's part of the batch.
+        part = 4 // shape.dp
+        mine = tuple(x[rank // shape.tp * part : (rank // shape.tp + 1) * part] for x in inputs)
         flow_loss(model(*mine)).backward()
         flow_loss(reference(*inputs)).backward()
         for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
@@ -303,19 +305,22 @@ def flow_plan_matches_one_process(rank: int, world_size: int, port: int, layout:
         with torch.no_grad():
             sampled = model.predict_actions(*observations, steps=2, noise=noise)
             torch.testing.assert_close(sampled, reference.predict_actions(*observations, steps=2, noise=noise), rtol=1e-4, atol=1e-5)
-        if layout == "fsdp":  # the expert's blocks and the research head are sharded one by one
+        if shape.dp_shard > 1:  # the expert's blocks and the research head are sharded one by one
             assert all(isinstance(block, FSDPModule) for block in model.expert.layers), applied
             assert isinstance(getattr(model, "progress_head", None), FSDPModule) == (model_class is ProgressRobot)
-        else:
+        if shape.tp > 1:
             assert "action expert" in applied[0] and ("progress" in applied[0]) == (model_class is ProgressRobot), applied
     dist.barrier()
     dist.destroy_process_group()
 
 
+FLOW_LAYOUTS = {"tp": MeshShape(1, 1, 2), "fsdp": MeshShape(1, 2, 1), "fsdp_tp": MeshShape(1, 2, 2)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp", "fsdp"])
+@pytest.mark.parametrize("layout", FLOW_LAYOUTS)
 def test_flow_model_plan_matches_one_process(layout):
-    forked_cli.run_ranks(flow_plan_matches_one_process, 2, free_port(), layout)
+    forked_cli.run_ranks(flow_plan_matches_one_process, FLOW_LAYOUTS[layout].world_size, free_port(), layout)
 
 
 # ---- uma fit on two processes --------------------------------------------------------------------
