@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from uma_lightning.checkpoint import CheckpointWriter, choose_checkpoint, continue_tracked_run, remove_staging_leftovers, rng
 from uma_lightning.checkpoint.state import TRAINER, apply_trainer_state, collect, load
+from uma_lightning.parallel.mesh import random_stream_rank
 
 log = logging.getLogger("uma_lightning")
 
@@ -116,7 +117,7 @@ class ShardedCheckpoint(Checkpoint):
                             "resharded exactly, but random state is seeded afresh and the data order differs", self.resumed_from)
             seed = os.environ.get("PL_GLOBAL_SEED")
             if seed is not None:
-                rng.seed_process(int(seed), trainer.global_rank)
+                rng.seed_process(int(seed), random_stream_rank(trainer))
         self._step_seen = trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:

@@ -2,8 +2,9 @@
 planar-arm episodes on scenes the dataset never shows (``uma_lightning.sim.closed_loop``).
 
 Logs ``<split>/success_rate`` and ``<split>/goal_distance`` (metres from the named target at the end).
-Processes split the episodes and each runs the same number of policy calls, so sharded models
-stay in step; the metrics are averaged over all episodes of all processes.
+Data-parallel processes split the episodes (tensor-parallel ones, which act as one policy, run the
+same ones) and each runs the same number of policy calls, so sharded models stay in step; the metrics
+are averaged over all episodes of all processes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import MeanMetric
 
+from uma_lightning.parallel.mesh import data_parallel_rank
 from uma_lightning.sim.closed_loop import run_episodes
 
 log = logging.getLogger("uma_lightning")
@@ -48,16 +50,18 @@ class ClosedLoopEval(Callback):
         if len(spec.cameras) != 1:
             raise ValueError(f"closed-loop evaluation runs the one-camera planar arm; the model has cameras {spec.cameras}")
         execute = self.execute_steps or max(spec.action_horizon // 2, 1)
-        # Every process gets the same number of episodes (the last ones may repeat), so all make the same calls.
-        per_rank = math.ceil(self.n_episodes / trainer.world_size)
-        mine = [(trainer.global_rank * per_rank + i) % self.n_episodes for i in range(per_rank)]
+        # Every process gets the same number of episodes (the last ones may repeat), so all make the same
+        # calls. Tensor-parallel ranks act as one policy: they split no episodes, and run the same ones.
+        rank, ranks = data_parallel_rank(trainer)
+        per_rank = math.ceil(self.n_episodes / ranks)
+        mine = [(rank * per_rank + i) % self.n_episodes for i in range(per_rank)]
         started = time.monotonic()
         with torch.no_grad():
             results = run_episodes(
                 lambda obs: policy(obs).cpu().numpy(), mine, spec.n_obs_steps, execute, seed=self.seed,
                 stop_when_done=trainer.world_size == 1,
             )
-        owned = [r for index, r in zip(mine, results) if index >= trainer.global_rank * per_rank]  # not the repeats
+        owned = [r for index, r in zip(mine, results) if index >= rank * per_rank]  # not the repeats
         success, distance = MeanMetric().to(pl_module.device), MeanMetric().to(pl_module.device)
         for result in owned:
             success.update(float(result.success))

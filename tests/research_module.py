@@ -1,11 +1,14 @@
-"""What research code looks like: PretrainModule subclasses that change only the loss, or the network."""
+"""What research code looks like: PretrainModule subclasses that change only the loss, or the network;
+a model with a head of its own, and that head's parallel plan."""
 
 import dataclasses
 
 import torch.nn.functional as F
+from torch import nn
 
-from uma_lightning.models import RobotTransformer
+from uma_lightning.models import RobotFlowTransformer, RobotTransformer
 from uma_lightning.modules import PretrainModule
+from uma_lightning.parallel import HeadPlan, register_head, replicated
 
 
 class LabelSmoothedPretrain(PretrainModule):
@@ -36,3 +39,22 @@ class DeeperPretrain(PretrainModule):
         backbone = self.model_config.backbone
         self.model_config = dataclasses.replace(self.model_config, backbone=dataclasses.replace(backbone, n_layers=backbone.n_layers + self.extra_layers))
         return RobotTransformer(self.model_config)
+
+
+class ProgressRobot(RobotFlowTransformer):
+    """Research code that adds a head: the task's progress, a scalar per sample, read from the last
+    prefix token by a small MLP of its own. Its parallel plan is the three lines registered below."""
+
+    def __init__(self, cfg, expert=None):
+        super().__init__(cfg, expert)
+        dim = cfg.backbone.dim
+        self.progress_head = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, 1))
+
+    def forward(self, images, state, text_ids, text_mask, noisy_actions, t):
+        """(velocity [B, horizon, action_dim], progress [B])."""
+        hidden, cache = self.encode_prefix(images, state, text_ids, text_mask)
+        return self.velocity(cache, noisy_actions, t), self.progress_head(hidden[:, -1]).squeeze(-1)
+
+
+# Wrapped on its own under FSDP and DDP, replicated under tensor parallelism.
+register_head(ProgressRobot, HeadPlan("progress", blocks=lambda model: [model.progress_head], tp_layout=replicated("progress_head")))

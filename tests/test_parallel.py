@@ -240,6 +240,89 @@ def test_parity_catches_and_locates_a_data_parallel_bug(tmp_path, capsys):
     assert "DIVERGED" in out and "gradients diverge at step 2" in out
 
 
+# ---- the flow model's plan on two ranks, against one process --------------------------------------
+
+
+def flow_inputs(model, batch: int, seed: int):
+    """Observations, a noisy chunk and flow times for ``model``."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = model.cfg.spec
+    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
+    text_ids, text_mask = model.text_tokenizer(["reach the red square", "go", "touch blue", "push it left"][:batch])
+    noisy = torch.randn(batch, spec.action_horizon, spec.action_dim, generator=gen)
+    return images, state, text_ids, text_mask, noisy, torch.rand(batch, generator=gen)
+
+
+def flow_loss(out) -> torch.Tensor:
+    # A mean over samples, so data-parallel halves average to the whole batch's loss.
+    velocity, progress = out if isinstance(out, tuple) else (out, None)
+    return velocity.pow(2).mean() + (progress.pow(2).mean() if progress is not None else 0.0)
+
+
+def flow_plan_matches_one_process(rank: int, world_size: int, port: int, layout: str) -> None:
+    """In each rank: the flow model (LoRA on column- and row-wise layers) and a research subclass with
+    a head of its own, laid out by their plan, give the velocities, gradients and sampled actions of
+    the plain model on the whole batch."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from research_module import ProgressRobot
+    from suite import small_config
+    from uma_lightning.models import ActionExpertConfig, RobotFlowTransformer
+    from uma_lightning.models.lora import add_lora
+    from uma_lightning.parallel.mesh import build_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    shape = FLOW_LAYOUTS[layout]
+    mesh = build_mesh(shape, "cpu")
+    for model_class in (RobotFlowTransformer, ProgressRobot):
+        torch.manual_seed(0)
+        reference = model_class(small_config(), ActionExpertConfig(dim=32, ffn_dim=64))
+        add_lora(reference, ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wo", "expert.layers.*.ffn.w2"], rank=2)
+        for name, param in reference.named_parameters():
+            if name.endswith("lora_b"):
+                torch.nn.init.normal_(param, std=0.02)  # not zero, so the adapters change the outputs
+        model = copy.deepcopy(reference)
+        applied = plan_for(model).parallelize(model, mesh, ParallelConfig())
+        inputs = flow_inputs(reference, batch=4, seed=1)
+        # The ranks of a tensor-parallel group share their data-parallel rank's part of the batch.
+        part = 4 // shape.dp
+        mine = tuple(x[rank // shape.tp * part : (rank // shape.tp + 1) * part] for x in inputs)
+        flow_loss(model(*mine)).backward()
+        flow_loss(reference(*inputs)).backward()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            assert param.requires_grad == expected.requires_grad, name
+            if expected.grad is not None:
+                grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+                torch.testing.assert_close(grad, expected.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{layout} {model_class.__name__} {name}: {m}")
+        noise = torch.randn(2, *inputs[4].shape[1:], generator=torch.Generator().manual_seed(2))
+        observations = tuple(x[:2] for x in mine[:4])
+        with torch.no_grad():
+            sampled = model.predict_actions(*observations, steps=2, noise=noise)
+            torch.testing.assert_close(sampled, reference.predict_actions(*observations, steps=2, noise=noise), rtol=1e-4, atol=1e-5)
+        if shape.dp_shard > 1:  # the expert's blocks and the research head are sharded one by one
+            assert all(isinstance(block, FSDPModule) for block in model.expert.layers), applied
+            assert isinstance(getattr(model, "progress_head", None), FSDPModule) == (model_class is ProgressRobot)
+        if shape.tp > 1:
+            assert "action expert" in applied[0] and ("progress" in applied[0]) == (model_class is ProgressRobot), applied
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+FLOW_LAYOUTS = {"tp": MeshShape(1, 1, 2), "fsdp": MeshShape(1, 2, 1), "fsdp_tp": MeshShape(1, 2, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", FLOW_LAYOUTS)
+def test_flow_model_plan_matches_one_process(layout):
+    forked_cli.run_ranks(flow_plan_matches_one_process, FLOW_LAYOUTS[layout].world_size, free_port(), layout)
+
+
 # ---- uma fit on two processes --------------------------------------------------------------------
 
 

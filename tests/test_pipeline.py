@@ -1,10 +1,10 @@
 """The three training stages end to end, as a user runs them with the shipped recipes at the tiny
 size: pretrain (1 process, the session's ``pretrained`` run) -> midtrain (2 processes, FSDP) ->
-posttrain (1 process), each stage starting from the previous stage's checkpoint; then test, predict,
-and a mismatched checkpoint.
+posttrain (2 processes, FSDP), each stage starting from the previous stage's checkpoint; then the
+post-trained checkpoint in a Policy, test, predict, and a mismatched checkpoint.
 
 One-process commands run in this process (``uma_lightning.cli.main``), which saves the seconds each
-new Python process spends importing; the two ranks of the midtrain stage are forked (``forked_cli``)."""
+new Python process spends importing; the two ranks of the multi-process commands are forked (``forked_cli``)."""
 
 import logging
 import re
@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from mlflow import MlflowClient
 
 import forked_cli
 from suite import STAGE_DATA, recipe
+from uma_lightning import Policy
+from uma_lightning.checkpoint.weights import read_checkpoint
 from uma_lightning.cli import main
 
 
@@ -79,13 +82,13 @@ def test_pretrain_midtrain_posttrain_pipeline(pretrained, tmp_path, monkeypatch,
     assert re.search(rf"initialised RobotTransformer from {pretrain_checkpoints}/step-{pretrained.steps:09d} \(raw weights\): \d+ tensors loaded, 0 new \(none\), 0 dropped", log)
     assert "context: 1 -> 2 observation steps, 8 -> 16-step action chunks; backbone RoPE positions 0..208" in log
     midtrained = checkpoint(tmp_path, "midtrain")
-    log = uma_here(
+    log = uma_ranks(
         # Evaluated deterministically, from the noise's mean, as the pretrained model decodes greedily:
         # MSE rewards the mean, and sampling noise would add its variance to one side only.
         *fit_args("posttrain", 30, "--model.init_from", str(midtrained), "--data.batch_size", "16", "--trainer.callbacks.n_episodes", "4", "--model.flow.noise_scale", "0"),
-        caplog=caplog,
+        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "fsdp", cwd=tmp_path,
     )
-    assert "training: 30 steps, 1 process(es)" in log
+    assert "training: 30 steps, 2 process(es)" in log and "parallel plan robot on RobotFlowTransformer: FSDP" in log
     assert f"initialised RobotFlowTransformer from {midtrained}/step-000000006 (raw weights)" in log and "3 dropped (action_dim_embed, action_embed, action_head)" in log
     assert "closed loop (val): success" in log
     posttrained = checkpoint(tmp_path, "posttrain")
@@ -95,6 +98,12 @@ def test_pretrain_midtrain_posttrain_pipeline(pretrained, tmp_path, monkeypatch,
     print(f"held-out action MSE, first 8 chunk steps: pretrained {first_steps_mse(before):.4f}, post-trained {first_steps_mse(after):.4f}")
     assert first_steps_mse(after) < 0.8 * first_steps_mse(before)
     assert 0.0 <= after["val/success_rate"] <= 1.0 and "val/action_mse/gripper" in after
+
+    # The FSDP checkpoint loads whole into a Policy on one process: the EMA weights, bit for bit.
+    saved = read_checkpoint(posttrained)
+    policy_weights = Policy.from_checkpoint(str(posttrained)).model.state_dict()
+    assert saved.ema and policy_weights.keys() == saved.weights.keys()
+    assert all(torch.equal(policy_weights[name], saved.weights[name]) for name in saved.weights)
 
     # `uma test` reports the same metrics on the held-out episodes, to MLflow.
     uma_here("test", "--config", recipe("posttrain"), *STAGE_DATA, "--model.init_from", str(posttrained), "--trainer.callbacks.n_episodes", "2", caplog=caplog)

@@ -35,6 +35,7 @@ from uma_lightning.checkpoint.manifest import CheckpointError
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
 from uma_lightning.checkpoint.weights import MODEL, OPTIMIZER, RNG, TRAINER, read_state
 from uma_lightning.lightning_compat import forget_train_loader
+from uma_lightning.parallel.mesh import random_stream_rank
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def load(trainer: pl.Trainer, module: pl.LightningModule, directory: Path, proce
     saved = read_state(directory)
     entries = tensor_metadata(directory)
     extra = {key: empty_like_saved(entries[key]) for key in tensor_references(saved[TRAINER])}
-    rng_prefix = f"{RNG}/{trainer.global_rank}/"
+    rng_prefix = f"{RNG}/{random_stream_rank(trainer)}/"  # the same for ranks that split one batch
     same_ranks = saved[TRAINER]["world_size"] == trainer.world_size
     if same_ranks:
         extra.update({key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(rng_prefix)})

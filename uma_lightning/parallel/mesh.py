@@ -89,3 +89,11 @@ def data_parallel_rank(trainer) -> tuple[int, int]:
         return 0, 1
     sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return sampler.get("rank", trainer.global_rank), sampler.get("num_replicas", trainer.world_size)
+
+
+def random_stream_rank(trainer) -> int:
+    """The rank whose random stream this process draws: the first of its tensor-parallel group. The
+    ranks that split one batch must draw the same noise for it (flow-matching noise and times, ...),
+    as they were one process; data-parallel ranks draw their own."""
+    rank, size = data_parallel_rank(trainer)
+    return rank * ((trainer.world_size if trainer is not None else 1) // size)
