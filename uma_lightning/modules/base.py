@@ -52,6 +52,7 @@ from torchmetrics import MeanMetric
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
+from uma_lightning.models.moe import routed_tokens, update_biases
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
@@ -126,6 +127,7 @@ class StageModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
+        self._routed_since_step: torch.Tensor | None = None  # expert choices of this step's micro-batches
 
     # ---- extension points -------------------------------------------------------------------
 
@@ -247,6 +249,21 @@ class StageModule(L.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in _scalars(out).items() if k != "loss"}, batch_size=batch_size)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
         return out["loss"]
+
+    def on_after_backward(self) -> None:
+        # After each micro-batch's backward, so an activation-checkpointing recompute (which routes
+        # the same tokens again) is not counted twice.
+        routed = routed_tokens(self.model)
+        if routed is not None:
+            self._routed_since_step = routed if self._routed_since_step is None else self._routed_since_step + routed
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self._routed_since_step is not None:
+            # Every rank's tokens, so every rank moves its (replicated) biases the same way.
+            routed = self.trainer.strategy.reduce(self._routed_since_step, reduce_op="sum")
+            update_biases(self.model, routed)
+            self._routed_since_step = None
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, "val")
