@@ -216,13 +216,23 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoEFeedForward)]
 
 
-def routed_tokens(model: nn.Module) -> Tensor | None:
-    """[n MoE layers, n_experts] token choices of each layer's last forward; None without MoE layers."""
-    layers = [layer for _, layer in moe_layers(model) if "routed" in layer.stats]
-    return torch.stack([layer.stats["routed"] for layer in layers]) if layers else None
+class ExpertBalancing:
+    """The aux-loss-free balancing of a model's MoE layers over training steps: ``record`` after each
+    micro-batch's backward (after it, so an activation-checkpointing recompute, which routes the same
+    tokens again, is not counted twice), ``update`` after each optimizer step with the function that
+    sums a tensor over every rank (so every rank moves its replicated biases the same way)."""
 
+    def __init__(self) -> None:
+        self.routed: Tensor | None = None  # [n MoE layers, n_experts] choices since the last update
 
-def update_biases(model: nn.Module, routed: Tensor) -> None:
-    """Balance each MoE layer from its row of ``routed`` (token choices since the last update, all ranks')."""
-    for (_, layer), counts in zip(moe_layers(model), routed):
-        layer.update_bias(counts)
+    def record(self, model: nn.Module) -> None:
+        layers = [layer for _, layer in moe_layers(model) if "routed" in layer.stats]
+        if layers:
+            routed = torch.stack([layer.stats["routed"] for layer in layers])
+            self.routed = routed if self.routed is None else self.routed + routed
+
+    def update(self, model: nn.Module, sum_over_ranks: Callable[[Tensor], Tensor]) -> None:
+        if self.routed is not None:
+            for (_, layer), counts in zip(moe_layers(model), sum_over_ranks(self.routed)):
+                layer.update_bias(counts)
+            self.routed = None

@@ -8,6 +8,7 @@ attention call ``uma_lightning.kernels``; ``set_kernels`` picks their implementa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, Mapping):  # from a YAML preset or saved hyperparameters
+            unknown = sorted(set(self.moe) - {f.name for f in dataclasses.fields(MoEConfig)})
+            if unknown:
+                raise ValueError(f"model size: unknown moe key(s) {unknown}; known keys: {[f.name for f in dataclasses.fields(MoEConfig)]}")
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")

@@ -52,7 +52,7 @@ from torchmetrics import MeanMetric
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
-from uma_lightning.models.moe import routed_tokens, update_biases
+from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
@@ -127,7 +127,7 @@ class StageModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
-        self._routed_since_step: torch.Tensor | None = None  # expert choices of this step's micro-batches
+        self.expert_balancing = ExpertBalancing()  # of mixture-of-experts layers; nothing without them
 
     # ---- extension points -------------------------------------------------------------------
 
@@ -251,19 +251,11 @@ class StageModule(L.LightningModule):
         return out["loss"]
 
     def on_after_backward(self) -> None:
-        # After each micro-batch's backward, so an activation-checkpointing recompute (which routes
-        # the same tokens again) is not counted twice.
-        routed = routed_tokens(self.model)
-        if routed is not None:
-            self._routed_since_step = routed if self._routed_since_step is None else self._routed_since_step + routed
+        self.expert_balancing.record(self.model)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
-        if self._routed_since_step is not None:
-            # Every rank's tokens, so every rank moves its (replicated) biases the same way.
-            routed = self.trainer.strategy.reduce(self._routed_since_step, reduce_op="sum")
-            update_biases(self.model, routed)
-            self._routed_since_step = None
+        self.expert_balancing.update(self.model, lambda routed: self.trainer.strategy.reduce(routed, reduce_op="sum"))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, "val")
