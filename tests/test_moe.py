@@ -274,3 +274,25 @@ def test_expert_load_is_silent_on_balanced_experts_and_models_without_experts(ca
         expert_load_step(callback, torch.nn.Linear(2, 2), 1, logged)  # no MoE layer: nothing logged
     assert "got no tokens" not in caplog.text
     assert len(logged) == 1 and logged[0]["moe/ffn/imbalance"] == 1.0
+
+
+def test_gradient_anomalies_watch_the_router_and_the_experts(tmp_path):
+    from uma_lightning.callbacks import GradientAnomalies, TrainingHalted
+
+    model = RobotTransformer(moe_model_config())
+    trainer = SimpleNamespace(optimizers=[], strategy=SimpleNamespace(reduce=lambda t, reduce_op: t), world_size=1,
+                              global_step=7, is_global_zero=False, default_root_dir=str(tmp_path))  # fmt: skip
+    callback = GradientAnomalies(nonfinite_action="halt")
+    callback.on_fit_start(trainer, model)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    def step():
+        callback.on_train_batch_start(trainer, model, {"sample_id": torch.arange(3)}, 0)
+        callback.on_before_backward(trainer, model, torch.tensor(1.0))
+        callback.on_before_optimizer_step(trainer, model, None)
+
+    step()  # finite: silent
+    model.backbone.layers[1].ffn.router.weight.grad[0, 0] = float("nan")
+    model.backbone.layers[0].ffn.experts.w2.grad[3, 0, 0] = float("inf")
+    with pytest.raises(TrainingHalted, match=r"culprits: backbone.layers.0.ffn.experts.w2, backbone.layers.1.ffn.router.weight;"):
+        step()
