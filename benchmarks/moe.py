@@ -10,6 +10,7 @@
     python benchmarks/moe.py                      # both parts, 300-step runs
     python benchmarks/moe.py --part layer --tokens 8192
     python benchmarks/moe.py --part balance --steps 100 --window 20
+    python benchmarks/moe.py --part balance --rates 0.001 --batch-size 8   # one run
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ImbalanceRecorder(Callback):
         self.per_step.append(sum(ratios) / len(ratios))
 
 
-def balance(steps: int, window: int, bias_update_rate: float) -> dict:
+def balance(steps: int, window: int, bias_update_rate: float, batch_size: int) -> dict:
     from uma_lightning.cli import UmaCLI
     from uma_lightning.models import load_size
 
@@ -87,7 +88,7 @@ def balance(steps: int, window: int, bias_update_rate: float) -> dict:
         cli = UmaCLI(
             ["--config", str(REPO / "recipes" / "pretrain.yaml"),
              "--model.network.size", json.dumps(size),
-             "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "1",
+             "--data.batch_size", str(batch_size), "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "1",
              "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
              "--trainer.default_root_dir", root],
             run=False,
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--window", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=32, help="the pretrain recipe's")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1e-3, 0.0], help="bias_update_rate of each run (0: no bias balancing)")
     args = parser.parse_args()
     if args.part in ("layer", "both"):
         rows = layer_speed(args.tokens, args.dim, args.hidden, args.experts, args.top_k, args.shared, args.repeats)
@@ -119,10 +122,10 @@ def main() -> None:
             ["variant", "ms (median)", "x grouped"], rows,
         )  # fmt: skip
     if args.part in ("balance", "both"):
-        results = [balance(args.steps, args.window, rate) for rate in (1e-3, 0.0)]
+        results = [balance(args.steps, args.window, rate, args.batch_size) for rate in args.rates]
         print_table(
             f"Load imbalance (max/mean token choices per expert, mean over MoE layers) over the last {args.window} of {args.steps} "
-            "pretraining steps, tiny_moe",
+            f"pretraining steps, tiny_moe, batch {args.batch_size}",
             ["bias_update_rate", "steps", f"mean imbalance, last {args.window}", "worst step"],
             [[r["bias_update_rate"], r["steps"], r["imbalance_last"], r["worst_step"]] for r in results],
         )  # fmt: skip

@@ -296,3 +296,14 @@ def test_gradient_anomalies_watch_the_router_and_the_experts(tmp_path):
     model.backbone.layers[0].ffn.experts.w2.grad[3, 0, 0] = float("inf")
     with pytest.raises(TrainingHalted, match=r"culprits: backbone.layers.0.ffn.experts.w2, backbone.layers.1.ffn.router.weight;"):
         step()
+
+
+def test_tensor_parallelism_of_experts_is_refused_before_any_work():
+    from uma_lightning.parallel.apply import ParallelConfig
+    from uma_lightning.parallel.mesh import MeshShape
+    from uma_lightning.parallel.plans.robot import check_robot
+
+    model = RobotTransformer(moe_model_config())
+    with pytest.raises(ValueError, match="^tp 2: the tensor-parallel layout has no plan for mixture-of-experts layers yet"):
+        check_robot(model, MeshShape(dp_replicate=1, dp_shard=1, tp=2), ParallelConfig())
+    check_robot(model, MeshShape(dp_replicate=1, dp_shard=2, tp=1), ParallelConfig())  # data parallel: fine
