@@ -73,6 +73,9 @@ class ImbalanceRecorder(Callback):
 
         ratios = [(layer.stats["routed"].max() / layer.stats["routed"].float().mean()).item() for _, layer in moe_layers(pl_module)]
         self.per_step.append(sum(ratios) / len(ratios))
+        if len(self.per_step) % 25 == 0:  # a long run on a busy machine: say how far it is
+            last = self.per_step[-50:]
+            print(f"step {len(self.per_step)}: mean imbalance over the last {len(last)} steps {sum(last) / len(last):.3f}", flush=True)
 
 
 def balance(steps: int, window: int, bias_update_rate: float, batch_size: int) -> dict:
