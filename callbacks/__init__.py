@@ -4,6 +4,7 @@ from uma_lightning.callbacks.anomalies import GradientAnomalies, TrainingHalted
 from uma_lightning.callbacks.bad_data import BadDataCounter
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.callbacks.closed_loop import ClosedLoopEval
+from uma_lightning.callbacks.expert_load import ExpertLoad
 from uma_lightning.callbacks.memory import MemoryMonitor
 from uma_lightning.callbacks.predictions import PredictionWriter
 from uma_lightning.callbacks.preemption import Preemption
@@ -17,6 +18,7 @@ from uma_lightning.callbacks.watchdog import HangWatchdog
 __all__ = [
     "BadDataCounter",
     "ClosedLoopEval",
+    "ExpertLoad",
     "GradientAnomalies",
     "HangWatchdog",
     "MemoryMonitor",

@@ -24,6 +24,7 @@ from uma_lightning.kernels import flash
 log = logging.getLogger("uma_lightning.kernels")
 
 OP_BACKENDS = ("auto", "triton", "torch")
+EXPERT_BACKENDS = ("auto", "grouped", "loop")  # see experts.py
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INSTALL_TRITON = "pip install triton (CUDA builds of torch ship it)"
 # Attention has backends of its own (described in attention.py); named here, where configs are checked.
@@ -46,9 +47,10 @@ class KernelConfig:
     rotary: str = "auto"
     cross_entropy: str = "auto"
     linear: str = "torch"
+    experts: str = "auto"
 
     def __post_init__(self) -> None:
-        allowed = {"attention": ATTENTION_BACKENDS, "linear": ("torch", "float8")}
+        allowed = {"attention": ATTENTION_BACKENDS, "linear": ("torch", "float8"), "experts": EXPERT_BACKENDS}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             choices = allowed.get(field.name, OP_BACKENDS)

@@ -411,7 +411,7 @@ def test_gpu_script_cpu_smoke_runs_cleanly_without_the_package_installed(tmp_pat
     # -S: no site hooks, so the editable install's import hook is not there.
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    for heading in ("correctness on cpu", "attention backends against the reference", "model with every backend auto", "Triton ops under torch.compile", "ops:", "attention:", "tiny model training step"):
+    for heading in ("correctness on cpu", "attention backends against the reference", "model with every backend auto", "Triton ops under torch.compile", "ops:", "attention:", "experts:", "tiny model training step"):
         assert f"=== {heading}" in out.stdout, heading
     assert "all checks passed" in out.stdout and "FAILED" not in out.stdout
     assert "uma_lightning: this checkout, not installed" in out.stdout

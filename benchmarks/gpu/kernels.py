@@ -9,9 +9,12 @@ Prints, section by section:
 2. forward+backward time and peak memory of each op: eager PyTorch, Triton, torch.compile of the
    PyTorch version, and liger-kernel where installed;
 3. attention backends at sequence lengths 1k-16k (causal and block-causal);
-4. tokens/s and MFU of a ``1b`` model training step (bf16 autocast, AdamW) with every backend on
+4. the experts of a mixture-of-experts layer: grouped GEMM against the per-expert loop (values
+   and gradients, uneven token counts), and forward+backward time of both against a dense SwiGLU
+   feed-forward with the same active parameters;
+5. tokens/s and MFU of a ``1b`` model training step (bf16 autocast, AdamW) with every backend on
    ``auto`` against the plain-PyTorch path (PyTorch ops, SDPA, unfused cross-entropy);
-5. RL throughput with the learner and inference server on the GPU and 14 actors on the cores
+6. RL throughput with the learner and inference server on the GPU and 14 actors on the cores
    (``benchmarks/gpu/rl_throughput.py``, in its own process, about 2 minutes; it needs gymnasium
    with MuJoCo and is skipped, saying so, without it). The CPU smoke run leaves it out: the test
    suite runs that script's ``--cpu-smoke`` on its own.
@@ -68,7 +71,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from uma_lightning.data.spec import DataSpec  # noqa: E402
-from uma_lightning.kernels import KernelConfig, apply_rotary, attention, checks, linear_cross_entropy, rms_norm, swiglu  # noqa: E402
+from uma_lightning.kernels import KernelConfig, apply_rotary, attention, checks, expert_feed_forward, linear_cross_entropy, rms_norm, swiglu  # noqa: E402
 from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size, training_flops_per_sample  # noqa: E402
 
 PLAIN = KernelConfig(attention="sdpa", rms_norm="torch", swiglu="torch", rotary="torch", cross_entropy="torch")
@@ -354,6 +357,52 @@ def forward_backward(fn: Callable, inputs: tuple) -> Callable[[], None]:
     return run
 
 
+def expert_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> None:
+    section("experts: grouped GEMM against the per-expert loop and a dense FFN of the same active parameters")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    n_experts, top_k, tokens, dim, hidden = (4, 2, 64, 32, 64) if smoke else (64, 8, 8192, 2048, 1408)
+    gen = torch.Generator().manual_seed(0)
+    # Uneven loads, one expert idle: what a router produces, not a tidy equal split.
+    shares = torch.rand(n_experts, generator=gen) ** 2
+    shares[1] = 0
+    counts = torch.distributions.Multinomial(tokens * top_k, probs=shares / shares.sum()).sample().long()
+
+    def leaf(*shape, scale):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype).requires_grad_()
+
+    x = leaf(tokens * top_k, dim, scale=1.0)
+    w1, w3, w2 = leaf(n_experts, dim, hidden, scale=dim**-0.5), leaf(n_experts, dim, hidden, scale=dim**-0.5), leaf(n_experts, hidden, dim, scale=hidden**-0.5)
+    inputs = (x, w1, w3, w2)
+    outputs = {}
+    for backend in ("loop", "grouped"):
+        out = report.attempt(f"experts {backend} forward+backward", expert_feed_forward, x, counts.to(device), w1, w3, w2, backend=backend)
+        if out is None:
+            continue
+        out.float().square().mean().backward()
+        outputs[backend] = [out.detach().float()] + [t.grad.float() for t in inputs]
+        for t in inputs:
+            t.grad = None
+    if len(outputs) == 2:
+        tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        for name, grouped, loop in zip(("output", "x grad", "w1 grad", "w3 grad", "w2 grad"), outputs["grouped"], outputs["loop"]):
+            report.attempt(f"correctness experts grouped vs loop {name}", torch.testing.assert_close, grouped, loop, **tolerance)
+        print(f"ok   grouped == loop (output and every gradient), {n_experts} experts, counts {counts.min().item()}..{counts.max().item()}")
+    dense = (leaf(dim, top_k * hidden, scale=dim**-0.5), leaf(dim, top_k * hidden, scale=dim**-0.5), leaf(top_k * hidden, dim, scale=hidden**-0.5))
+    tokens_in = leaf(tokens, dim, scale=1.0)
+    cases = {
+        "grouped": (lambda *t: expert_feed_forward(t[0], counts.to(device), *t[1:], backend="grouped"), inputs),
+        "loop": (lambda *t: expert_feed_forward(t[0], counts.to(device), *t[1:], backend="loop"), inputs),
+        f"dense FFN, hidden {top_k * hidden}": (lambda h, a, b, c: swiglu(h @ a, h @ b) @ c, (tokens_in, *dense)),
+    }
+    rows = []
+    for name, (fn, args) in cases.items():
+        result = report.attempt(f"benchmark experts {name}", bench.run, forward_backward(fn, args))
+        if result:
+            rows.append([name, *result])
+    grouped_ms = rows[0][1] if rows and rows[0][0] == "grouped" else float("nan")
+    table([f"{tokens} tokens, top-{top_k} of {n_experts} experts, dim {dim}, hidden {hidden}", "ms", "peak MB", "x grouped"], [[*r, r[1] / grouped_ms] for r in rows])
+
+
 def liger_functions() -> dict[str, Callable]:
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy, liger_rms_norm, liger_rope, liger_swiglu
@@ -501,7 +550,7 @@ def rl_throughput(report: Report, cpu_smoke: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="run the CPU-possible parts at tiny sizes")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["correctness", "ops", "attention", "model", "rl"], help="sections to leave out")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["correctness", "ops", "attention", "experts", "model", "rl"], help="sections to leave out")
     args = parser.parse_args()
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("FAILED setup: no CUDA device (use --cpu-smoke on a CPU machine)")
@@ -515,6 +564,7 @@ def main() -> int:
         "correctness": lambda: correctness(report, device, args.cpu_smoke),
         "ops": lambda: op_benchmarks(report, device, args.cpu_smoke, bench),
         "attention": lambda: attention_benchmarks(report, device, args.cpu_smoke, bench),
+        "experts": lambda: expert_benchmarks(report, device, args.cpu_smoke, bench),
         "model": lambda: model_step_benchmark(report, device, args.cpu_smoke),
         "rl": lambda: rl_throughput(report, args.cpu_smoke),
     }

@@ -6,6 +6,10 @@ backward costs twice its forward, except for products with one operand that need
 (layers fed directly by data: the patch projection, the keypoint net's first convolution, the state
 projection; and the keypoints' product with their fixed coordinate grid), whose backward costs once
 their forward.
+
+Mixture-of-experts layers (``moe.py``) count two ways: ``count_parameters`` holds every expert,
+``count_active_parameters`` and every FLOP count only what one token uses (the router, its top_k
+experts and the shared ones), so MFU is measured on the work actually done.
 """
 
 from __future__ import annotations
@@ -15,15 +19,36 @@ from uma_lightning.models.tokenizers import ByteTokenizer
 from uma_lightning.models.transformer import TransformerConfig
 
 
-def count_parameters(cfg: RobotModelConfig) -> int:
+def count_parameters(cfg: RobotModelConfig, active: bool = False) -> int:
+    """Every parameter of the model; with ``active``, those one token uses (experts it is not routed to left out)."""
     b, spec = cfg.backbone, cfg.spec
-    hd = b.head_dim
-    per_layer = b.dim * (b.n_heads + 2 * b.n_kv_heads) * hd + b.n_heads * hd * b.dim + 3 * b.dim * b.ffn_dim + 2 * b.dim
+    layers = sum(_layer_parameters(b, index, active) for index in range(b.n_layers))
     patch = _image_tokenizer_parameters(cfg)
     embeddings = (ByteTokenizer.vocab_size + len(spec.cameras) + cfg.n_action_bins + spec.action_dim) * b.dim
     state = spec.state_dim * b.dim + b.dim
     head = b.dim * cfg.n_action_bins
-    return b.n_layers * per_layer + b.dim + patch + embeddings + state + head + _environment_state_head_parameters(cfg)
+    return layers + b.dim + patch + embeddings + state + head + _environment_state_head_parameters(cfg)
+
+
+def count_active_parameters(cfg: RobotModelConfig) -> int:
+    return count_parameters(cfg, active=True)
+
+
+def _attention_parameters(b: TransformerConfig) -> int:
+    return b.dim * (b.n_heads + 2 * b.n_kv_heads) * b.head_dim + b.n_heads * b.head_dim * b.dim
+
+
+def _feed_forward_parameters(b: TransformerConfig, index: int, active: bool) -> int:
+    """Weights of layer ``index``'s feed-forward (all experts, or with ``active`` the ones a token runs through)."""
+    if not b.is_moe_layer(index):
+        return 3 * b.dim * b.ffn_dim
+    moe = b.moe
+    experts = moe.top_k if active else moe.n_experts
+    return b.dim * moe.n_experts + 3 * b.dim * moe.hidden(b.ffn_dim) * (experts + moe.n_shared)
+
+
+def _layer_parameters(b: TransformerConfig, index: int, active: bool) -> int:
+    return _attention_parameters(b) + _feed_forward_parameters(b, index, active) + 2 * b.dim
 
 
 def _environment_state_head_parameters(cfg: RobotModelConfig) -> int:
@@ -60,9 +85,13 @@ def _image_tokenizer_flops(cfg: RobotModelConfig) -> tuple[int, int]:
     return 2 * n_images * (first_convolution + expected_position), 2 * n_images * (later_convolutions + coordinates + film)
 
 
-def _linear_per_token(b: TransformerConfig) -> int:
-    """Multiply-adds of one token through one layer's projections and feed-forward."""
-    return b.dim * (b.n_heads + 2 * b.n_kv_heads) * b.head_dim + b.n_heads * b.head_dim * b.dim + 3 * b.dim * b.ffn_dim
+def _linear_per_token(b: TransformerConfig, index: int) -> int:
+    """Multiply-adds of one token through layer ``index``'s projections and feed-forward (its experts only)."""
+    return _attention_parameters(b) + _feed_forward_parameters(b, index, active=True)
+
+
+def _backbone_linear_per_token(b: TransformerConfig) -> int:
+    return sum(_linear_per_token(b, index) for index in range(b.n_layers))
 
 
 def _data_fed_flops(cfg: RobotModelConfig) -> int:
@@ -76,7 +105,7 @@ def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
     return {
         "data_fed": _data_fed_flops(cfg),
         "image_features": _image_tokenizer_flops(cfg)[1],
-        "backbone_linear": 2 * b.n_layers * seq * _linear_per_token(b),
+        "backbone_linear": 2 * seq * _backbone_linear_per_token(b),
         "attention": 4 * b.n_layers * b.n_heads * seq * seq * b.head_dim,
         "head": 2 * cfg.n_action_tokens * b.dim * cfg.n_action_bins + _environment_state_head_flops(cfg),
     }
@@ -101,15 +130,15 @@ def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerCon
     backbone_attention = 4 * b.n_heads * prefix * prefix * b.head_dim  # per layer
     trained = (
         _image_tokenizer_flops(cfg)[1]
-        + 2 * b.n_layers * prefix * _linear_per_token(b)
+        + 2 * prefix * _backbone_linear_per_token(b)
         + b.n_layers * backbone_attention
-        + 2 * expert.n_layers * horizon * _linear_per_token(expert)
+        + 2 * horizon * _backbone_linear_per_token(expert)
         + 4 * expert.n_layers * expert.n_heads * horizon * (prefix + horizon) * expert.head_dim
         + 2 * horizon * (2 * w * w + w * w + w * action_dim)  # action-time MLP and output projection
         + _environment_state_head_flops(cfg)
     )
     key_value_projection = 2 * b.dim * b.n_kv_heads * b.head_dim
-    forward_only = 0 if cfg.environment_state_head else 2 * prefix * (_linear_per_token(b) - key_value_projection) + backbone_attention
+    forward_only = 0 if cfg.environment_state_head else 2 * prefix * (_linear_per_token(b, b.n_layers - 1) - key_value_projection) + backbone_attention
     return 2 * data_fed + 3 * trained - 2 * forward_only
 
 

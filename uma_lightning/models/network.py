@@ -42,7 +42,7 @@ class NetworkConfig:
     - ``max_text_len``: instructions are cut or padded to this many UTF-8 bytes;
     - ``kernels``: implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa, sdpa_flash,
       sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu, rotary, cross_entropy: auto,
-      triton or torch; linear: torch or float8 (torchao);
+      triton or torch; linear: torch or float8 (torchao); experts (mixture-of-experts layers): auto, grouped or loop;
     - ``environment_state_weight``: weight of an auxiliary loss, the mean squared error of a linear head on
       the last observation token predicting the data's (normalised) environment state, e.g. where the
       named target is. 0 builds no head. Needs data that records one.

@@ -8,18 +8,25 @@ attention call ``uma_lightning.kernels``; ``set_kernels`` picks their implementa
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
 from uma_lightning.kernels import KernelConfig, apply_rotary, attention, rms_norm, swiglu
+from uma_lightning.models.moe import GroupedExperts, MoEConfig, MoEFeedForward
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """Backbone dimensions; the size presets in ``configs/model/`` fill these in."""
+    """Backbone dimensions; the size presets in ``configs/model/`` fill these in.
+
+    ``moe``: a mixture-of-experts feed-forward in some layers (see ``moe.py``); empty: dense everywhere.
+    """
 
     dim: int
     n_layers: int
@@ -29,8 +36,14 @@ class TransformerConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     name: str = "custom"
+    moe: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, Mapping):  # from a YAML preset or saved hyperparameters
+            unknown = sorted(set(self.moe) - {f.name for f in dataclasses.fields(MoEConfig)})
+            if unknown:
+                raise ValueError(f"model size: unknown moe key(s) {unknown}; known keys: {[f.name for f in dataclasses.fields(MoEConfig)]}")
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -41,6 +54,9 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(index)
 
 
 class RMSNorm(nn.Module):
@@ -143,14 +159,22 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), backend=self.kernels.swiglu))
 
+def build_feed_forward(cfg: TransformerConfig, index: int) -> nn.Module:
+    """Layer ``index``'s feed-forward: dense SwiGLU, or experts where ``cfg.moe`` places them."""
+    if not cfg.is_moe_layer(index):
+        return FeedForward(cfg.dim, cfg.ffn_dim)
+    hidden = cfg.moe.hidden(cfg.ffn_dim)
+    shared = FeedForward(cfg.dim, cfg.moe.n_shared * hidden) if cfg.moe.n_shared else None
+    return MoEFeedForward(cfg.dim, hidden, cfg.moe, shared)
+
 
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.ffn = build_feed_forward(cfg, index)
 
     def forward(
         self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None, cache: LayerKV | None = None
@@ -168,7 +192,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.max_seq_len = max_seq_len
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, index) for index in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Not persistent: derived from the config, so checkpoints carry weights only.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -178,7 +202,7 @@ class Transformer(nn.Module):
     def set_kernels(self, kernels: KernelConfig) -> None:
         """Use these implementations for attention, norms, rotary and SwiGLU from the next forward on."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, FeedForward)):
+            if isinstance(module, (RMSNorm, Attention, FeedForward, GroupedExperts)):
                 module.kernels = kernels
 
     def init_weights(self) -> None:
@@ -188,10 +212,13 @@ class Transformer(nn.Module):
         # Residual projections are scaled down with depth so the residual stream's variance stays flat.
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for layer in self.layers:
-            for linear in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.ffn.w1, layer.ffn.w3):
+            dense = isinstance(layer.ffn, FeedForward)
+            for linear in (layer.attn.wq, layer.attn.wk, layer.attn.wv, *((layer.ffn.w1, layer.ffn.w3) if dense else ())):
                 nn.init.trunc_normal_(linear.weight, std=0.02)
-            for linear in (layer.attn.wo, layer.ffn.w2):
+            for linear in (layer.attn.wo, *((layer.ffn.w2,) if dense else ())):
                 nn.init.trunc_normal_(linear.weight, std=out_std)
+            if not dense:
+                layer.ffn.init_weights(0.02, out_std)
             layer.attn_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()

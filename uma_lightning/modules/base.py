@@ -52,6 +52,7 @@ from torchmetrics import MeanMetric
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
+from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
@@ -126,6 +127,7 @@ class StageModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
+        self.expert_balancing = ExpertBalancing()  # of mixture-of-experts layers; nothing without them
 
     # ---- extension points -------------------------------------------------------------------
 
@@ -247,6 +249,13 @@ class StageModule(L.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in _scalars(out).items() if k != "loss"}, batch_size=batch_size)
         self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, batch_size=batch_size)
         return out["loss"]
+
+    def on_after_backward(self) -> None:
+        self.expert_balancing.record(self.model)
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.expert_balancing.update(self.model, lambda routed: self.trainer.strategy.reduce(routed, reduce_op="sum"))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, "val")

@@ -43,6 +43,8 @@ def check_robot(model: RobotBase, shape: MeshShape, config: ParallelConfig) -> N
     if shape.tp == 1:
         return
     b = model.cfg.backbone
+    if b.moe is not None:
+        raise ValueError(f"tp {shape.tp}: the tensor-parallel layout has no plan for mixture-of-experts layers yet (size {b.name}); use ddp or fsdp")
     sizes = {
         "n_heads": b.n_heads,
         "n_kv_heads": b.n_kv_heads,

@@ -1,0 +1,138 @@
+"""Mixture of experts on CPU: the layer's speed, and how well bias balancing spreads the tokens.
+
+1. One MoE feed-forward's forward + backward over a batch of tokens: the grouped-GEMM experts
+   against the per-expert loop, and against a dense SwiGLU feed-forward with the same active
+   parameters per token (hidden = (top_k + n_shared) x expert hidden). Variants alternate; medians.
+2. Load imbalance (the busiest expert's token choices over the mean, per MoE layer and step,
+   averaged over layers) over the last ``--window`` steps of a pretraining run of the tiny_moe
+   preset, with the aux-loss-free bias balancing and without it (bias_update_rate 0), same seed.
+
+    python benchmarks/moe.py                      # both parts, 300-step runs
+    python benchmarks/moe.py --part layer --tokens 8192
+    python benchmarks/moe.py --part balance --steps 100 --window 20
+    python benchmarks/moe.py --part balance --rates 0.001 --batch-size 8   # one run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import median, print_table, time_calls  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def layer_speed(tokens: int, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, repeats: int) -> list[list[object]]:
+    import torch
+
+    from uma_lightning.kernels import KernelConfig
+    from uma_lightning.models.moe import MoEConfig
+    from uma_lightning.models.transformer import FeedForward, TransformerConfig, build_feed_forward
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(dim=dim, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=hidden,
+                            moe=MoEConfig(n_experts=n_experts, top_k=top_k, n_shared=n_shared, expert_dim=hidden))  # fmt: skip
+    moe = build_feed_forward(cfg, 0)
+    moe.init_weights(0.02, 0.02)
+    dense = FeedForward(dim, (top_k + n_shared) * hidden)
+    x = torch.randn(1, tokens, dim, requires_grad=True)
+
+    def step(module):
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        module(x).square().mean().backward()
+
+    def with_experts(backend):
+        moe.experts.kernels = KernelConfig(experts=backend)
+        step(moe)
+
+    variants = {"moe grouped": lambda: with_experts("grouped"), "moe loop": lambda: with_experts("loop"), "dense, same active": lambda: step(dense)}
+    times = {name: [] for name in variants}
+    for _ in range(repeats):  # alternate, so drift in the machine's load hits every variant alike
+        for name, fn in variants.items():
+            times[name] += time_calls(fn, repeats=1)
+    grouped = median(times["moe grouped"])
+    return [[name, 1e3 * median(ts), median(ts) / grouped] for name, ts in times.items()]
+
+
+class ImbalanceRecorder(Callback):
+    """Each training step's imbalance, averaged over the MoE layers."""
+
+    def __init__(self):
+        self.per_step: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from uma_lightning.models.moe import moe_layers
+
+        ratios = [(layer.stats["routed"].max() / layer.stats["routed"].float().mean()).item() for _, layer in moe_layers(pl_module)]
+        self.per_step.append(sum(ratios) / len(ratios))
+        if len(self.per_step) % 25 == 0:  # a long run on a busy machine: say how far it is
+            last = self.per_step[-50:]
+            print(f"step {len(self.per_step)}: mean imbalance over the last {len(last)} steps {sum(last) / len(last):.3f}", flush=True)
+
+
+def balance(steps: int, window: int, bias_update_rate: float, batch_size: int) -> dict:
+    from uma_lightning.cli import UmaCLI
+    from uma_lightning.models import load_size
+
+    # Empty settings left out: the command line would read a JSON null as the string "null".
+    preset = {key: value for key, value in dataclasses.asdict(load_size("tiny_moe").moe).items() if value is not None}
+    moe = {**preset, "bias_update_rate": bias_update_rate}
+    size = {"name": "tiny_moe", "moe": moe}
+    recorder = ImbalanceRecorder()
+    with tempfile.TemporaryDirectory() as root:
+        cli = UmaCLI(
+            ["--config", str(REPO / "recipes" / "pretrain.yaml"),
+             "--model.network.size", json.dumps(size),
+             "--data.batch_size", str(batch_size), "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "1",
+             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+             "--trainer.default_root_dir", root],
+            run=False,
+        )  # fmt: skip
+        cli.trainer.callbacks.append(recorder)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    last = recorder.per_step[-window:]
+    return {"bias_update_rate": bias_update_rate, "steps": len(recorder.per_step), "imbalance_last": sum(last) / len(last), "worst_step": max(last)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("layer", "balance", "both"), default="both")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=192)
+    parser.add_argument("--hidden", type=int, default=128, help="each expert's hidden size")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--shared", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--window", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=32, help="the pretrain recipe's")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1e-3, 0.0], help="bias_update_rate of each run (0: no bias balancing)")
+    args = parser.parse_args()
+    if args.part in ("layer", "both"):
+        rows = layer_speed(args.tokens, args.dim, args.hidden, args.experts, args.top_k, args.shared, args.repeats)
+        print_table(
+            f"MoE feed-forward, forward + backward of {args.tokens} tokens (dim {args.dim}, {args.experts} experts of hidden {args.hidden}, "
+            f"top-{args.top_k}, {args.shared} shared)",
+            ["variant", "ms (median)", "x grouped"], rows,
+        )  # fmt: skip
+    if args.part in ("balance", "both"):
+        results = [balance(args.steps, args.window, rate, args.batch_size) for rate in args.rates]
+        print_table(
+            f"Load imbalance (max/mean token choices per expert, mean over MoE layers) over the last {args.window} of {args.steps} "
+            f"pretraining steps, tiny_moe, batch {args.batch_size}",
+            ["bias_update_rate", "steps", f"mean imbalance, last {args.window}", "worst step"],
+            [[r["bias_update_rate"], r["steps"], r["imbalance_last"], r["worst_step"]] for r in results],
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Expert parallelism for the mixture-of-experts layers of any backbone (``models/moe.py``).
+
+Over an ``ep`` group of P ranks, rank r keeps experts [r E/P, (r+1) E/P) of every MoE layer: each
+stacked expert weight becomes a DTensor sharded on dim 0 over the group, so checkpoints still hold
+whole [E, ...] tensors under the plain names and load under any other layout. Routers, shared
+experts, attention and the bias buffer stay replicated (the bias moves the same way on every rank,
+from counts summed over all ranks).
+
+Each layer's ``dispatch`` becomes: send every token choice to the rank owning its expert
+(all-to-all, uneven splits), run the local experts on what arrived, send the outputs back
+(all-to-all the other way). Both all-to-alls carry gradients. The combine that follows is the
+model's own: each choice's output lands in its own slot, so there is no atomic accumulation and
+results do not depend on arrival order.
+
+Gradients: an expert's gradient on its owner is the sum over every token routed to it from every
+rank of the group, i.e. what one process would get for the summed loss of all their samples. Data
+parallelism averages the other parameters' gradients over ranks, so a strategy that combines the
+two divides the experts' gradients by the ranks that share them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from uma_lightning.kernels import expert_feed_forward
+from uma_lightning.models.moe import GroupedExperts, moe_layers
+
+
+def check_expert_parallel(model: nn.Module, ep: int, world_size: int) -> None:
+    """One-line ValueError when ``ep`` cannot lay out this model's experts on ``world_size`` processes."""
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"ep {ep} does not divide the world size {world_size}")
+    layers = moe_layers(model)
+    if ep > 1 and not layers:
+        raise ValueError(f"ep {ep} needs a model with mixture-of-experts layers (a size with a moe: section); this one has none")
+    for name, layer in layers:
+        if layer.cfg.n_experts % ep:
+            raise ValueError(f"ep {ep} does not divide the {layer.cfg.n_experts} experts of {name}")
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> str:
+    """Shard every MoE layer's experts over the 1-D ``ep_mesh`` and dispatch its tokens with all-to-all."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layers = moe_layers(model)
+    for _, layer in layers:
+        experts = layer.experts
+        for name in ("w1", "w3", "w2"):
+            whole = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(distribute_tensor(whole.detach(), ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad))
+        layer.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep_mesh.size())
+    n_experts = layers[0][1].cfg.n_experts if layers else 0
+    return f"expert parallel over {ep_mesh.size()} ranks ({n_experts // ep_mesh.size()} of {n_experts} experts per rank in {len(layers)} MoE layers)"
+
+
+class AllToAllDispatch:
+    """A MoE layer's ``dispatch`` under expert parallelism: tokens to their experts' ranks and back."""
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+
+    def __call__(self, experts: GroupedExperts, x: Tensor, counts: Tensor) -> Tensor:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+
+        local_experts = counts.numel() // self.size
+        # How many choices each rank sends for each of this rank's experts: [source rank, local expert].
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        received = received.view(self.size, local_experts)
+        send_splits = counts.view(self.size, local_experts).sum(1).tolist()
+        receive_splits = received.sum(1).tolist()
+        arrived = all_to_all_single(x.new_empty(sum(receive_splits), x.shape[1]), x, receive_splits, send_splits, group=self.group)
+        # Arrived rows are grouped by source rank, then expert; the experts want them by expert.
+        expert_of_row = torch.arange(local_experts, device=x.device).repeat(self.size).repeat_interleave(received.flatten())
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        out = expert_feed_forward(
+            arrived[by_expert], received.sum(0), experts.w1.to_local(), experts.w3.to_local(), experts.w2.to_local(),
+            backend=experts.kernels.experts, swiglu_backend=experts.kernels.swiglu,
+        )  # fmt: skip
+        back = torch.empty_like(out)
+        back[by_expert] = out  # a permutation: each row written once
+        return all_to_all_single(x.new_empty(x.shape[0], out.shape[1]), back, send_splits, receive_splits, group=self.group)
