@@ -139,6 +139,22 @@ class Case:
     batches: list[dict]
     strategies: list[str]
     trainer_args: dict = field(default_factory=dict)  # gradient clipping, as the recipe sets it
+    strategy_args: dict = field(default_factory=dict)  # MeshStrategy switches (activation checkpointing, compile...) of the strategy runs
+
+
+def random_network(seed: int) -> list[str]:
+    """Recipe overrides for a model shape drawn from ``seed``: layers, width, heads, kv heads,
+    feed-forward width, vision tokenizer and environment-state head, all that tp 2 can split."""
+    import random
+
+    rng = random.Random(seed)
+    n_kv_heads = rng.choice([2, 4])
+    n_heads = n_kv_heads * rng.choice([1, 2])
+    dim = n_heads * rng.choice([8, 16])
+    size = {"name": "tiny", "n_layers": rng.randint(1, 3), "dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "ffn_dim": 2 * rng.randint(dim // 4, dim)}
+    vision = rng.choice([{"tokenizer": "patches"}, {"tokenizer": "keypoints", "n_keypoints": rng.choice([4, 8]), "channels": 8, "film": rng.random() < 0.5}])
+    overrides = ["--model.network.size", json.dumps(size), "--model.network.vision", json.dumps(vision)]
+    return overrides + ["--model.network.environment_state_weight", rng.choice(["0", "0.5"])]
 
 
 def main(argv: list[str]) -> int:
@@ -193,8 +209,8 @@ def main(argv: list[str]) -> int:
         print_precision_report(args.config, args.precision, results, global_batch)
         ok = all(r["ok"] for r in results.values())
     else:
-        case = Case(args.config, module, batches, strategies, trainer_args)
-        results = check_parity([case], strategy_args, args.timeout)[args.config]
+        case = Case(args.config, module, batches, strategies, trainer_args, strategy_args)
+        results = check_parity([case], args.timeout)[args.config]
         print_report(args.config, results, global_batch)
         ok = all(r["ok"] for r in results.values())
     if args.report:
@@ -225,18 +241,17 @@ def resolve(config: str, overrides: list[str], steps: int):
     return cli.model, batches, trainer_args
 
 
-def check_parity(cases: list[Case], strategy_args: dict | None = None, timeout: float = 600) -> dict[str, dict[str, dict]]:
+def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str, dict]]:
     """Train every case on one process and under each of its strategies; results per case label and strategy.
 
     All cases share the process groups: one launch per world size trains every case's strategies of that size.
     """
-    strategy_args = strategy_args or {}
     with tempfile.TemporaryDirectory(prefix="uma-parity-") as tmp:
         work = Path(tmp)
         references, jobs = {}, []
         for index, case in enumerate(cases):
             log.info("parity %s: %d steps of global batch %d; references on one process", case.label, len(case.batches), len(case.batches[0]["sample_id"]))
-            job = {"module": case.module, "batches": case.batches, "trainer_args": {**case.trainer_args, **FLOAT64}}
+            job = {"module": case.module, "batches": case.batches, "trainer_args": {**case.trainer_args, **FLOAT64}, "strategy_args": case.strategy_args}
             whole = train(job, None, work / f"{index}-reference.pt")
             # The accumulating references follow the whole-batch run's weights, as the strategies do.
             job["trajectory"] = whole["params"]
@@ -251,7 +266,10 @@ def check_parity(cases: list[Case], strategy_args: dict | None = None, timeout: 
             ]
             runs = [(job, strategies) for job, strategies in runs if strategies]
             log.info("parity: %d run(s) on %d processes", sum(len(s) for _, s in runs), world_size)
-            run_local_group(_worker, world_size, (runs, strategy_args), timeout)
+            # Through a file: passed as arguments, each tensor would take a file descriptor, and a
+            # process may be handed only a few hundred.
+            torch.save(runs, work / "runs.pt")
+            run_local_group(_worker, world_size, (str(work / "runs.pt"),), timeout)
             for index, case in enumerate(cases):
                 for name in case.strategies:
                     if LAYOUTS[name][0] == world_size:
@@ -274,14 +292,15 @@ def train(job: dict, strategy, out: Path, micro_batches: int = 1, activations: b
     return torch.load(out, weights_only=True) if trainer.is_global_zero else {}
 
 
-def _worker(runs: list[tuple[dict, list[dict]]], strategy_args: dict) -> None:
-    """One rank of a group: trains each listed job under each of its strategies in turn, in the same process group."""
+def _worker(runs_file: str) -> None:
+    """One rank of a group: trains each job of ``runs_file`` under each of its strategies in turn, in the same process group."""
     from uma_lightning.parallel import MeshStrategy
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    runs = torch.load(runs_file, weights_only=False)  # written by check_parity a moment ago
     for job, strategies in runs:
         for run in strategies:
-            train(job, MeshStrategy(**run["sizes"], **strategy_args), Path(run["out"]), activations=job.get("activations", False))
+            train(job, MeshStrategy(**run["sizes"], **job["strategy_args"]), Path(run["out"]), activations=job.get("activations", False))
 
 
 class Recorder(Callback):
