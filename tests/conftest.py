@@ -1,3 +1,4 @@
+import json
 import os
 from types import SimpleNamespace
 
@@ -63,3 +64,50 @@ def pretrained(tmp_path_factory) -> SimpleNamespace:
         code=code, log=log.read_text(), cwd=cwd, steps=PRETRAIN_STEPS,
         checkpoints=cwd / "runs" / "pretrain" / "checkpoints", store=f"sqlite:///{cwd / 'mlruns' / 'mlflow.db'}",
     )  # fmt: skip
+
+
+# ---- uma parity: one launch per group size, many models and injected faults in each ---------------
+
+FAULT = "parallel_faults.InjectedFault"
+
+
+@pytest.fixture(scope="session")
+def parity_on_two_processes():
+    """Results (case label -> strategy -> result) of one launch of two processes: the small model
+    with every second block checkpointed and the environment-state head; the FiLM keypoint
+    tokenizer under tp; two model shapes drawn at random; and one injected bug per case."""
+    from suite import parity_case
+    from uma_lightning.parallel.parity import check_parity, random_network
+
+    def fault(name, strategies):
+        return parity_case(name, strategies, "--model.init_args.fault", name, module=FAULT)
+
+    vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
+    cases = [
+        parity_case("recipe", "ddp,fsdp,tp", "--model.network.environment_state_weight", "0.5", activation_checkpointing="ops", ac_every_n_blocks=2),
+        parity_case("keypoints", "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5"),
+        *(parity_case(f"shape {seed}", "ddp,fsdp,tp", *random_network(seed)) for seed in (0, 1)),
+        fault("unreduced_gradient", "ddp"),
+        fault("rank_seed", "ddp,fsdp"),
+        fault("wrong_dim", "tp"),
+        fault("unreduced_norm", "tp"),
+    ]
+    return check_parity(cases)
+
+
+@pytest.fixture(scope="session")
+def parity_on_four_processes():
+    """As ``parity_on_two_processes`` for the 2-D meshes: compiled, checkpointed blocks with FSDP
+    keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
+    runs the compiled graph like inductor, without generating kernels, which takes minutes on a
+    CPU); a model shape drawn at random; gradients averaged over the wrong group."""
+    from suite import parity_case
+    from uma_lightning.parallel.parity import check_parity, random_network
+
+    switches = {"activation_checkpointing": "full", "compile": "blocks", "compile_backend": "aot_eager", "reshard_after_forward": False, "cpu_offload": True}
+    cases = [
+        parity_case("switches", "hsdp,fsdp_tp", **switches),
+        parity_case("shape 2", "hsdp,fsdp_tp", *random_network(2)),
+        parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
+    ]
+    return check_parity(cases)

@@ -118,3 +118,19 @@ def _parallelize_with_fault(model: FaultyRobot, mesh, config):
 
 
 register_plan(FaultyRobot, _parallelize_with_fault, check_robot, name="robot with an injected fault")
+
+
+class OverflowingPretrain(PretrainModule):
+    """PretrainModule whose block 0 feed-forward input projection multiplies its input by 1e5 and
+    divides its output by as much: the same function in fp32 (and within bf16's range), but
+    beyond fp16's largest number (65504), so under 16-mixed that layer's output is infinite."""
+
+    OVERFLOWING = "model.backbone.layers.0.ffn.w1"
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()
+        linear = self.get_submodule(self.OVERFLOWING)
+        forward = linear.forward
+        linear.forward = lambda x: forward(x * 1e5) / 1e5
