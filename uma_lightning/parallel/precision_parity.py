@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from uma_lightning.parallel.launch import run_local_group
+from uma_lightning.parallel.recorded_runs import train, worker
 
 # Unit roundoff of each low precision (half its machine epsilon): bf16 keeps 8 significant bits, fp16 11.
 UNIT_ROUNDOFF = {"bf16-mixed": 2.0**-8, "16-mixed": 2.0**-11}
@@ -40,10 +41,11 @@ TOP = 8  # layers listed in the report
 INIT_SCALE = 2.0**8
 
 
-def compare_precision(module, batches: list[dict], trainer_args: dict, precision: str, strategy: str | None, strategy_args: dict, timeout: float = 600) -> dict:
-    """Train in fp32 and in ``precision`` (on one process, or under ``strategy`` in a local group), each step
-    from the weights of a one-process fp32 run; per-layer errors of the low-precision run against fp32."""
-    from uma_lightning.parallel.parity import LAYOUTS, train
+def compare_precision(
+    module, batches: list[dict], trainer_args: dict, precision: str, layout: tuple[int, dict] | None, strategy_args: dict, timeout: float = 600
+) -> dict:
+    """Train in fp32 and in ``precision`` (on one process, or on ``layout``'s processes and mesh sizes in a
+    local group), each step from the weights of a one-process fp32 run; per-layer errors of the low-precision run against fp32."""
 
     def job(chosen: str, trajectory=None) -> dict:
         # As a plugin: strategies refuse the 16-mixed flag.
@@ -54,16 +56,14 @@ def compare_precision(module, batches: list[dict], trainer_args: dict, precision
     with tempfile.TemporaryDirectory(prefix="uma-precision-") as tmp:
         work = Path(tmp)
         reference = train(job("32-true"), None, work / "fp32.pt", activations=True)
-        if strategy is None:
+        if layout is None:
             fp32 = reference
             low = train(job(precision, reference["params"]), None, work / "low.pt", activations=True)
         else:
-            from uma_lightning.parallel.parity import _worker
-
-            world_size, sizes = LAYOUTS[strategy]
-            runs = [(job(name, reference["params"]), [{"name": strategy, "sizes": sizes, "out": str(work / f"{name}.pt")}]) for name in ("32-true", precision)]
-            torch.save(runs, work / "runs.pt")
-            run_local_group(_worker, world_size, (str(work / "runs.pt"),), timeout)
+            world_size, sizes = layout
+            runs = [(job(name, reference["params"]), [{"sizes": sizes, "out": str(work / f"{name}.pt")}]) for name in ("32-true", precision)]
+            torch.save(runs, work / "runs.pt")  # see parity.check_parity
+            run_local_group(worker, world_size, (str(work / "runs.pt"),), timeout)
             fp32, low = (torch.load(work / f"{name}.pt", weights_only=True) for name in ("32-true", precision))
     return layer_errors(fp32, low, precision)
 
