@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from uma_lightning.kernels import flash
-from uma_lightning.kernels.dispatch import ATTENTION_BACKENDS, SDPA_KERNELS, did_you_mean, log_once
+from uma_lightning.kernels.dispatch import ATTENTION_BACKENDS, SDPA_KERNELS, assume_constant_result, did_you_mean, log_once
 
 
 def attention(
@@ -128,7 +128,7 @@ def reference_attention(q, k, v, *, mask: torch.Tensor | None, causal: bool) -> 
     return (probs @ v.float()).to(q.dtype)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def auto_backend(device_type: str, device_index: int, dtype: torch.dtype, head_dim: int) -> str:
     """The fastest backend for these inputs; logged once per distinct decision. Runs eagerly under torch.compile."""
     choice, why = "sdpa", "PyTorch picks its fused kernel per call: flash for causal, memory-efficient or cuDNN under a mask"

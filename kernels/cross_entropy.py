@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from uma_lightning.kernels.dispatch import resolve
 
@@ -35,9 +34,8 @@ def linear_cross_entropy(
     data-parallel ranks do; otherwise it is the mean over all counted tokens.
     Under autocast the matmuls run in the autocast dtype, as ``nn.Linear`` would.
     """
-    # The fused op has no DTensor sharding rule: tensor-parallel callers give it whole tensors (the
-    # head's weight is gathered; its gradient goes back to the shards through the gather).
-    hidden, weight = _whole(hidden), _whole(weight)
+    # Plain tensors only (the op has no DTensor sharding rule): a tensor-parallel plan gathers the
+    # head's weight before the call and hands its gradient back to the shards.
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -52,10 +50,6 @@ def linear_cross_entropy(
             _row_weights(targets, ignore_index, per_sample, _accumulation_dtype(hidden.dtype)), ignore_index, use_triton, needs_grad,
         )
     return loss, predictions.view(targets.shape)
-
-
-def _whole(tensor: Tensor) -> Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

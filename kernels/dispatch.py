@@ -80,7 +80,16 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without its import of the compiler stack, which
+    loads DTensor and FSDP: the models import these kernels and must stay free of distributed code.
+    Sets the mark that decorator sets, read only when torch.compile traces a call (the fullgraph
+    tests in test_kernels.py break if it stops working)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def resolve(op: str, backend: str, device_type: str, dtype: torch.dtype) -> str:
     """``"triton"`` or ``"torch"`` for ``op`` on tensors of ``device_type`` and ``dtype``.
 

@@ -54,6 +54,18 @@ class ActionExpertConfig:
         )
 
 
+class TimeEmbedding(nn.Module):
+    """Sine-cosine features [B, width] of flow times [B] (``flow_matching.time_embedding``). A module of
+    its own so a parallel plan can set the layouts of its input and output."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return time_embedding(t, self.width)
+
+
 class RobotFlowTransformer(RobotBase):
     def __init__(self, cfg: RobotModelConfig, expert: ActionExpertConfig | None = None):
         super().__init__(cfg, max_seq_len=cfg.prefix_len)
@@ -64,6 +76,7 @@ class RobotFlowTransformer(RobotBase):
         self.expert_config = (expert or ActionExpertConfig()).transformer_config(cfg.backbone)
         width, action_dim = self.expert_config.dim, cfg.spec.action_dim
         self.action_in = nn.Linear(action_dim, width)
+        self.time_embed = TimeEmbedding(width)
         # Mixes each noisy action with the flow time (pi0's action-time MLP).
         self.action_time_mlp = nn.Sequential(nn.Linear(2 * width, width), nn.SiLU(), nn.Linear(width, width))
         self.expert = Transformer(self.expert_config, max_seq_len=cfg.prefix_len + cfg.spec.action_horizon)
@@ -84,9 +97,12 @@ class RobotFlowTransformer(RobotBase):
         """Predicted velocity [B, horizon, action_dim] of noisy chunks [B, horizon, action_dim] at times t [B].
         The prefix cache is read, not extended."""
         actions = self.action_in(noisy_actions)
-        times = time_embedding(t, actions.shape[-1]).to(actions.dtype)[:, None].expand_as(actions)
+        times = self.time_embed(t).to(actions.dtype)[:, None].expand_as(actions)
         tokens = self.action_time_mlp(torch.cat((actions, times), dim=-1))
-        return self.action_out(self.expert(tokens, cache=prefix_cache.copy()))
+        # Every action token is real. Given, not derived from the expert's input, which a
+        # sequence-parallel plan splits across ranks.
+        real = torch.ones(noisy_actions.shape[:2], dtype=torch.bool, device=noisy_actions.device)
+        return self.action_out(self.expert(tokens, key_padding_mask=real, cache=prefix_cache.copy()))
 
     def forward(
         self,

@@ -70,6 +70,15 @@ class InstructionPooling(nn.Module):
         return (text * weights).sum(1) / weights.sum(1).clamp(min=1)
 
 
+class LinearCrossEntropy(nn.Module):
+    """The fused head matmul and cross-entropy (``kernels.linear_cross_entropy``, per-sample mean) of
+    hidden states [B, n, dim] and a head's weight [bins, dim]. A module of its own, so a parallel plan
+    can set the layouts of its inputs: the kernel takes whole, plain tensors."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_cross_entropy(hidden, weight, targets, backend=backend, per_sample=True)
+
+
 class RobotBase(nn.Module):
     """The modality tokenizers and the backbone every robot model shares; subclasses add an action head.
 
@@ -149,6 +158,7 @@ class RobotTransformer(RobotBase):
         self.action_embed = nn.Embedding(cfg.n_action_bins, dim)
         self.action_dim_embed = nn.Embedding(cfg.spec.action_dim, dim)
         self.action_head = nn.Linear(dim, cfg.n_action_bins, bias=False)
+        self.action_loss = LinearCrossEntropy()
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -192,7 +202,7 @@ class RobotTransformer(RobotBase):
         if loss_targets is None:
             out = self.action_head(hidden)
         else:
-            out = linear_cross_entropy(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy, per_sample=True)
+            out = self.action_loss(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy)
         return (out, self.predict_environment_state(hidden[:, 0])) if with_environment_state else out
 
     def predict_actions(

@@ -154,9 +154,13 @@ class Block(nn.Module):
 
     def forward(
         self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None, cache: LayerKV | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new hidden states; with a cache, (them, the cache's keys, its values). The keys and values
+        leave as outputs too, not only inside the cache: a wrapper that hooks a block's outputs (to
+        gather its weights again for backward) then sees the gradients that come back through them."""
         x = x + self.attn(self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=cache)
-        return x + self.ffn(self.ffn_norm(x))
+        x = x + self.ffn(self.ffn_norm(x))
+        return x if cache is None else (x, cache.keys, cache.values)
 
 
 class Transformer(nn.Module):
@@ -221,5 +225,6 @@ class Transformer(nn.Module):
             cache.key_padding_mask = key_padding_mask
             layer_caches = cache.layers
         for layer, layer_cache in zip(self.layers, layer_caches):
-            h = layer(h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=layer_cache)
+            out = layer(h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=layer_cache)
+            h = out if layer_cache is None else out[0]
         return self.norm(h)

@@ -6,9 +6,10 @@ Lightning's strategy registry (the ``uma`` command imports it).
 
 from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.plans import Plan, plan_for, register_plan
+from uma_lightning.parallel.plans import HeadPlan, Plan, plan_for, register_head, register_plan
+from uma_lightning.parallel.plans.robot import replicated
 from uma_lightning.parallel.strategy import MeshStrategy, register_strategies
 
 register_strategies()
 
-__all__ = ["MeshShape", "MeshStrategy", "ParallelConfig", "Plan", "plan_for", "register_plan"]
+__all__ = ["HeadPlan", "MeshShape", "MeshStrategy", "ParallelConfig", "Plan", "plan_for", "register_head", "register_plan", "replicated"]

@@ -1,4 +1,11 @@
-"""Parallel plan of ``RobotTransformer`` (uma_lightning.models.robot): TP -> AC -> compile -> data parallel.
+"""Parallel plan of the robot backbone family (``RobotBase`` in uma_lightning.models.robot and its
+subclasses): TP -> LoRA layouts -> AC -> compile -> data parallel -> inference methods.
+
+The plan lays out what every robot model shares, the modality tokenizers and the backbone, and
+asks each of the model's heads (``HeadPlan``, registered per model class) for the rest: which of
+its blocks to wrap one by one, and the tensor-parallel layout of its modules. Heads of the
+built-in models: the discrete action head (here), the environment-state head (here), the
+flow-matching action expert (``plans/flow.py``).
 
 Tensor parallel layout (Megatron style, with sequence parallelism):
 
@@ -8,8 +15,7 @@ Tensor parallel layout (Megatron style, with sequence parallelism):
 - sequence parallel: between those matmuls (norms, residual adds) each rank holds S / tp tokens.
 - the modality tokenizers and embeddings (under 1 % of the parameters) are replicated: every
   rank embeds the whole batch, then keeps its slice of the sequence for the backbone.
-- the action head is column-wise over the bins, its logits gathered so the loss sees them whole;
-  the optional environment-state head (a few outputs) is replicated and returns plain tensors.
+- a head reads the backbone's gathered (replicated) hidden states and returns plain tensors.
 
 Every parameter becomes a DTensor on the tensor-parallel mesh, so gradient clipping, optimizers
 and checkpoints handle one kind of tensor.
@@ -17,14 +23,23 @@ and checkpoints handle one kind of tensor.
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
-from uma_lightning.models import RobotTransformer
+from uma_lightning.models import RobotBase, RobotTransformer, Transformer
+from uma_lightning.models.lora import LoRALinear
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
 from uma_lightning.parallel.mesh import MeshShape
+from uma_lightning.parallel.plans.registry import HeadPlan, heads_for
+
+# The observation's arguments every robot model's forward starts with: images, state, text ids, text mask.
+OBSERVATION_INPUTS = 4
+# Methods besides forward that run the model (evaluation, closed loop, export).
+INFERENCE_METHODS = ("predict_actions",)
 
 
-def check_robot(model: RobotTransformer, shape: MeshShape, config: ParallelConfig) -> None:
+def check_robot(model: RobotBase, shape: MeshShape, config: ParallelConfig) -> None:
     if shape.tp == 1:
         return
     b = model.cfg.backbone
@@ -32,17 +47,36 @@ def check_robot(model: RobotTransformer, shape: MeshShape, config: ParallelConfi
         "n_heads": b.n_heads,
         "n_kv_heads": b.n_kv_heads,
         "ffn_dim": b.ffn_dim,
-        "n_action_bins": model.cfg.n_action_bins,
-        "sequence length": model.cfg.seq_len,  # sequence parallelism splits the tokens
+        "sequence length": model.backbone.max_seq_len,  # sequence parallelism splits the tokens
     }
+    for head in heads_for(model):
+        sizes.update(head.tp_sizes(model))
     bad = [f"{name} {value}" for name, value in sizes.items() if value % shape.tp]
     if bad:
         described = ", ".join(f"{name} {value}" for name, value in sizes.items())
         raise ValueError(f"tp {shape.tp} does not divide {', '.join(bad)} (model: {described})")
 
 
-def apply_tp(model: RobotTransformer, tp_mesh) -> str:
-    from torch.distributed.tensor import Replicate, Shard, distribute_module
+def replicated(attribute: str):
+    """The tensor-parallel layout of a small head ``model.<attribute>``: its weights replicated, its
+    output a plain tensor. Every rank computes it whole from the gathered hidden states."""
+
+    def layout(model: nn.Module, tp_mesh) -> None:
+        from torch.distributed.tensor import Replicate, distribute_module
+        from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+
+        distribute_module(model.get_submodule(attribute), tp_mesh)
+        parallelize_module(model, tp_mesh, {attribute: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)})
+
+    return layout
+
+
+def apply_sequence_parallel_transformer(transformer: Transformer, tp_mesh) -> None:
+    """A ``Transformer`` (backbone or expert) fed replicated embeddings: each rank keeps its slice of
+    the tokens (a local split, no communication), the blocks are tensor-parallel, and the final hidden
+    states are gathered into a replicated DTensor. Attention keys and values, and so a ``KVCache``,
+    cover every token (after the all-gather) and this rank's key/value heads."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -52,45 +86,16 @@ def apply_tp(model: RobotTransformer, tp_mesh) -> str:
         parallelize_module,
     )
 
-    for tokenizer in (model.text_embed, model.image_tokenizer, model.camera_embed, model.state_proj, model.action_embed, model.action_dim_embed):
-        distribute_module(tokenizer, tp_mesh)  # parameters and buffers replicated as DTensors
     parallelize_module(
-        model,
+        transformer,
         tp_mesh,
         {
-            # Tensor inputs become replicated DTensors for the replicated tokenizers; text_mask stays a
-            # plain tensor because it only builds the attention mask.
-            "": PrepareModuleInput(
-                input_layouts=(Replicate(), Replicate(), Replicate(), None, Replicate()),
-                desired_input_layouts=(Replicate(), Replicate(), Replicate(), None, Replicate()),
-            ),
-            # Its input (action-dimension indices) is created inside forward.
-            "action_dim_embed": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            # Each rank keeps its slice of the sequence (a local split, no communication) ...
-            "backbone": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
-            "backbone.norm": SequenceParallel(),
-            # ... and the final hidden states are gathered for the head, which slices the action positions.
-            "action_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+            "norm": SequenceParallel(),
         },
     )
-    if model.environment_state_head is not None:
-        distribute_module(model.environment_state_head, tp_mesh)
-        parallelize_module(
-            model, tp_mesh, {"environment_state_head": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)}
-        )
-    if model.instruction_pooling is not None:
-        parallelize_module(
-            model,
-            tp_mesh,
-            {
-                # The pooling mixes the replicated byte embeddings with the plain text_mask: done on local
-                # tensors, and its result enters the replicated image tokenizer as a replicated DTensor.
-                "instruction_pooling": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None), use_local_output=True),
-                "image_tokenizer": PrepareModuleInput(input_layouts=(Replicate(), Replicate()), desired_input_layouts=(Replicate(), Replicate())),
-            },
-        )
-    parallelize_module(model.backbone, tp_mesh, {"": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False)})
-    for block in model.backbone.layers:
+    parallelize_module(transformer, tp_mesh, {"": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False)})
+    for block in transformer.layers:
         parallelize_module(
             block,
             tp_mesh,
@@ -108,21 +113,90 @@ def apply_tp(model: RobotTransformer, tp_mesh) -> str:
                 "ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
             },
         )
-    return f"tensor parallel over {tp_mesh.size()} ranks (attention heads, feed-forward, action bins; sequence-parallel norms)"
 
 
-def parallelize_robot(model: RobotTransformer, mesh, config: ParallelConfig) -> list[str]:
+def apply_tp(model: RobotBase, tp_mesh, heads: list[HeadPlan]) -> str:
+    from torch.distributed.tensor import Replicate, distribute_module
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    for tokenizer in (model.text_embed, model.image_tokenizer, model.camera_embed, model.state_proj):
+        distribute_module(tokenizer, tp_mesh)  # parameters and buffers replicated as DTensors
+    # Tensor inputs become replicated DTensors for the replicated tokenizers and heads; text_mask stays
+    # a plain tensor because it only builds the attention mask.
+    inputs = (Replicate(), Replicate(), Replicate(), None) + (Replicate(),) * sum(head.forward_inputs for head in heads)
+    parallelize_module(model, tp_mesh, {"": PrepareModuleInput(input_layouts=inputs, desired_input_layouts=inputs)})
+    if model.instruction_pooling is not None:
+        parallelize_module(
+            model,
+            tp_mesh,
+            {
+                # The pooling mixes the replicated byte embeddings with the plain text_mask: done on local
+                # tensors, and its result enters the replicated image tokenizer as a replicated DTensor.
+                "instruction_pooling": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None), use_local_output=True),
+                "image_tokenizer": PrepareModuleInput(input_layouts=(Replicate(), Replicate()), desired_input_layouts=(Replicate(), Replicate())),
+            },
+        )
+    apply_sequence_parallel_transformer(model.backbone, tp_mesh)
+    for head in heads:
+        if head.tp_layout is not None:
+            head.tp_layout(model, tp_mesh)
+    return f"tensor parallel over {tp_mesh.size()} ranks (attention heads, feed-forward; sequence-parallel norms; heads: {', '.join(h.name for h in heads) or 'none'})"
+
+
+def apply_tp_lora(model: nn.Module, tp_mesh) -> str:
+    """LoRA adapters follow their layer's layout: tensor parallelism distributes a linear layer's own
+    weight and bias, not the adapters. A row-wise layer's input is split by features, so its A is
+    split the same way; every other adapter weight is replicated (they are rank x features, small)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    adapted = [m for m in model.modules() if isinstance(m, LoRALinear) and isinstance(m.weight, DTensor) and not isinstance(m.lora_a, DTensor)]
+    for layer in adapted:
+        rowwise = layer.weight.placements == (Shard(1),)
+        for name, placement in (("lora_a", Shard(1) if rowwise else Replicate()), ("lora_b", Replicate())):
+            param = getattr(layer, name)
+            layer.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [placement]), requires_grad=param.requires_grad))
+    return f"LoRA adapters of {len(adapted)} tensor-parallel layers laid out with them" if adapted else ""
+
+
+def apply_inference_methods(model: nn.Module, tp: bool) -> str:
+    """Inference calls ``predict_actions``, not ``forward``: data parallelism gathers the parameters
+    around it as around forward, and under tensor parallelism its plain inputs (and the noise and
+    times it makes) count as replicated, as forward's are made."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    methods = [name for name in INFERENCE_METHODS if callable(getattr(model, name, None))]
+    for name in methods:
+        if tp:
+            method = getattr(model, name)
+
+            @functools.wraps(method)
+            def replicating(*args, _method=method, **kwargs):
+                with implicit_replication():
+                    return _method(*args, **kwargs)
+
+            setattr(model, name, replicating)
+        register_fsdp_forward_method(model, name)  # no-op without FSDP or DDP
+    return ""
+
+
+def parallelize_robot(model: RobotBase, mesh, config: ParallelConfig) -> list[str]:
     """Apply the plan in place on ``mesh`` (dims dp_replicate, dp_shard, tp); returns what was applied.
 
     The order matters. TP first: it turns weights into DTensor shards and adds the input and
-    output redistributions that the later steps must wrap. AC before compile, so the compiled
-    block includes the recompute policy. Data parallelism last, so its per-block
-    all-gathers and reduce-scatters wrap whole (checkpointed, compiled) blocks.
+    output redistributions that the later steps must wrap; the LoRA adapters then follow their
+    layers' layouts. AC before compile, so the compiled block includes the recompute policy.
+    Data parallelism after, so its per-block all-gathers and reduce-scatters wrap whole
+    (checkpointed, compiled) blocks: the backbone's, then each head's. The inference methods last,
+    so their wrappers see the final module.
     """
-    blocks: list[nn.Module] = list(model.backbone.layers)
+    heads = heads_for(model)
+    blocks: list[nn.Module] = list(model.backbone.layers) + [block for head in heads for block in head.blocks(model)]
+    tp = mesh["tp"].size() > 1
     applied = []
-    if mesh["tp"].size() > 1:
-        applied.append(apply_tp(model, mesh["tp"]))
+    if tp:
+        applied.append(apply_tp(model, mesh["tp"], heads))
+        applied.append(apply_tp_lora(model, mesh["tp"]))
     applied.append(apply_ac(blocks, config))
     applied.append(apply_compile(blocks, config))
     if mesh["dp_shard"].size() > 1:
@@ -130,4 +204,42 @@ def parallelize_robot(model: RobotTransformer, mesh, config: ParallelConfig) -> 
         applied.append(apply_fsdp(blocks, model, dp_mesh, config))
     elif mesh["dp_replicate"].size() > 1:
         applied.append(apply_ddp(blocks, model, mesh["dp_replicate"], config))
+    applied.append(apply_inference_methods(model, tp))
     return [line for line in applied if line]
+
+
+# ---- the heads of the built-in robot models --------------------------------------------------------
+
+
+def discrete_action_layout(model: RobotTransformer, tp_mesh) -> None:
+    """The action head column-wise over the bins, its logits gathered; the fused loss takes the
+    gathered hidden states and the head's weight whole (its gradient goes back to the shards)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
+
+    distribute_module(model.action_embed, tp_mesh)
+    distribute_module(model.action_dim_embed, tp_mesh)
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            # Its input (action-dimension indices) is created inside forward.
+            "action_dim_embed": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "action_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "action_loss": PrepareModuleInput(
+                input_layouts=(Replicate(), Shard(0), None), desired_input_layouts=(Replicate(), Replicate(), None), use_local_output=True
+            ),
+        },
+    )
+
+
+DISCRETE_ACTION_HEAD = HeadPlan(
+    "discrete actions",
+    tp_sizes=lambda model: {"n_action_bins": model.cfg.n_action_bins},
+    tp_layout=discrete_action_layout,
+    forward_inputs=1,  # the action tokens
+)
+
+ENVIRONMENT_STATE_HEAD = HeadPlan(
+    "environment state", tp_layout=replicated("environment_state_head"), present=lambda model: model.environment_state_head is not None
+)
