@@ -75,15 +75,18 @@ FAULT = "parallel_faults.InjectedFault"
 def parity_on_two_processes():
     """Results (case label -> strategy -> result) of one launch of two processes: the small model
     with every second block checkpointed and the environment-state head; the FiLM keypoint
-    tokenizer under tp; two model shapes drawn at random; and one injected bug per case."""
-    from suite import parity_case
+    tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
+    model shapes drawn at random; and one injected bug per case."""
+    from suite import parity_case, recipe
     from uma_lightning.parallel.parity import check_parity, random_network
 
     def fault(name, strategies):
         return parity_case(name, strategies, "--model.init_args.fault", name, module=FAULT)
 
     vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
+    expert = ["--model.init_from", "null", "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}), "--data.action_horizon", "4"]
     cases = [
+        parity_case("posttrain", "ddp,fsdp,tp", *expert, config=recipe("posttrain")),
         parity_case("recipe", "ddp,fsdp,tp", "--model.network.environment_state_weight", "0.5", activation_checkpointing="ops", ac_every_n_blocks=2),
         parity_case("keypoints", "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5"),
         *(parity_case(f"shape {seed}", "ddp,fsdp,tp", *random_network(seed)) for seed in (0, 1)),

@@ -95,12 +95,12 @@ PARITY_SIZE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim
 PARITY_DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0", "--data.batch_size", "8"]
 
 
-def parity_case(label: str, strategies: str, *overrides: str, module: str | None = None, steps: int = 3, **strategy_args):
-    """A ``uma parity`` case: the pretrain recipe with the small model, ``overrides`` and the
+def parity_case(label: str, strategies: str, *overrides: str, module: str | None = None, config: str = RECIPE, steps: int = 3, **strategy_args):
+    """A ``uma parity`` case: the recipe ``config`` (pretrain) with the small model, ``overrides`` and the
     LightningModule class ``module`` (with its init args as ``--model.init_args.KEY`` overrides)."""
     from uma_lightning.parallel.parity import Case, resolve
 
     chosen = ["--model", module] if module else []
     args = [*chosen, "--model.network.size", json.dumps(PARITY_SIZE), *PARITY_DATA, *overrides]
-    built, batches, trainer_args = resolve(RECIPE, args, steps)
+    built, batches, trainer_args = resolve(config, args, steps)
     return Case(label, built, batches, strategies.split(","), trainer_args, strategy_args)

@@ -203,6 +203,17 @@ def test_ddp_fsdp_tp_match_one_process(parity_on_two_processes):
 
 
 @pytest.mark.slow
+def test_posttrain_matches_one_process(parity_on_two_processes):
+    """The flow model (backbone and action expert, with its EMA) under each layout: every sample's
+    noise and flow time are drawn from its id and the step, so one process and the data-parallel
+    slices train on the same draws, DDP bit for bit."""
+    results = parity_on_two_processes["posttrain"]
+    for name, result in results.items():
+        assert_within_tolerance(name, result)
+    assert results["ddp"]["bitwise_vs_accumulation"]
+
+
+@pytest.mark.slow
 def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environment_state_head(parity_on_two_processes):
     """The FiLM pooling mixes replicated embeddings with the plain text mask, and the environment-state
     head reads the gathered hidden states: the TP plan must handle both. In float64, each step from
