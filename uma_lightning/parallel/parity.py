@@ -249,9 +249,13 @@ def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str,
             log.info("parity %s: %d steps of global batch %d; references on one process", case.label, len(case.batches), len(case.batches[0]["sample_id"]))
             job = {"module": case.module, "batches": case.batches, "trainer_args": {**case.trainer_args, **FLOAT64}, "strategy_args": case.strategy_args}
             whole = train(job, None, work / f"{index}-reference.pt")
-            # The accumulating references follow the whole-batch run's weights, as the strategies do.
+            # The accumulating references follow the whole-batch run's weights, as the strategies do
+            # (one slice: the whole-batch run itself).
             job["trajectory"] = whole["params"]
-            accumulated = {dp: train(job, None, work / f"{index}-accumulated{dp}.pt", micro_batches=dp) for dp in sorted({*map(data_parallel_size, case.strategies)})}
+            accumulated = {
+                dp: train(job, None, work / f"{index}-accumulated{dp}.pt", micro_batches=dp) if dp > 1 else whole
+                for dp in sorted({*map(data_parallel_size, case.strategies)})
+            }
             references[case.label] = (whole, accumulated)
             jobs.append((index, job))
         results: dict[str, dict[str, dict]] = {case.label: {} for case in cases}
