@@ -27,7 +27,8 @@ def linear_cross_entropy(
 ) -> tuple[Tensor, Tensor]:
     """(mean loss over targets != ignore_index, argmax predictions shaped like targets).
 
-    hidden [..., D], weight [V, D] (a bias-free head), targets [...] int. The loss is float32.
+    hidden [..., D], weight [V, D] (a bias-free head), targets [...] int. The loss is float32, or
+    float64 for float64 inputs (the parity check compares layouts in float64).
     With ``per_sample`` (targets [B, T]) the loss is the mean over samples of each sample's mean
     over its counted tokens, so equal shards of a batch average to the whole batch's loss, as
     data-parallel ranks do; otherwise it is the mean over all counted tokens.
@@ -46,14 +47,19 @@ def linear_cross_entropy(
     with torch.autocast(device_type, enabled=False):
         loss, predictions, _, _ = torch.ops.uma.linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-            _row_weights(targets, ignore_index, per_sample), ignore_index, use_triton, needs_grad,
+            _row_weights(targets, ignore_index, per_sample, _accumulation_dtype(hidden.dtype)), ignore_index, use_triton, needs_grad,
         )
     return loss, predictions.view(targets.shape)
 
 
-def _row_weights(targets: Tensor, ignore_index: int, per_sample: bool) -> Tensor:
-    """Each target's weight in the loss (float32, flat): tensors throughout, so no host sync."""
-    valid = (targets != ignore_index).float()
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision and float32 inputs, float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _row_weights(targets: Tensor, ignore_index: int, per_sample: bool, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Each target's weight in the loss (flat, in ``dtype``): tensors throughout, so no host sync."""
+    valid = (targets != ignore_index).to(dtype)
     if not per_sample:
         return (valid / valid.sum().clamp(min=1)).reshape(-1)
     if targets.dim() != 2:
@@ -72,10 +78,10 @@ def _linear_cross_entropy(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, predictions, d loss/d hidden, d loss/d weight); the gradients are empty unless ``needs_grad``."""
     n_rows = hidden.shape[0]
-    losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    losses = torch.empty(n_rows, dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
     predictions = torch.empty(n_rows, dtype=torch.int64, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if needs_grad else hidden.new_empty(0)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else weight.new_empty(0)
+    grad_weight = torch.zeros(weight.shape, dtype=_accumulation_dtype(weight.dtype), device=weight.device) if needs_grad else weight.new_empty(0)
     rows_in_place = _triton_rows if use_triton else _torch_rows
     step = chunk_rows(n_rows, hidden.shape[1], weight.shape[0])
     for start in range(0, n_rows, step):
@@ -96,7 +102,7 @@ def _linear_cross_entropy(
 def _(hidden, weight, targets, row_weights, ignore_index, use_triton, needs_grad):
     grad_hidden = hidden.new_empty(hidden.shape if needs_grad else (0,))
     grad_weight = weight.new_empty(weight.shape if needs_grad else (0,))
-    return hidden.new_empty((), dtype=torch.float32), targets.new_empty(targets.shape, dtype=torch.int64), grad_hidden, grad_weight
+    return hidden.new_empty((), dtype=_accumulation_dtype(hidden.dtype)), targets.new_empty(targets.shape, dtype=torch.int64), grad_hidden, grad_weight
 
 
 def _save(ctx, inputs, output) -> None:
@@ -122,7 +128,7 @@ def _triton_rows(logits, targets, row_weights, losses, predictions, ignore_index
 
 def _torch_rows(logits: Tensor, targets: Tensor, row_weights: Tensor, losses: Tensor, predictions: Tensor, ignore_index: int) -> None:
     """The Triton kernel's contract in eager PyTorch: losses, argmax, and logits := d loss/d logits."""
-    x = logits.float()
+    x = logits.to(losses.dtype)
     lse = x.logsumexp(dim=-1)
     valid = targets != ignore_index
     safe_targets = torch.where(valid, targets, 0)

@@ -1,6 +1,6 @@
 """Rotary position embedding: channel pairs (x[..., i], x[..., i + D/2]) turned by position-dependent angles.
 
-x is [B, H, S, D]; cos and sin are [>= S, D/2] tables. ``torch`` computes in float32 with eager
+x is [B, H, S, D]; cos and sin are [>= S, D/2] tables. ``torch`` computes in float32 (float64 for float64 x) with eager
 ops; ``triton`` turns q or k in one pass, keeping their memory layout, and its backward is the
 same kernel turning the other way.
 """
@@ -16,7 +16,7 @@ from uma_lightning.kernels.dispatch import resolve
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, backend: str = "auto") -> Tensor:
     if resolve("rotary", backend, x.device.type, x.dtype) == "triton":
         return torch.ops.uma.rotary(x, cos, sin, False)
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # float64 stays float64
     cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 

@@ -1,4 +1,5 @@
 import fcntl
+import json
 import os
 import socket
 from contextlib import contextmanager
@@ -140,3 +141,53 @@ def s3():
     fs.makedirs("robots", exist_ok=True)  # moto's state is per process: an earlier test's server made it already
     yield fs, options
     server.stop()
+
+
+# ---- uma parity: one launch per group size, many models and injected faults in each ---------------
+
+FAULT = "parallel_faults.InjectedFault"
+
+
+@pytest.fixture(scope="session")
+def parity_on_two_processes():
+    """Results (case label -> strategy -> result) of one launch of two processes: the small model
+    with every second block checkpointed and the environment-state head; the FiLM keypoint
+    tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
+    model shapes drawn at random; and one injected bug per case."""
+    from suite import parity_case, recipe
+    from uma_lightning.parallel.parity import check_parity, random_network
+
+    def fault(name, strategies):
+        return parity_case(name, strategies, "--model.init_args.fault", name, module=FAULT)
+
+    vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
+    expert = ["--model.init_from", "null", "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}), "--data.action_horizon", "4"]
+    cases = [
+        parity_case("posttrain", "ddp,fsdp,tp", *expert, config=recipe("posttrain")),
+        parity_case("recipe", "ddp,fsdp,tp", "--model.network.environment_state_weight", "0.5", activation_checkpointing="ops", ac_every_n_blocks=2),
+        parity_case("keypoints", "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5"),
+        *(parity_case(f"shape {seed}", "ddp,fsdp,tp", *random_network(seed)) for seed in (0, 1)),
+        fault("unreduced_gradient", "ddp"),
+        fault("rank_seed", "ddp,fsdp"),
+        fault("wrong_dim", "tp"),
+        fault("unreduced_norm", "tp"),
+    ]
+    return check_parity(cases)
+
+
+@pytest.fixture(scope="session")
+def parity_on_four_processes():
+    """As ``parity_on_two_processes`` for the 2-D meshes: compiled, checkpointed blocks with FSDP
+    keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
+    runs the compiled graph like inductor, without generating kernels, which takes minutes on a
+    CPU); a model shape drawn at random; gradients averaged over the wrong group."""
+    from suite import parity_case
+    from uma_lightning.parallel.parity import check_parity, random_network
+
+    switches = {"activation_checkpointing": "full", "compile": "blocks", "compile_backend": "aot_eager", "reshard_after_forward": False, "cpu_offload": True}
+    cases = [
+        parity_case("switches", "hsdp,fsdp_tp", **switches),
+        parity_case("shape 2", "hsdp,fsdp_tp", *random_network(2)),
+        parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
+    ]
+    return check_parity(cases)

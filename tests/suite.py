@@ -86,3 +86,21 @@ def random_inputs(model: RobotTransformer, batch: int = 3, seed: int = 0):
     text_ids, text_mask = model.text_tokenizer(["reach the red square", "go", "touch blue"][:batch])
     actions = torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
     return images, state, text_ids, text_mask, model.action_binner.encode(actions).flatten(1)
+
+
+# ---- uma parity on many models in one launch -------------------------------------------------------
+
+# Two layers of width 32 whose heads, kv heads and feed-forward split over tp 2.
+PARITY_SIZE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
+PARITY_DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0", "--data.batch_size", "8"]
+
+
+def parity_case(label: str, strategies: str, *overrides: str, module: str | None = None, config: str = RECIPE, steps: int = 3, **strategy_args):
+    """A ``uma parity`` case: the recipe ``config`` (pretrain) with the small model, ``overrides`` and the
+    LightningModule class ``module`` (with its init args as ``--model.init_args.KEY`` overrides)."""
+    from uma_lightning.parallel.parity import Case, resolve
+
+    chosen = ["--model", module] if module else []
+    args = [*chosen, "--model.network.size", json.dumps(PARITY_SIZE), *PARITY_DATA, *overrides]
+    built, batches, trainer_args = resolve(config, args, steps)
+    return Case(label, built, batches, strategies.split(","), trainer_args, strategy_args)

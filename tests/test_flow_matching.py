@@ -102,3 +102,21 @@ def test_sampling_recovers_a_known_2d_mixture():
     off_modes_one_step = float((torch.cdist(one_step, MEANS).min(dim=1).values > 4 * STD).float().mean())
     print(f"samples off every mode: {off_modes:.3f} with {cfg.sample_steps} steps, {off_modes_one_step:.3f} with 1 step")
     assert off_modes < 0.1 and off_modes_one_step > 0.5
+
+
+def test_noise_and_time_of_a_sample_do_not_depend_on_its_batch():
+    """Data-parallel ranks that split a batch draw what one process on the whole batch draws."""
+    from uma_lightning.models.flow_matching import sample_noise_and_time
+
+    cfg = FlowMatchingConfig()
+    ids = torch.tensor([5, 9, 2, 7])
+    state = torch.get_rng_state()
+    noise, t = sample_noise_and_time(ids, 3, (4, 2), cfg, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator is left as it was
+    halves = [sample_noise_and_time(ids[part], 3, (4, 2), cfg, seed=0) for part in (slice(0, 2), slice(2, 4))]
+    assert torch.equal(torch.cat([h[0] for h in halves]), noise) and torch.equal(torch.cat([h[1] for h in halves]), t)
+    assert noise.shape == (4, 4, 2) and ((t >= cfg.min_time) & (t <= 1)).all()
+    # Another step or seed draws anew; distinct samples draw distinct noise.
+    assert not torch.equal(sample_noise_and_time(ids, 4, (4, 2), cfg, seed=0)[0], noise)
+    assert not torch.equal(sample_noise_and_time(ids, 3, (4, 2), cfg, seed=1)[0], noise)
+    assert not torch.equal(noise[0], noise[1])

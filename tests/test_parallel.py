@@ -19,7 +19,7 @@ from uma_lightning.models import RobotTransformer
 from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
 from uma_lightning.parallel.mesh import resolve_mesh_shape
-from uma_lightning.parallel.parity import TOLERANCES, main as parity_main
+from uma_lightning.parallel.parity import TOLERANCES, main as parity_main, random_network
 
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
@@ -181,47 +181,92 @@ def test_parity_refuses_bad_arguments_before_training(capsys):
     assert "hsdp: global batch 6 (data.batch_size) does not split over 4 data-parallel ranks" in capsys.readouterr().err
 
 
+def assert_within_tolerance(name, result):
+    assert result["ok"], (name, result)
+    assert result["initial_param_diff"] == 0.0 and result["replica_difference"] is None
+    tol = TOLERANCES[name]
+    assert result["max_loss_diff"] <= tol.loss and result["max_gradient_diff"] <= tol.grad and result["update_diff"] <= tol.update
+    assert result["first_divergence"] is None
+
+
 @pytest.mark.slow
-def test_ddp_fsdp_tp_match_one_process(tmp_path):
-    # One launch of two processes trains all three strategies; every second block is checkpointed.
-    # With the environment-state head, so the auxiliary loss is trained under each layout too.
-    code, results = run_parity(tmp_path, "ddp,fsdp,tp", "--activation-checkpointing", "ops", "--ac-every-n-blocks", "2", "--model.network.environment_state_weight", "0.5")
+def test_ddp_fsdp_tp_match_one_process(parity_on_two_processes):
+    # Every second block is checkpointed. With the environment-state head, so the auxiliary loss is
+    # trained under each layout too.
+    results = parity_on_two_processes["recipe"]
+    assert list(results) == ["ddp", "fsdp", "tp"]
     for name, result in results.items():
-        assert result["ok"], (name, result)
-        assert result["initial_param_diff"] == 0.0
-        assert result["max_loss_diff"] <= TOLERANCES[name].loss and result["update_diff"] <= TOLERANCES[name].update
-        assert result["first_divergence"] is None
-    assert code == 0
+        assert_within_tolerance(name, result)
     # The all-reduce of two ranks adds two numbers, which is exact to reorder: DDP equals one
     # process accumulating the same halves bit for bit.
+    assert results["ddp"]["bitwise_vs_accumulation"] and results["ddp"]["bitwise_required"]
+
+
+@pytest.mark.slow
+def test_posttrain_matches_one_process(parity_on_two_processes):
+    """The flow model (backbone and action expert, with its EMA) under each layout: every sample's
+    noise and flow time are drawn from its id and the step, so one process and the data-parallel
+    slices train on the same draws, DDP bit for bit."""
+    results = parity_on_two_processes["posttrain"]
+    for name, result in results.items():
+        assert_within_tolerance(name, result)
     assert results["ddp"]["bitwise_vs_accumulation"]
 
 
 @pytest.mark.slow
-def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environment_state_head(tmp_path):
+def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environment_state_head(parity_on_two_processes):
     """The FiLM pooling mixes replicated embeddings with the plain text mask, and the environment-state
-    head reads the gathered hidden states: the TP plan must handle both. Losses and every step's
-    gradients match one process; the final update is not judged, since AdamW amplifies the rounding
-    of near-zero gradients of the zero-initialised conditioning beyond its tolerance."""
-    vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
-    _, results = run_parity(tmp_path, "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5")
-    assert results["tp"]["initial_param_diff"] == 0.0
-    assert results["tp"]["max_loss_diff"] <= TOLERANCES["tp"].loss
-    assert results["tp"]["first_divergence"] is None, results["tp"]
+    head reads the gathered hidden states: the TP plan must handle both. In float64, each step from
+    the reference's weights, the updates of the zero-initialised conditioning are judged too."""
+    assert_within_tolerance("tp", parity_on_two_processes["keypoints"]["tp"])
 
 
 @pytest.mark.slow
-def test_hsdp_and_fsdp_tp_match_one_process_with_the_other_switches(tmp_path):
-    # Compiled, checkpointed blocks; FSDP keeping gathered blocks until backward, state offloaded
-    # to the CPU. aot_eager traces and runs the compiled graph like inductor, without generating
-    # kernels, which takes minutes on a CPU.
-    code, results = run_parity(
-        tmp_path, "hsdp,fsdp_tp", "--activation-checkpointing", "full", "--compile", "blocks", "--compile-backend", "aot_eager",
-        "--no-reshard-after-forward", "--cpu-offload",
-    )  # fmt: skip
-    assert code == 0, results
-    for name, result in results.items():
-        assert result["ok"] and result["initial_param_diff"] == 0.0, (name, result)
+def test_hsdp_and_fsdp_tp_match_one_process_with_the_other_switches(parity_on_four_processes):
+    for name, result in parity_on_four_processes["switches"].items():
+        assert_within_tolerance(name, result)
+
+
+@pytest.mark.slow
+def test_model_shapes_drawn_at_random_raise_no_false_alarm(parity_on_two_processes, parity_on_four_processes):
+    """A few of benchmarks/parity_sweep.py's shapes, under every strategy: each within tolerance, by a wide margin."""
+    shapes = {**{k: v for k, v in parity_on_two_processes.items() if k.startswith("shape")}, **parity_on_four_processes}
+    checked = [(label, name) for label, results in shapes.items() if label.startswith("shape") for name in results]
+    assert {name for _, name in checked} == set(TOLERANCES)
+    for label, name in checked:
+        result = shapes[label][name]
+        assert_within_tolerance(name, result)
+        assert result["margin"] > 100, (label, name, result["margin"])  # measured: over 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault, strategy, parameter, where",
+    [
+        # Only that gradient differs, at the first step.
+        ("unreduced_gradient", "ddp", "model.backbone.layers.0.ffn.w2.weight", "gradient"),
+        # Replicas each keep their own copy: the ranks' copies differ. FSDP shards: the gathered weights differ.
+        ("rank_seed", "ddp", "model.text_embed.weight", "replicas"),
+        ("rank_seed", "fsdp", "model.text_embed.weight", "initial"),
+        ("wrong_dim", "tp", "model.backbone.layers.0.attn.wq.weight", "initial"),
+        ("unreduced_norm", "tp", "model.backbone.layers.0.ffn_norm.weight", "gradient"),
+        ("wrong_group", "hsdp", "model.text_embed.weight", "gradient"),
+    ],
+)
+def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parity_on_four_processes, fault, strategy, parameter, where):
+    result = {**parity_on_two_processes, **parity_on_four_processes}[fault][strategy]
+    assert not result["ok"]
+    assert result["parts_ways_at"] == parameter
+    if where == "gradient":
+        divergence = result["first_divergence"]
+        assert divergence["step"] == 1 and divergence["first"]["parameter"] == parameter
+        assert divergence["first"]["relative"] > 1e-3  # a bug's size, against a tolerance of 2.2e-11
+        assert result["initial_difference"] is None and result["replica_difference"] is None
+        if fault.startswith("unreduced"):
+            assert divergence["count"] == 1  # exactly the parameter the bug misses
+    else:
+        found = result["initial_difference" if where == "initial" else "replica_difference"]
+        assert found["parameter"] == parameter and found["max_abs_diff"] > 1e-3
 
 
 @pytest.mark.slow
@@ -321,6 +366,40 @@ FLOW_LAYOUTS = {"tp": MeshShape(1, 1, 2), "fsdp": MeshShape(1, 2, 1), "fsdp_tp":
 @pytest.mark.parametrize("layout", FLOW_LAYOUTS)
 def test_flow_model_plan_matches_one_process(layout):
     forked_cli.run_ranks(flow_plan_matches_one_process, FLOW_LAYOUTS[layout].world_size, free_port(), layout)
+
+
+def test_random_model_shapes_are_distinct_and_split_over_tp():
+    shapes = [json.loads(random_network(seed)[1]) for seed in range(20)]
+    assert len({json.dumps(shape, sort_keys=True) for shape in shapes}) == 20
+    for shape in shapes:
+        assert shape["n_heads"] % shape["n_kv_heads"] == 0 and shape["n_kv_heads"] % 2 == 0 and shape["ffn_dim"] % 2 == 0
+    visions = [json.loads(random_network(seed)[3])["tokenizer"] for seed in range(20)]
+    heads = [random_network(seed)[5] for seed in range(20)]
+    assert set(visions) == {"patches", "keypoints"} and set(heads) == {"0", "0.5"}
+
+
+# ---- precision against fp32 ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_precision_check_names_the_layer_that_overflows_in_fp16_and_is_quiet_otherwise():
+    from suite import parity_case
+    from uma_lightning.parallel.precision_parity import compare_precision
+
+    def check(precision, module=None):
+        case = parity_case(precision, "", module=module, steps=2)
+        return compare_precision(case.module, case.batches, case.trainer_args, precision, None, {})
+
+    overflowing = check("16-mixed", "parallel_faults.OverflowingPretrain")
+    assert not overflowing["ok"]
+    assert overflowing["ranked"][0]["layer"] == overflowing["flagged"][0] == "model.backbone.layers.0.ffn.w1"
+    assert overflowing["ranked"][0]["activation"] == float("inf")
+    for precision in ("16-mixed", "bf16-mixed"):
+        plain = check(precision)
+        assert plain["ok"] and plain["flagged"] == [], plain["ranked"][:3]
+        # Every layer within a few units of the precision's rounding (bf16: 2^-8, fp16: 2^-11).
+        assert 0 < plain["ranked"][0]["error"] < 16 * (2**-8 if precision == "bf16-mixed" else 2**-11)
+        assert plain["skipped_steps"] == []
 
 
 # ---- uma fit on two processes --------------------------------------------------------------------

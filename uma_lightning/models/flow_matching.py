@@ -46,6 +46,23 @@ def sample_time(n: int, cfg: FlowMatchingConfig, device=None) -> torch.Tensor:
     return (cfg.min_time + (1 - cfg.min_time) * beta).to(device)
 
 
+def sample_noise_and_time(
+    sample_ids: torch.Tensor, step: int, shape: tuple[int, ...], cfg: FlowMatchingConfig, seed: int, dtype=torch.float32, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise [B, *shape] and training times [B], each sample's drawn from its own generator, seeded by
+    (seed, step, sample id). The draws of a sample do not depend on the batch it sits in, so
+    data-parallel ranks that split a batch draw what one process on the whole batch draws."""
+    time = torch.distributions.Beta(torch.tensor(cfg.time_alpha), torch.tensor(cfg.time_beta))
+    noises, times = [], []
+    with torch.random.fork_rng(devices=[]):  # the global generator continues as if nothing was drawn
+        for sample_id in sample_ids.tolist():
+            torch.manual_seed(hash((seed, step, sample_id)) & (2**63 - 1))  # hashing ints is the same in every process
+            times.append(time.sample())
+            noises.append(torch.randn(shape, dtype=dtype))
+    t = cfg.min_time + (1 - cfg.min_time) * torch.stack(times)
+    return torch.stack(noises).to(device), t.to(device)
+
+
 def noisy_sample(actions: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_t, target velocity) for actions and noise [B, ...] at times t [B]."""
     t = t.view(-1, *([1] * (actions.dim() - 1))).to(actions.dtype)
@@ -58,7 +75,8 @@ def velocity_loss(predicted: torch.Tensor, target: torch.Tensor, mask: torch.Ten
     Averaged over each sample's real steps, then over samples, so the loss of a batch is the mean
     of the losses of its parts: data-parallel ranks train as one process on the whole batch.
     """
-    squared = (predicted.float() - target.float()).pow(2).mean(dim=-1)  # [B, horizon]
+    dtype = torch.promote_types(predicted.dtype, torch.float32)  # at least float32; float64 stays float64
+    squared = (predicted.to(dtype) - target.to(dtype)).pow(2).mean(dim=-1)  # [B, horizon]
     if mask is None:
         return squared.mean()
     mask = mask.to(squared.dtype)

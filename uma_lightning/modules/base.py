@@ -145,7 +145,8 @@ class StageModule(L.LightningModule):
         ``environment_state_mse``: 1.0 is no better than predicting the dataset mean)."""
         if predicted is None:
             return out
-        mse = F.mse_loss(predicted.float(), batch["environment_state"].float())
+        dtype = torch.promote_types(predicted.dtype, torch.float32)  # at least float32; float64 (uma parity) stays float64
+        mse = F.mse_loss(predicted.to(dtype), batch["environment_state"].to(dtype))
         return {**out, "loss": out["loss"] + self.environment_state_weight * mse, "action_loss": out["loss"].detach(), "environment_state_mse": mse.detach()}
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:

@@ -19,7 +19,7 @@ from torch import nn
 
 from uma_lightning.checkpoint.weights import KeyMapping
 from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig, flow_training_flops_per_sample
-from uma_lightning.models.flow_matching import noisy_sample, sample_time, velocity_loss
+from uma_lightning.models.flow_matching import noisy_sample, sample_noise_and_time, velocity_loss
 from uma_lightning.models.lora import LoraConfig
 from uma_lightning.models.network import flow_inference_options, flow_network
 from uma_lightning.modules.base import ENVIRONMENT_STATE_HEAD, StageModule
@@ -74,8 +74,12 @@ class PosttrainModule(StageModule):
         model = self.model
         actions = batch["actions"]
         text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=actions.device)
-        t = sample_time(actions.shape[0], self.flow, device=actions.device)
-        noisy, target = noisy_sample(actions, torch.randn_like(actions), t)
+        # Drawn per sample, keyed by the run's seed, the step and the sample's id: every layout of
+        # the same global batch (one process, data-parallel slices) trains on the same draws.
+        noise, t = sample_noise_and_time(
+            batch["sample_id"], self.global_step, actions.shape[1:], self.flow, torch.initial_seed(), dtype=actions.dtype, device=actions.device
+        )
+        noisy, target = noisy_sample(actions, noise, t)
         if self.environment_state_weight:
             velocity, environment_state = model(batch["images"], batch["state"], text_ids, text_mask, noisy, t, with_environment_state=True)
         else:

@@ -1,86 +1,118 @@
 """``uma parity``: does a recipe train the same under each strategy as on one process?
 
     uma parity --config recipes/pretrain.yaml --strategies ddp,fsdp,tp --steps 4 [recipe overrides...]
+    uma parity --config recipes/pretrain.yaml --precision bf16-mixed [--strategies fsdp] [recipe overrides...]
 
 The recipe's model and data are resolved as ``uma fit`` would, and the first ``--steps`` batches
 of its training data become the global batches. Each strategy trains on them in a group of gloo
 processes on this machine (2, or 4 for the 2-D meshes hsdp and fsdp_tp), each data-parallel rank
 on its equal slice of every global batch, from the same initial weights as the references:
 
-- one process on each whole global batch: the comparison that matters, judged per strategy
-  against the tolerance in ``TOLERANCES``, which says why the runs may differ at all;
-- one process accumulating gradients over the same slices, in rank order: a data-parallel run
-  that adds its ranks' gradients in that order matches it bit for bit.
+- one process on each whole global batch: the comparison that matters, judged against the
+  tolerances in ``TOLERANCES``;
+- one process accumulating gradients over the same slices, in rank order: strategies whose
+  reductions add two numbers (``Tolerance.bitwise``) must match it bit for bit.
 
-For a strategy out of tolerance, the report names where the gradients first part ways: the
-step, the first differing parameter in model order, and the one that differs most.
+Two choices keep a correct strategy from ever looking wrong:
+
+- every run is in float64, where reordering a sum moves it by ~1e-16 of its size, while a real
+  bug moves gradients by ~1e-3: the tolerances sit many decades from both;
+- each step of a strategy run starts from the reference's weights after the step before, so a
+  difference cannot compound through the optimizer (AdamW divides each gradient element by its
+  running size, which magnifies rounding noise of near-zero gradients step after step).
+
+The verdict also checks that the initial weights equal the reference's and that every rank
+holds the same copy of every replicated weight. For a strategy that fails, the report names the
+first parameter in model order where the run parts ways: in the initial weights, between the
+ranks, or in the gradients of the first step that differs (with the one that differs most).
+
+``--precision bf16-mixed`` or ``16-mixed`` (``precision_parity.py``) compares that precision with
+fp32 instead, layer by layer, on one process or under one strategy.
 
 Recipe keys are overridden as in ``uma fit`` (``--model.network.size ...``). Keep the model small: the
-tool holds every step's full gradients in memory. Runs use fp32 on the CPU.
+tool holds every step's full gradients and weights in memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import math
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch.plugins.precision import DoublePrecision
 
 from uma_lightning.cli_errors import ConfigError
-from uma_lightning.parallel.fixed_batches import fit_on_batches
 from uma_lightning.parallel.launch import run_local_group
+from uma_lightning.parallel.precision_parity import compare_precision, print_precision_report
+from uma_lightning.parallel.recorded_runs import COMPARE_DTYPE, train, worker
 
 log = logging.getLogger("uma_lightning")
+
+PRECISIONS = ("bf16-mixed", "16-mixed")
+# Trainer arguments for float64 runs. As a plugin, not precision="64-true": Lightning refuses that
+# flag with ModelParallelStrategy, whose parallelisms (DTensor, FSDP2, gloo) all handle float64.
+FLOAT64 = {"plugins": [DoublePrecision()]}
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    loss: float  # max |loss - reference loss| over the steps
-    update: float  # |final params - reference final params| / |reference final params - initial params| (L2 norms)
+    loss: float  # max over steps of |loss - reference loss| / max(1, |reference loss|)
+    grad: float  # max abs gradient difference / the reference gradient's largest element, per parameter and step
+    update: float  # per step: |params - reference params| / |reference update of that step| (L2 over all parameters)
+    bitwise: bool  # must equal the rank-ordered accumulation bit for bit
     why: str
 
 
-# A correct strategy differs from one process only in the order in which it adds numbers. In
-# fp32 a reordered sum moves by ~1e-7 of its size; a loss near 5 by an ulp or two (4.8e-7 each):
-# 1e-5 on the loss leaves a wide margin. Parameters are judged by how far the whole update
-# moved, in L2, not element by element: AdamW divides each gradient element by its running size,
-# so the update of an element whose gradient is near zero can flip sign on noise. Measured on the
-# tiny test model over 4-8 steps: 3e-7 (ddp, fsdp, hsdp), 1.3e-6 (tp, fsdp_tp). A real bug moves
-# it by 1e-2 or more within a step or two (see tests/test_parallel.py).
+# How far a correct strategy may be from one process, from the dtype and the sizes of the sums
+# it reorders. A sum of n terms evaluated in another order moves by at most ~n * eps of the sum
+# of their magnitudes (by ~sqrt(n) * eps in practice, the roundings having random signs). The
+# longest sums a strategy reorders are a weight gradient's sum over the global batch's tokens
+# and, under tensor parallelism, the partial products of the row-wise matmuls; for the models
+# this tool can hold both stay under REDUCTION_TERMS. Gradients are judged against their largest
+# element, so cancellation inside a sum counts against the margin: REDUCTION_TERMS * eps, 2.2e-11
+# in float64, sits about four decades above the differences measured (a 3-layer, width-128 model
+# under ddp, fsdp and tp: 2.4e-15 of a gradient's scale, 1.7e-16 of the loss) and eight below a
+# real bug's (1e-3 and more). benchmarks/parity_sweep.py measures the margin on random shapes.
+EPS = torch.finfo(COMPARE_DTYPE).eps
+REDUCTION_TERMS = 1e5
+SUM_TOLERANCE = REDUCTION_TERMS * EPS
+# One AdamW step from the same weights: the update of an element is m / (sqrt(v) + eps_adam), whose
+# slope in the gradient is at most 1 / eps_adam (1e8) where the gradient is near zero. Such elements
+# are few, so in L2 over all parameters the update moves by far less; ADAM_GAIN bounds that gain
+# (measured on the model above: 5e-14 against gradients' 2.4e-15, a gain near 20).
+ADAM_GAIN = 1e3
+
+
+def _tolerance(bitwise: bool, why: str) -> Tolerance:
+    return Tolerance(loss=SUM_TOLERANCE, grad=SUM_TOLERANCE, update=SUM_TOLERANCE * ADAM_GAIN, bitwise=bitwise, why=why)
+
+
 TOLERANCES = {
-    "ddp": Tolerance(
-        1e-5,
-        1e-5,
+    "ddp": _tolerance(
+        True,
         "each rank sums over its half of the batch inside the matmuls and the all-reduce adds the halves; one process "
-        "sums over the whole batch in one matmul, and fp32 addition is not associative. Against one process that "
+        "sums over the whole batch in one matmul, and addition is not associative. Against one process that "
         "accumulates the same halves in rank order, DDP is bitwise identical: adding two numbers is exact to reorder",
     ),
-    "fsdp": Tolerance(
-        1e-5,
-        1e-5,
-        "as ddp for the gradients (the reduce-scatter adds the two halves). Not bitwise even against accumulation while "
-        "gradients are clipped: the clipping norm is summed from per-shard norms",
+    "fsdp": _tolerance(
+        False,
+        "as ddp for the gradients (the reduce-scatter adds the two halves). Not bitwise against accumulation: the "
+        "clipping norm is summed from per-shard norms",
     ),
-    "tp": Tolerance(
-        1e-5,
-        1e-4,
+    "tp": _tolerance(
+        False,
         "row-wise layers add partial matmul products across ranks, in the forward and the backward: every layer "
-        "reorders sums, not just the final gradient reduction, so the differences are a few times larger",
+        "reorders sums, not just the final gradient reduction",
     ),
-    "hsdp": Tolerance(1e-5, 1e-5, "as fsdp, with four ranks' gradients summed in two stages (within, then across replicas)"),
-    "fsdp_tp": Tolerance(1e-5, 1e-4, "the tp and fsdp reorderings together"),
+    "hsdp": _tolerance(False, "as fsdp, with four ranks' gradients summed in two stages (within, then across replicas)"),
+    "fsdp_tp": _tolerance(False, "the tp and fsdp reorderings together"),
 }
-# At each step, a gradient differs when its max abs difference exceeds this fraction of the
-# reference gradient's largest element; used to locate a divergence, not to judge a strategy.
-GRAD_RTOL = 1e-4
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
 LAYOUTS = {
@@ -97,15 +129,45 @@ def data_parallel_size(name: str) -> int:
     return sizes["dp_replicate"] * sizes["dp_shard"]
 
 
+@dataclass
+class Case:
+    """One model on its global batches, checked under ``strategies``."""
+
+    label: str
+    module: object  # the unconfigured LightningModule
+    batches: list[dict]
+    strategies: list[str]
+    trainer_args: dict = field(default_factory=dict)  # gradient clipping, as the recipe sets it
+    strategy_args: dict = field(default_factory=dict)  # MeshStrategy switches (activation checkpointing, compile...) of the strategy runs
+
+
+def random_network(seed: int) -> list[str]:
+    """Recipe overrides for a model shape drawn from ``seed``: layers, width, heads, kv heads,
+    feed-forward width, vision tokenizer and environment-state head, all that tp 2 can split."""
+    import random
+
+    rng = random.Random(seed)
+    n_kv_heads = rng.choice([2, 4])
+    n_heads = n_kv_heads * rng.choice([1, 2])
+    dim = n_heads * rng.choice([8, 16])
+    size = {"name": "tiny", "n_layers": rng.randint(1, 3), "dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "ffn_dim": 2 * rng.randint(dim // 4, dim)}
+    vision = rng.choice([{"tokenizer": "patches"}, {"tokenizer": "keypoints", "n_keypoints": rng.choice([4, 8]), "channels": 8, "film": rng.random() < 0.5}])
+    overrides = ["--model.network.size", json.dumps(size), "--model.network.vision", json.dumps(vision)]
+    return overrides + ["--model.network.environment_state_weight", rng.choice(["0", "0.5"])]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="uma parity",
-        description="Does a recipe train the same under each strategy as on one process?",
+        description="Does a recipe train the same under each strategy as on one process (or in low precision as in fp32)?",
         epilog="Other arguments override recipe keys, as in uma fit (e.g. --model.network.size tiny --data.batch_size 8).",
     )
     parser.add_argument("--config", required=True, help="recipe YAML")
-    parser.add_argument("--strategies", default="ddp,fsdp,tp", help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    parser.add_argument(
+        "--strategies", help=f"comma-separated, from {', '.join(LAYOUTS)} (default ddp,fsdp,tp; with --precision: one process)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="training steps, one global batch (data.batch_size samples) each")
+    parser.add_argument("--precision", choices=PRECISIONS, help="compare this precision with fp32, layer by layer, instead of strategies")
     parser.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "ops"), help="in the strategy runs")
     parser.add_argument("--ac-every-n-blocks", type=int, default=1)
     parser.add_argument("--compile", default="none", choices=("none", "blocks"), help="in the strategy runs")
@@ -115,20 +177,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
     args, overrides = parser.parse_known_args(argv)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    default = "" if args.precision else "ddp,fsdp,tp"
+    strategies = [s.strip() for s in (args.strategies if args.strategies is not None else default).split(",") if s.strip()]
     try:
         unknown = [s for s in strategies if s not in LAYOUTS]
-        if unknown or not strategies:
+        if unknown or not (strategies or args.precision):
             raise ConfigError(f"--strategies: unknown strategy {', '.join(unknown) or '(none given)'}; choose from {', '.join(LAYOUTS)}")
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-        module, batches, trainer_args = _resolve(args.config, overrides, args.steps)
-        global_batch = len(batches[0]["sample_id"])
-        for name in strategies:
-            if global_batch % data_parallel_size(name):
-                raise ConfigError(
-                    f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks"
-                )
+        module, batches, trainer_args = resolve(args.config, overrides, args.steps)
+        check_batch_splits(len(batches[0]["sample_id"]), strategies)
     except ConfigError as err:
         print(f"uma parity: error: {err}", file=sys.stderr)
         return 2
@@ -141,28 +199,29 @@ def main(argv: list[str]) -> int:
         "reshard_after_forward": args.reshard_after_forward,
         "cpu_offload": args.cpu_offload,
     }
-    with tempfile.TemporaryDirectory(prefix="uma-parity-") as tmp:
-        work = Path(tmp)
-        # Handed to the worker processes as arguments (pickled by multiprocessing, never written to disk).
-        job = {"module": module, "batches": batches, "trainer_args": trainer_args}
-        log.info("parity: %d steps of global batch %d; references on one process", len(batches), global_batch)
-        references = {dp: _train(job, None, work / f"reference{dp}.pt", micro_batches=dp) for dp in sorted({1, *map(data_parallel_size, strategies)})}
-        results = {}
-        for world_size in sorted({LAYOUTS[name][0] for name in strategies}):
-            group = [name for name in strategies if LAYOUTS[name][0] == world_size]
-            log.info("parity: %s on %d processes", ", ".join(group), world_size)
-            runs = [{"sizes": LAYOUTS[n][1], "out": str(work / f"{n}.pt")} for n in group]
-            run_local_group(_worker, world_size, (job, runs, strategy_args), args.timeout)
-            for name in group:
-                run = torch.load(work / f"{name}.pt", weights_only=True)
-                results[name] = compare(name, references[1], references[data_parallel_size(name)], run)
-    print_report(args.config, results, global_batch)
+    global_batch = len(batches[0]["sample_id"])
+    if args.precision:
+        results = {name or "one process": compare_precision(module, batches, trainer_args, args.precision, name and LAYOUTS[name], strategy_args, args.timeout)
+                   for name in strategies or [None]}  # fmt: skip
+        print_precision_report(args.config, args.precision, results, global_batch)
+        ok = all(r["ok"] for r in results.values())
+    else:
+        case = Case(args.config, module, batches, strategies, trainer_args, strategy_args)
+        results = check_parity([case], args.timeout)[args.config]
+        print_report(args.config, results, global_batch)
+        ok = all(r["ok"] for r in results.values())
     if args.report:
         Path(args.report).write_text(json.dumps(results, indent=2))
-    return 0 if all(r["ok"] for r in results.values()) else 1
+    return 0 if ok else 1
 
 
-def _resolve(config: str, overrides: list[str], steps: int):
+def check_batch_splits(global_batch: int, strategies: list[str]) -> None:
+    for name in strategies:
+        if global_batch % data_parallel_size(name):
+            raise ConfigError(f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks")
+
+
+def resolve(config: str, overrides: list[str], steps: int):
     """The recipe's (not yet configured) LightningModule, its first ``steps`` training batches, and its gradient clipping."""
     from uma_lightning.cli import UmaCLI
 
@@ -175,119 +234,120 @@ def _resolve(config: str, overrides: list[str], steps: int):
             break
     if len(batches) < steps:
         raise ConfigError(f"{config}: the training data has only {len(batches)} batches, fewer than --steps {steps}")
-    trainer_args = {
-        # fp32: bf16 rounding would swamp the summation-order differences being checked.
-        "precision": "32-true",
-        "gradient_clip_val": cli.trainer.gradient_clip_val,
-        "gradient_clip_algorithm": cli.trainer.gradient_clip_algorithm,
-    }
+    trainer_args = {"gradient_clip_val": cli.trainer.gradient_clip_val, "gradient_clip_algorithm": cli.trainer.gradient_clip_algorithm}
     return cli.model, batches, trainer_args
 
 
-# ---- training runs ---------------------------------------------------------------------------------
+def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str, dict]]:
+    """Train every case on one process and under each of its strategies; results per case label and strategy.
 
-
-def _train(job: dict, strategy, out: Path, micro_batches: int = 1) -> dict:
-    """Train a fresh copy of the job's module under ``strategy`` (None: one process, accumulating
-    gradients over ``micro_batches`` slices of each global batch); rank 0 saves the record to ``out``."""
-    recorder = _Recorder(out, micro_batches)
-    module = copy.deepcopy(job["module"])  # every run starts from the unconfigured module
-    trainer = fit_on_batches(module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"])
-    return torch.load(out, weights_only=True) if trainer.is_global_zero else {}
-
-
-def _worker(job: dict, runs: list[dict], strategy_args: dict) -> None:
-    """One rank of a strategy group: trains each listed strategy in turn in the same process group."""
-    from uma_lightning.parallel import MeshStrategy
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for run in runs:
-        _train(job, MeshStrategy(**run["sizes"], **strategy_args), Path(run["out"]))
-
-
-class _Recorder(Callback):
-    """Per-step global loss and full gradients, and the initial and final full parameters (saved by rank 0)."""
-
-    def __init__(self, out: Path, micro_batches: int, seed: int = 0):
-        self.out, self.micro_batches, self.seed = out, micro_batches, seed
-        self.batch_losses: list[torch.Tensor] = []
-        self.grads: list[dict[str, torch.Tensor]] = []
-        self.initial: dict[str, torch.Tensor] = {}
-
-    def setup(self, trainer, pl_module, stage):
-        torch.manual_seed(self.seed)  # configure_model runs next: the same initial weights in every run
-
-    def on_fit_start(self, trainer, pl_module):
-        self.initial = _full_params(pl_module)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None})
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # The mean over all ranks is the global batch's loss: every data-parallel slice has the
-        # same number of tensor-parallel copies. Under accumulation Lightning reports each
-        # micro-batch's loss divided by their number; their sum is the step's loss.
-        self.batch_losses.append(trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean"))
-
-    def on_train_end(self, trainer, pl_module):
-        final = _full_params(pl_module)
-        if trainer.is_global_zero:
-            n = self.micro_batches
-            losses = [float(sum(self.batch_losses[i : i + n])) for i in range(0, len(self.batch_losses), n)]
-            torch.save({"losses": losses, "grads": self.grads, "initial": self.initial, "final": final}, self.out)
-
-
-def _full_params(module) -> dict[str, torch.Tensor]:
-    return {name: _full(p) for name, p in module.named_parameters()}
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for DTensors), as fp32 on the CPU."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    return tensor.detach().float().cpu().clone()
+    All cases share the process groups: one launch per world size trains every case's strategies of that size.
+    """
+    with tempfile.TemporaryDirectory(prefix="uma-parity-") as tmp:
+        work = Path(tmp)
+        references, jobs = {}, []
+        for index, case in enumerate(cases):
+            log.info("parity %s: %d steps of global batch %d; references on one process", case.label, len(case.batches), len(case.batches[0]["sample_id"]))
+            job = {"module": case.module, "batches": case.batches, "trainer_args": {**case.trainer_args, **FLOAT64}, "strategy_args": case.strategy_args}
+            whole = train(job, None, work / f"{index}-reference.pt")
+            # The accumulating references follow the whole-batch run's weights, as the strategies do
+            # (one slice: the whole-batch run itself).
+            job["trajectory"] = whole["params"]
+            accumulated = {
+                dp: train(job, None, work / f"{index}-accumulated{dp}.pt", micro_batches=dp) if dp > 1 else whole
+                for dp in sorted({*map(data_parallel_size, case.strategies)})
+            }
+            references[case.label] = (whole, accumulated)
+            jobs.append((index, job))
+        results: dict[str, dict[str, dict]] = {case.label: {} for case in cases}
+        for world_size in sorted({LAYOUTS[name][0] for case in cases for name in case.strategies}):
+            runs = [
+                (job, [{"name": n, "sizes": LAYOUTS[n][1], "out": str(work / f"{index}-{n}.pt")} for n in cases[index].strategies if LAYOUTS[n][0] == world_size])
+                for index, job in jobs
+            ]
+            runs = [(job, strategies) for job, strategies in runs if strategies]
+            log.info("parity: %d run(s) on %d processes", sum(len(s) for _, s in runs), world_size)
+            # Through a file: passed as arguments, each tensor would take a file descriptor, and a
+            # process may be handed only a few hundred.
+            torch.save(runs, work / "runs.pt")
+            run_local_group(worker, world_size, (str(work / "runs.pt"),), timeout)
+            for index, case in enumerate(cases):
+                for name in case.strategies:
+                    if LAYOUTS[name][0] == world_size:
+                        whole, accumulated = references[case.label]
+                        run = torch.load(work / f"{index}-{name}.pt", weights_only=True)
+                        results[case.label][name] = compare(TOLERANCES[name], whole, accumulated[data_parallel_size(name)], run)
+    return results
 
 
 # ---- comparison and report -------------------------------------------------------------------------
 
 
-def compare(name: str, whole_batch: dict, accumulated: dict, run: dict) -> dict:
-    tol = TOLERANCES[name]
-    loss_diffs = [abs(a - b) for a, b in zip(run["losses"], whole_batch["losses"])]
+def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> dict:
+    steps = len(whole_batch["losses"])
+    loss_diffs = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(run["losses"], whole_batch["losses"])]
     grad_diffs = gradient_diffs(whole_batch["grads"], run["grads"])
-    divergence = first_divergence(grad_diffs)
-    update_diff = _relative_update_diff(run, whole_batch)
-    initial_diff = _max_param_diff(run["initial"], whole_batch["initial"])
-    bitwise = run["losses"] == accumulated["losses"] and _max_param_diff(run["final"], accumulated["final"]) == 0.0
-    ok = (
-        len(loss_diffs) == len(whole_batch["losses"])
-        and initial_diff == 0.0
-        and max(loss_diffs) <= tol.loss
-        and divergence is None
-        and update_diff <= tol.update
+    divergence = first_divergence(grad_diffs, tol.grad)
+    update_diffs = [_relative_update_diff(run["params"][k], whole_batch["params"][k], whole_batch["params"][k - 1]) for k in range(1, steps + 1)]
+    initial = first_difference(run["params"][0], whole_batch["params"][0])
+    replicas = next(({"parameter": n, "max_abs_diff": d} for n, d in run["replica_spread"].items() if d), None)
+    bitwise = (
+        run["losses"] == accumulated["losses"]
+        and all(_same(a, b) for a, b in zip(run["grads"], accumulated["grads"]))
+        and all(_same(a, b) for a, b in zip(run["params"], accumulated["params"]))
     )
+    max_grad_diff = max((d["relative"] for step in grad_diffs for d in step.values()), default=0.0)
+    measured = {"loss": max(loss_diffs, default=0.0), "grad": max_grad_diff, "update": max(update_diffs, default=0.0)}
+    ok = (
+        len(run["losses"]) == steps
+        and initial is None
+        and replicas is None
+        and all(measured[k] <= getattr(tol, k) for k in measured)
+        and divergence is None
+        and (bitwise or not tol.bitwise)
+    )
+    margins = {k: (getattr(tol, k) / v if v else math.inf) for k, v in measured.items()}
     return {
         "ok": ok,
         "loss_diffs": loss_diffs,
-        "max_loss_diff": max(loss_diffs),
-        "max_param_diff": _max_param_diff(run["final"], whole_batch["final"]),
-        "update_diff": update_diff,
-        "max_gradient_diff": max((d["relative"] for step in grad_diffs for d in step.values()), default=0.0),
-        "initial_param_diff": initial_diff,
+        "max_loss_diff": measured["loss"],
+        "update_diffs": update_diffs,
+        "update_diff": measured["update"],
+        "max_gradient_diff": max_grad_diff,
+        "max_param_diff": max(_max_param_diff(r, w) for r, w in zip(run["params"], whole_batch["params"])),
+        "initial_param_diff": _max_param_diff(run["params"][0], whole_batch["params"][0]),
+        "initial_difference": initial,
+        "replica_difference": replicas,
         "loss_tolerance": tol.loss,
+        "gradient_tolerance": tol.grad,
         "update_tolerance": tol.update,
+        "margin": min(margins.values()),  # how many times the largest difference fits in its tolerance
         "bitwise_vs_accumulation": bitwise,
+        "bitwise_required": tol.bitwise,
         "why": tol.why,
         "first_divergence": divergence,
+        "parts_ways_at": parting_parameter(initial, replicas, divergence),
     }
 
 
-def _relative_update_diff(run: dict, reference: dict) -> float:
-    """|final - reference final| / |reference final - initial|, both L2 over all parameters."""
-    diff = sum(float((run["final"][n] - p).pow(2).sum()) for n, p in reference["final"].items())
-    update = sum(float((p - reference["initial"][n]).pow(2).sum()) for n, p in reference["final"].items())
+def parting_parameter(initial: dict | None, replicas: dict | None, divergence: dict | None) -> str | None:
+    """The parameter where a run first parts ways with the reference: in its initial weights, between its ranks, or in a gradient."""
+    for found in (initial, replicas, divergence and divergence["first"]):
+        if found:
+            return found["parameter"]
+    return None
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _relative_update_diff(params: dict, reference: dict, start: dict) -> float:
+    """|params - reference| / |reference - start|, both L2 over all parameters."""
+    if params.keys() != reference.keys():
+        return math.inf
+    diff = sum(float((params[n] - p).pow(2).sum()) for n, p in reference.items())
+    update = sum(float((p - start[n]).pow(2).sum()) for n, p in reference.items())
     return math.sqrt(diff / update) if update else (0.0 if diff == 0 else math.inf)
 
 
@@ -304,25 +364,34 @@ def gradient_diffs(reference: list[dict], run: list[dict]) -> list[dict[str, dic
     return steps
 
 
-def first_divergence(diffs: list[dict[str, dict]]) -> dict | None:
-    """At the first step where a gradient differs by more than GRAD_RTOL: the first such parameter
-    in model order, and the one that differs most.
+def first_divergence(diffs: list[dict[str, dict]], rtol: float) -> dict | None:
+    """At the first step where a gradient differs by more than ``rtol`` of its scale: the first such
+    parameter in model order, and the one that differs most.
 
     A gradient-reduction bug shows as exactly the parameters it misses; a forward bug changes
     every gradient before it, and differs most near where it is.
     """
     for step, params in enumerate(diffs, start=1):
-        diverged = [{"parameter": name, **d} for name, d in params.items() if d["relative"] > GRAD_RTOL]
+        diverged = [{"parameter": name, **d} for name, d in params.items() if d["relative"] > rtol]
         if diverged:
             largest = max(diverged, key=lambda d: d["relative"])
             return {"step": step, "first": diverged[0], "largest": largest, "count": len(diverged), "of": len(params)}
     return None
 
 
+def first_difference(params: dict, reference: dict) -> dict | None:
+    """The first parameter in model order whose values differ from the reference's (or that is missing)."""
+    for name, ref in reference.items():
+        diff = _max_abs_diff(params[name], ref) if name in params else math.inf
+        if diff:
+            return {"parameter": name, "max_abs_diff": diff}
+    return None
+
+
 def _max_param_diff(params: dict, reference: dict) -> float:
     if params.keys() != reference.keys():
         return math.inf
-    return max(_max_abs_diff(params[name], ref) for name, ref in reference.items())
+    return max((_max_abs_diff(params[name], ref) for name, ref in reference.items()), default=0.0)
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -333,41 +402,55 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def print_report(config: str, results: dict, global_batch: int) -> None:
     steps = len(next(iter(results.values()))["loss_diffs"])
-    print(f"\nparity of {config}: {steps} steps of global batch {global_batch}, fp32, against one process on the whole batch")
+    tol = next(iter(TOLERANCES.values()))
     print(
-        "mesh: dp_replicate x dp_shard x tp. grad diff: max abs difference of a gradient over its largest element (any step; "
-        f"tolerance {GRAD_RTOL:g}). update diff: |params - reference| / |reference update|, L2 over all parameters"
+        f"\nparity of {config}: {steps} steps of global batch {global_batch}, float64, against one process on the whole batch; "
+        "each step from the reference's weights"
     )
-    header = ["strategy", "processes", "mesh", "max |loss diff|", "tol", "max grad diff", "max |param diff|", "update diff", "tol", "bitwise vs accum.", "result"]
+    print(
+        f"mesh: dp_replicate x dp_shard x tp. loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
+        f"gradient over its largest element (tolerance {tol.grad:.1e}); update diff: per step |params - reference| / "
+        f"|reference update|, L2 over all parameters (tolerance {tol.update:.1e}). margin: tolerance / difference, worst of the three"
+    )
+    header = ["strategy", "processes", "mesh", "max loss diff", "max grad diff", "max update diff", "margin", "bitwise vs accum.", "result"]
     rows = [header]
     for name, r in results.items():
         mesh = "x".join(str(size) for size in LAYOUTS[name][1].values())
+        bitwise = ("yes" if r["bitwise_vs_accumulation"] else "no") + (" (required)" if r["bitwise_required"] else "")
         rows.append([
-            name, str(LAYOUTS[name][0]), mesh, f"{r['max_loss_diff']:.2e}", f"{r['loss_tolerance']:.0e}",
-            f"{r['max_gradient_diff']:.2e}", f"{r['max_param_diff']:.2e}", f"{r['update_diff']:.2e}", f"{r['update_tolerance']:.0e}",
-            "yes" if r["bitwise_vs_accumulation"] else "no", "ok" if r["ok"] else "DIVERGED",
+            name, str(LAYOUTS[name][0]), mesh, f"{r['max_loss_diff']:.2e}", f"{r['max_gradient_diff']:.2e}", f"{r['update_diff']:.2e}",
+            f"{r['margin']:.2g}", bitwise, "ok" if r["ok"] else "DIVERGED",
         ])  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    print("per-step |loss diff|:")
+    print("per-step loss diff:")
     for name, r in results.items():
         print(f"  {name:8s} " + "  ".join(f"{d:.2e}" for d in r["loss_diffs"]))
     for name, r in results.items():
-        if r["ok"]:
-            continue
-        if r["initial_param_diff"]:
-            print(f"{name}: the initial parameters already differ (by {r['initial_param_diff']:.3g}): the plan changed the weights")
-        d = r["first_divergence"]
-        if d is None:
-            print(f"{name}: every gradient agrees within {GRAD_RTOL:g} of its scale; the difference comes from the optimizer step")
-            continue
+        if not r["ok"]:
+            print(explain_failure(name, r))
+
+
+def explain_failure(name: str, r: dict) -> str:
+    """One line on where a failed run first parts ways with the reference."""
+    if r["initial_difference"]:
+        d = r["initial_difference"]
+        return f"{name}: the initial weights already differ from the reference's, first in {d['parameter']} (by {d['max_abs_diff']:.3g}): the plan changed the weights"
+    if r["replica_difference"]:
+        d = r["replica_difference"]
+        return f"{name}: the ranks start from different copies of {d['parameter']} (apart by {d['max_abs_diff']:.3g}): a rank was initialised differently"
+    d = r["first_divergence"]
+    if d is not None:
         first, largest = d["first"], d["largest"]
-        print(
+        return (
             f"{name}: gradients diverge at step {d['step']} in {d['count']} of {d['of']} parameters. First in model order: "
-            f"{first['parameter']}, max abs diff {first['max_abs_diff']:.3g} ({first['relative']:.2%} of its largest element); "
-            f"largest: {largest['parameter']} ({largest['relative']:.2%})"
+            f"{first['parameter']}, max abs diff {first['max_abs_diff']:.3g} ({first['relative']:.2e} of its largest element); "
+            f"largest: {largest['parameter']} ({largest['relative']:.2e})"
         )
+    if r["bitwise_required"] and not r["bitwise_vs_accumulation"]:
+        return f"{name}: within tolerance of one process, but not bitwise equal to the rank-ordered accumulation, as its reductions must be"
+    return f"{name}: every gradient agrees within {r['gradient_tolerance']:.1e} of its scale; the difference comes from the loss or the optimizer step"
 
 
 if __name__ == "__main__":
