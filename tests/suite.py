@@ -88,6 +88,19 @@ def random_inputs(model: RobotTransformer, batch: int = 3, seed: int = 0):
     return images, state, text_ids, text_mask, model.action_binner.encode(actions).flatten(1)
 
 
+def counted_training_flops(model: RobotTransformer) -> int:
+    """FLOPs of one forward and backward of ``model`` on ``random_inputs``, as torch's flop counter
+    sees them (set a plain-matmul kernel backend first, so it sees every matmul)."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    images, state, text_ids, text_mask, actions = random_inputs(model)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(images, state, text_ids, text_mask, actions)
+        F.cross_entropy(logits.flatten(0, 1), actions.flatten()).backward()
+    return counter.get_total_flops()
+
+
 # ---- uma parity on many models in one launch -------------------------------------------------------
 
 # Two layers of width 32 whose heads, kv heads and feed-forward split over tp 2.

@@ -46,7 +46,7 @@ def test_print_config_is_fully_resolved(capsys):
     # ...and the size preset expanded to its dimensions.
     assert config["model"]["init_args"]["network"]["size"] == {
         "dim": 192, "n_layers": 4, "n_heads": 6, "n_kv_heads": 2, "ffn_dim": 512,
-        "norm_eps": 1e-5, "rope_theta": 10000.0, "name": "tiny",
+        "norm_eps": 1e-5, "rope_theta": 10000.0, "name": "tiny", "moe": None,
     }
 
 

@@ -39,6 +39,7 @@ import argparse
 import json
 import logging
 import math
+import pickle
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -268,9 +269,11 @@ def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str,
             runs = [(job, strategies) for job, strategies in runs if strategies]
             log.info("parity: %d run(s) on %d processes", sum(len(s) for _, s in runs), world_size)
             # Through a file: passed as arguments, each tensor would take a file descriptor, and a
-            # process may be handed only a few hundred.
-            torch.save(runs, work / "runs.pt")
-            run_local_group(worker, world_size, (str(work / "runs.pt"),), timeout)
+            # process may be handed only a few hundred. The runs hold modules, which torch.load's
+            # weights-only unpickler refuses: plain pickle, in this process's private folder (mode 0700).
+            with open(work / "runs.pickle", "wb") as f:
+                pickle.dump(runs, f)
+            run_local_group(worker, world_size, (str(work / "runs.pickle"),), timeout)
             for index, case in enumerate(cases):
                 for name in case.strategies:
                     if LAYOUTS[name][0] == world_size:

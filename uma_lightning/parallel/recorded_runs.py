@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ def worker(runs_file: str) -> None:
     from uma_lightning.parallel import MeshStrategy
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    runs = torch.load(runs_file, weights_only=False)  # written by check_parity a moment ago
+    with open(runs_file, "rb") as f:
+        runs = pickle.load(f)  # written by check_parity a moment ago, in its private folder
     for job, strategies in runs:
         for run in strategies:
             train(job, MeshStrategy(**run["sizes"], **job["strategy_args"]), Path(run["out"]), activations=job.get("activations", False))
