@@ -115,6 +115,11 @@ def test_a_checkpoint_with_its_settings_saved_flat_still_loads(stages, tmp_path)
     torch.save(checkpoint, tmp_path / "flat.ckpt")
     flat, grouped = (Policy.from_checkpoint(str(path)).state_dict() for path in (tmp_path / "flat.ckpt", stages["root"] / "pretrain.ckpt"))
     assert flat.keys() == grouped.keys() and all(torch.equal(flat[k], grouped[k]) for k in flat)
+    # Lightning's own loading rebuilds the module with the settings in their section.
+    module = PretrainModule.load_from_checkpoint(tmp_path / "flat.ckpt")
+    assert module.hparams.network == hparams["network"] and "size" not in module.hparams
+    loaded = module.policy().state_dict()
+    assert loaded.keys() == grouped.keys() and all(torch.equal(loaded[k], grouped[k]) for k in loaded)
 
 
 def test_sharded_checkpoint_reads_as_the_checkpoint_file(stages):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 import logging
 import math
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_wei
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
 from uma_lightning.models.moe import ExpertBalancing
-from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, network_of, use_kernels
+from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, grouped_settings, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.policy import Policy
 
@@ -128,6 +129,19 @@ class StageModule(L.LightningModule):
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
         self.expert_balancing = ExpertBalancing()  # of mixture-of-experts layers; nothing without them
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
+        """Lightning's ``load_from_checkpoint``, for checkpoint files saved before the network settings
+        were grouped too: their flat ``size``, ``vision``, ... are moved into ``network`` first."""
+        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+        hparams = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {}
+        if any(key in hparams for key in FLAT_NETWORK_KEYS):
+            checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = grouped_settings(hparams)
+            checkpoint_path = io.BytesIO()
+            torch.save(checkpoint, checkpoint_path)
+            checkpoint_path.seek(0)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---- extension points -------------------------------------------------------------------
 
