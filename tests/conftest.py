@@ -7,7 +7,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    # The workers share the machine's cores: each gets its share of compute threads, and the processes
+    # its tests start inherit it. Two workers of two OpenMP threads on two cores spin-wait on each
+    # other: in-process training took twice the CPU time (tests/test_stages.py: 28 s against 13 s).
+    share = (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads when it is imported)
 
 # Without a GPU, Triton kernels run in Triton's interpreter, so the kernel tests check the kernels
 # themselves on any machine. Read when a kernel is defined, so it is set before any is imported.
@@ -21,8 +30,6 @@ if not torch.cuda.is_available():
 # cache, the session's shared runs) is shared between them through the folder both work in, under a
 # file lock; a test marked `alone` (it times something, or waits on a heartbeat) runs while the other
 # worker waits between tests.
-
-WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 
 def run_folder(tmp_path_factory) -> Path:
