@@ -2,6 +2,7 @@ import fcntl
 import json
 import os
 import socket
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +48,15 @@ def locked(path: Path, operation: int = fcntl.LOCK_EX):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def pytest_collection_modifyitems(items):
+    """Files with the most slow tests first, the others in their usual order. xdist hands the workers
+    whole files in collection order (`--no-loadscope-reorder`: by default it puts the files with the
+    most tests first, which left the long single-test files to the end), so the long multi-process
+    files start early and the last ones to run are short: neither worker runs long on its own."""
+    slow_tests = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow_tests[item.path])
 
 
 @pytest.hookimpl(wrapper=True)
