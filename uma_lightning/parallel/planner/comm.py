@@ -13,7 +13,7 @@ Where they come from (``parallel/apply.py``, ``plans/robot.py``), per micro-batc
 - DDP: every gradient all-reduced;
 - TP: per block two all-gathers of the sequence-parallel activations and two reduce-scatters in
   forward, the same in backward, the backbone's output gathered and its input gradient gathered,
-  and column-wise head weights gathered for the fused loss;
+  and column-wise head weights gathered for the fused loss (with FSDP also the norms' gradients all-reduced);
 - pipeline: one activation forward and its gradient backward per stage boundary;
 - experts: per MoE layer a dispatch and a combine all-to-all, forward and backward.
 """
@@ -94,6 +94,11 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
         layers = facts.n_layers // layout.pp
         out.append(Collective("TP activations", "all-gather", activation, m * (4 * layers + 2), tp, 1, False))
         out.append(Collective("TP activations", "reduce-scatter", activation, m * 4 * layers, tp, 1, False))
+        if layout.dp_shard > 1:
+            # Measured: with FSDP over the tensor-parallel weights, the sequence-parallel norms' partial
+            # gradients are all-reduced over tp (without FSDP they are not).
+            norms = sum(math.prod(p.shape) for p in params if p.name.endswith("norm.weight"))
+            out.append(Collective("TP norm gradients", "all-reduce", norms * precision.reduce_bytes, m, tp, 1, False))
         heads = sum(math.prod(p.shape) for p in params if p.tp_dim is not None and p.unit == -1)
         if heads:
             out.append(Collective("TP head weights", "all-gather", heads * precision.compute_bytes, m, tp, 1, False))

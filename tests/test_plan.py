@@ -1,0 +1,123 @@
+"""uma plan: the estimator's arithmetic, the command's output and errors, and its predictions
+against a real step of every strategy on four gloo processes."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from suite import RECIPE, assert_short_error, run_main
+from uma_lightning.data.spec import DataSpec
+from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size
+from uma_lightning.parallel.planner.cluster import ACCELERATORS, LINK_PRESETS, Cluster, Link
+from uma_lightning.parallel.planner.comm import Collective, seconds
+from uma_lightning.parallel.planner.estimate import Settings, estimate, pipeline_bubble
+from uma_lightning.parallel.planner.layout import Layout
+from uma_lightning.parallel.planner.memory import Precision, chunk, rank_state
+from uma_lightning.parallel.planner.model import facts_of
+
+# Heads, kv heads, feed-forward, action bins and the 44-token sequence all split over tp 4.
+SPEC = DataSpec(cameras=("front",), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=1, action_horizon=4, fps=10)
+CONFIG = RobotModelConfig(load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 128}), SPEC, max_text_len=16, n_action_bins=32)
+CLUSTER = Cluster(2, 4, ACCELERATORS["h100"], 79.2, 989.0, Link(400.0, 3.0), LINK_PRESETS["ib-ndr"])
+SIZE_7B = ["--model.network.size", "7b"]
+
+
+def facts():
+    import torch
+
+    with torch.device("meta"):
+        model = RobotTransformer(CONFIG)
+    return facts_of(model, CONFIG, 10**9, 5 * 10**8, CONFIG.seq_len)
+
+
+def test_chunks_follow_torch_chunk():
+    import torch
+
+    for size, parts in ((10, 4), (5, 4), (3, 4), (64, 4)):
+        pieces = [len(p) for p in torch.arange(size).chunk(parts)] + [0] * parts
+        assert [chunk(size, parts, i) for i in range(parts)] == pieces[:parts]
+
+
+def test_state_shards_sum_to_the_whole_model():
+    model = facts()
+    whole = rank_state(model, Layout(), Precision.of("32-true"))
+    layout = Layout(dp_shard=2, tp=2)
+    shards = [rank_state(model, layout, Precision.of("32-true"), 0, t, s) for t in range(2) for s in range(2)]
+    # Weights tp splits are cut in four pieces; the others are replicated over tp and cut in two by FSDP.
+    split = sum(4 * math.prod(p.shape) for p in model.params if p.tp_dim is not None)
+    assert sum(s.params for s in shards) == split + 2 * (whole.params - split)
+    assert whole.optimizer == 2 * whole.params + 4 * len(model.params)  # two fp32 states and a step per tensor
+
+
+def test_bubble_and_ring_times():
+    assert pipeline_bubble(Layout(pp=4, microbatches=12)) == pytest.approx(3 / 15)
+    assert pipeline_bubble(Layout(pp=4, microbatches=12, virtual_stages=2)) == pytest.approx(3 / 27)
+    gigabyte = Collective("x", "all-reduce", 10**9, 1, 4, 1, False)
+    # Within a node: 2 (n-1)/n of the bytes at 400 GB/s plus 2 (n-1) hops of 3 us.
+    assert seconds(gigabyte, CLUSTER) == pytest.approx(1.5e9 / 400e9 + 6 * 3e-6)
+    across = Collective("x", "all-gather", 10**9, 2, 2, 4, False)  # ranks 0 and 4: different nodes
+    assert seconds(across, CLUSTER) == pytest.approx(2 * (0.5e9 / 45e9 + 5e-6))
+
+
+def test_layouts_that_cannot_run_say_why():
+    settings = Settings(16, Precision.of("bf16-mixed"), 0.4)
+    model = facts()
+    assert estimate(model, Layout(tp=8), CLUSTER, settings).rejected == "tp 8 crosses nodes (4 GPUs per node)"
+    assert estimate(model, Layout(dp_shard=3), CLUSTER, settings).rejected == "global batch 16 does not split over dp 3"
+    assert estimate(model, Layout(pp=2, dp_shard=4, microbatches=1), CLUSTER, settings).rejected == "1 micro-batches, fewer than the 2 stages"
+    tiny_memory = Cluster(2, 4, ACCELERATORS["h100"], 0.001, 989.0, Link(400.0, 3.0), LINK_PRESETS["ib-ndr"])
+    assert estimate(model, Layout(dp_shard=8), tiny_memory, settings).rejected.startswith("needs 0.0")
+
+
+def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsys):
+    fragment = tmp_path / "layout.yaml"
+    code, out, _ = run_main(["plan", "--config", RECIPE, *SIZE_7B, "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h200", "--emit-config", str(fragment), "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    ranked = [e["tokens_per_s"] for e in plan["ranked"]]
+    assert all(a >= b * (1 - 1e-9) for a, b in zip(ranked, ranked[1:])) and plan["recommended"]["tokens_per_s"] == ranked[0]
+    assert any(r["reason"].startswith("tp 8 crosses nodes") for r in plan["rejected"])
+    layout = plan["recommended"]["layout"]
+    args = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"]
+    assert (args["dp_replicate"], args["dp_shard"], args["tp"]) == (layout["dp_replicate"], layout["dp_shard"], layout["tp"])
+    code, out, _ = run_main(["fit", "--config", RECIPE, *SIZE_7B, "--config", str(fragment), "--print_config"], capsys)
+    printed = yaml.safe_load(out)
+    assert code in (0, None) and printed["trainer"]["strategy"]["init_args"]["dp_shard"] == layout["dp_shard"]
+    assert printed["data"]["init_args"]["batch_size"] == plan["settings"]["global_batch"] // (layout["dp_replicate"] * layout["dp_shard"])
+
+
+def test_impossible_request_names_the_smallest_cluster(capsys):
+    code, out, _ = run_main(["plan", "--config", RECIPE, *SIZE_7B, "--nodes", "1", "--gpus-per-node", "1", "--gpu", "a100", "--precision", "32-true"], capsys)
+    assert code == 1
+    assert "impossible: no layout fits 1 x 1 A100" in out
+    assert "smallest cluster that fits: --nodes 1 --gpus-per-node 2" in out
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [("--gpu", "h300", "--gpu: unknown accelerator 'h300'"), ("--nodes", "0", "--nodes: must be a positive integer, got 0"),
+     ("--mfu", "1.5", "--mfu: must be a fraction in (0, 1], got 1.5"), ("--inter-node", "wifi", "--inter-node: unknown link preset 'wifi'")],
+)  # fmt: skip
+def test_bad_cluster_options_are_one_line_errors(option, value, message, capsys):
+    code, _, err = run_main(["plan", "--config", RECIPE, option, value], capsys)
+    assert_short_error(code, err, "uma: error:", message)
+
+
+@pytest.mark.slow
+def test_predictions_match_a_real_step_of_every_strategy():
+    """One launch of four gloo processes: ddp, fsdp, tp, hsdp and fsdp_tp, each rank's own figures."""
+    from uma_lightning.parallel.planner.check import LAYOUTS, compare
+
+    results = compare(CONFIG, LAYOUTS, global_batch=8)
+    for name, ranks in results.items():
+        for rank, result in enumerate(ranks):
+            measured, predicted = result["measured"], result["predicted"]
+            for part in ("params", "grads", "optimizer"):
+                assert measured[part] == predicted[part], (name, rank, part, measured[part], predicted[part])
+            total = sum(measured["collectives"].values())
+            assert sum(predicted["collectives"].values()) == pytest.approx(total, rel=0.05), (name, measured, predicted)
+            for kind, size in measured["collectives"].items():
+                assert predicted["collectives"].get(kind, 0) == pytest.approx(size, rel=0.05), (name, kind)
+            assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.2), (name, rank)
