@@ -18,7 +18,9 @@ import math
 import sys
 from pathlib import Path
 
+from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError
+from uma_lightning.parallel.planner.calibrate import measured_mfu
 from uma_lightning.parallel.planner.cluster import ACCELERATORS, GIB, LINK_PRESETS, Cluster, Link, preset_link
 from uma_lightning.parallel.planner.estimate import Estimate, Settings, rank
 from uma_lightning.parallel.planner.layout import Layout
@@ -46,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--inter-node", default="ib-ndr", help=f"link preset between nodes: {', '.join(LINK_PRESETS)}")
     parser.add_argument("--intra-node-gb-s", type=float, help="override the intra-node bandwidth (GB/s per GPU and direction)")
     parser.add_argument("--inter-node-gb-s", type=float, help="override the inter-node bandwidth (GB/s per GPU and direction)")
-    parser.add_argument("--mfu", type=float, default=0.4, help="achievable fraction of peak FLOP/s (calibrate it from a run's logged mfu)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="achievable fraction of peak FLOP/s for the model's matmuls")
+    parser.add_argument("--calibrate-from", metavar="RUN_DIR", help="use the median MFU a finished run logged instead of --mfu")
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step (default: data.batch_size per GPU, times the GPUs)")
     parser.add_argument("--precision", help="Lightning precision (default: the recipe's; if empty, bf16-mixed on GPUs, 32-true on cpu)")
     parser.add_argument("--top", type=int, default=12, help="rows of the ranked table and of the rejected list")
@@ -60,6 +63,11 @@ def main(argv: list[str]) -> int:
     args, overrides = build_parser().parse_known_args(argv)
     try:
         check_arguments(args)
+        if args.calibrate_from:
+            try:
+                args.mfu = measured_mfu(args.calibrate_from)
+            except (ValueError, CheckpointError) as err:
+                raise ConfigError(f"--calibrate-from: {err}") from None
         stage, batch_size, recipe_precision = resolve(args.config, overrides)
         facts = facts_of_stage(stage)
         precision = Precision.of(args.precision or recipe_precision or ("32-true" if args.gpu == "cpu" else "bf16-mixed"))
@@ -69,8 +77,7 @@ def main(argv: list[str]) -> int:
         return 2
     settings = Settings(args.global_batch or batch_size * cluster.world_size, precision, args.mfu)
     fits, rejected = rank(facts, cluster, settings)
-    runnable = strategy_runs
-    recommended = next((e for e in fits if runnable(e.layout)), None)
+    recommended = next((e for e in fits if strategy_runs(e.layout)), None)
     smallest = None if recommended else smallest_cluster(facts, args, precision, batch_size)
     if args.emit_config and recommended:
         Path(args.emit_config).write_text(report.fragment(recommended, cluster, settings, args.config))
@@ -186,7 +193,7 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
         f"{facts.flops_per_sample / 1e12:.3g} TFLOP per sample (training)"
     )
     print(f"cluster: {cluster.describe()}")
-    print(f"step: global batch {settings.global_batch}, {settings.precision.name}, compute at {settings.mfu:.0%} of peak (--mfu)\n")
+    print(f"step: global batch {settings.global_batch}, {settings.precision.name}, compute at {settings.mfu:.1%} of peak ({'measured by ' + args.calibrate_from if args.calibrate_from else '--mfu'})\n")
     if fits:
         print(f"{len(fits)} layouts fit; the {min(args.top, len(fits))} fastest:")
         print("\n".join(report.ranked_table(fits, args.top, strategy_runs)))
