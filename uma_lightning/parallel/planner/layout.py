@@ -7,6 +7,7 @@ Expert parallelism splits dp_shard: experts shard over ``ep`` of its ranks and t
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,18 +71,27 @@ def candidates(facts: ModelFacts, world_size: int) -> Iterator[Layout]:
                         yield Layout(dp_replicate, dp_shard, tp, pp, ep, ac, m, v)
 
 
+@functools.lru_cache(maxsize=256)
+def plan_refusal(facts: ModelFacts, tp: int) -> str | None:
+    """What the model's own parallel plan says against splitting it over ``tp`` ranks (shapes that do not divide, layers it has no layout for)."""
+    from uma_lightning.parallel.apply import ParallelConfig
+    from uma_lightning.parallel.mesh import MeshShape
+    from uma_lightning.parallel.plans import plan_for
+
+    try:
+        plan_for(facts.model).check(facts.model, MeshShape(1, 1, tp), ParallelConfig())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def illegal_reason(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: int) -> str | None:
     """Why ``layout`` cannot run this model on this cluster, in a few words, or None."""
-    b, cfg = facts.cfg.backbone, facts.cfg
+    b = facts.cfg.backbone
     if layout.tp > cluster.gpus_per_node:
         return f"tp {layout.tp} crosses nodes ({cluster.gpus_per_node} GPUs per node)"
-    if layout.tp > 1:
-        sizes = {"n_heads": b.n_heads, "n_kv_heads": b.n_kv_heads, "ffn_dim": b.ffn_dim, "sequence": cfg.seq_len, "action bins": cfg.n_action_bins}
-        bad = [f"{name} {size}" for name, size in sizes.items() if size % layout.tp]
-        if bad:
-            return f"tp {layout.tp} does not divide {', '.join(bad)}"
-        if b.moe is not None:
-            return "the tensor-parallel plan has no layout for mixture-of-experts layers"
+    if refused := plan_refusal(facts, layout.tp):
+        return refused
     if global_batch % layout.dp:
         return f"global batch {global_batch} does not split over dp {layout.dp}"
     per_rank = global_batch // layout.dp

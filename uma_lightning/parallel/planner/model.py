@@ -4,7 +4,7 @@ read from the model itself (built on the meta device, which costs no memory), an
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ class Param:
     trainable: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: caches key on it, and it holds a model
 class ModelFacts:
     params: tuple[Param, ...]
     cfg: RobotModelConfig
@@ -37,6 +37,7 @@ class ModelFacts:
     flops_per_sample: int  # training (forward + backward), active experts only
     block_forward_flops_per_sample: int  # what full activation checkpointing recomputes
     tokens_per_sample: int
+    model: nn.Module = field(compare=False, repr=False)  # on the meta device, for its parallel plan's own checks
 
     @property
     def n_layers(self) -> int:
@@ -65,7 +66,7 @@ def facts_of(model: nn.Module, cfg: RobotModelConfig, flops_per_sample: int, blo
             layer = cfg.backbone.n_layers if name.startswith(AFTER_BACKBONE) or unit_of.get(id(module_of[name]), -1) >= 0 else -1
         expert = bool(EXPERT_WEIGHTS.search(name))
         params.append(Param(name, tuple(param.shape), unit_of.get(id(module_of[name]), -1), layer, tp_dim, expert, param.requires_grad))
-    return ModelFacts(tuple(params), cfg, len(blocks), flops_per_sample, block_forward_flops, tokens_per_sample)
+    return ModelFacts(tuple(params), cfg, len(blocks), flops_per_sample, block_forward_flops, tokens_per_sample, model)
 
 
 def facts_of_stage(stage_module) -> ModelFacts:
