@@ -61,6 +61,20 @@ def test_bubble_and_ring_times():
     assert seconds(across, CLUSTER) == pytest.approx(2 * (0.5e9 / 45e9 + 5e-6))
 
 
+def test_checkpointing_and_pipelines_change_activations_as_their_schedules_say():
+    from uma_lightning.parallel.planner.memory import activation_bytes, block_activations, in_flight_microbatches
+
+    model, fp32 = facts(), Precision.of("32-true")
+    none, ops, full = (activation_bytes(model, Layout(ac=ac), fp32, 8) for ac in ("none", "ops", "full"))
+    assert full < ops < none
+    # Full checkpointing keeps each of the 2 blocks' input and rebuilds the rest of one block at a time.
+    block, block_input = block_activations(model, 8, Layout()), 8 * CONFIG.seq_len * 64
+    assert none - full == 4 * (2 * block - 2 * block_input - (block - block_input))
+    assert in_flight_microbatches(Layout(pp=4, microbatches=8)) == 4  # 1F1B: one per stage ahead
+    assert in_flight_microbatches(Layout(pp=4, microbatches=2)) == 2
+    assert in_flight_microbatches(Layout(pp=4, microbatches=8, virtual_stages=2)) == 4 * (1 + 3 / 8)
+
+
 def test_layouts_that_cannot_run_say_why():
     settings = Settings(16, Precision.of("bf16-mixed"), 0.4)
     model = facts()
@@ -98,7 +112,8 @@ def test_impossible_request_names_the_smallest_cluster(capsys):
 @pytest.mark.parametrize(
     "option, value, message",
     [("--gpu", "h300", "--gpu: unknown accelerator 'h300'"), ("--nodes", "0", "--nodes: must be a positive integer, got 0"),
-     ("--mfu", "1.5", "--mfu: must be a fraction in (0, 1], got 1.5"), ("--inter-node", "wifi", "--inter-node: unknown link preset 'wifi'")],
+     ("--mfu", "1.5", "--mfu: must be a fraction in (0, 1], got 1.5"), ("--inter-node", "wifi", "--inter-node: unknown link preset 'wifi'"),
+     ("--calibrate-from", "no/such/run", "--calibrate-from: no/such/run is not a run directory")],
 )  # fmt: skip
 def test_bad_cluster_options_are_one_line_errors(option, value, message, capsys):
     code, _, err = run_main(["plan", "--config", RECIPE, option, value], capsys)

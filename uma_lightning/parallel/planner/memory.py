@@ -182,8 +182,8 @@ def activation_bytes(facts: ModelFacts, layout: Layout, precision: Precision, gl
     layers = facts.n_layers // layout.pp
     before, after = outside_activations(facts, batch, layout)
     per_microbatch = layers * checkpointed_block(facts, batch, layout) + before + (after if layout.pp == 1 else 0)
-    # Under checkpointing, backward rebuilds one block's activations at a time on top of the rest.
-    recompute = block_activations(facts, batch, layout) if layout.ac != "none" else 0
+    # Under checkpointing, backward rebuilds what one block did not keep, one block at a time, on top of the rest.
+    recompute = block_activations(facts, batch, layout) - checkpointed_block(facts, batch, layout)
     return int((per_microbatch * in_flight_microbatches(layout) + recompute) * precision.compute_bytes)
 
 

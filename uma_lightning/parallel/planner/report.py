@@ -31,7 +31,8 @@ def ranked_table(fits: list[Estimate], top: int, runnable) -> list[str]:
             str(index), e.layout.describe(), f"{e.peak_bytes / GIB:.1f}", f"{e.step_s * 1e3:.1f}", f"{e.exposed_comm_s * 1e3:.1f}",
             f"{e.bubble:.0%}", f"{e.tokens_per_s:,.0f}", note,
         ])  # fmt: skip
-    return _table(rows)
+    legend = "mb: micro-batches per step (a pipeline's, or gradient accumulation); v2: two virtual stages per rank; comm ms: communication compute does not hide"
+    return _table(rows) + [legend]
 
 
 def rejected_lines(rejected: list[Estimate], top: int) -> list[str]:
