@@ -113,7 +113,8 @@ def test_impossible_request_names_the_smallest_cluster(capsys):
     "option, value, message",
     [("--gpu", "h300", "--gpu: unknown accelerator 'h300'"), ("--nodes", "0", "--nodes: must be a positive integer, got 0"),
      ("--mfu", "1.5", "--mfu: must be a fraction in (0, 1], got 1.5"), ("--inter-node", "wifi", "--inter-node: unknown link preset 'wifi'"),
-     ("--calibrate-from", "no/such/run", "--calibrate-from: no/such/run is not a run directory")],
+     ("--calibrate-from", "no/such/run", "--calibrate-from: no/such/run is not a run directory"),
+     ("--precision", "fp8", "--precision: unknown precision 'fp8'")],
 )  # fmt: skip
 def test_bad_cluster_options_are_one_line_errors(option, value, message, capsys):
     code, _, err = run_main(["plan", "--config", RECIPE, option, value], capsys)

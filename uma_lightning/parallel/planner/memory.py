@@ -21,6 +21,8 @@ from uma_lightning.parallel.planner.model import ModelFacts, Param
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar tensor
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+LIGHTNING_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}  # the short names Lightning also takes
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,10 @@ class Precision:
 
     @classmethod
     def of(cls, precision: str) -> Precision:
-        if precision.startswith("bf16-true") or precision.startswith("16-true"):
+        precision = LIGHTNING_ALIASES.get(precision, precision)
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r} (the planner models {', '.join(PRECISIONS)})")
+        if precision.endswith("-true") and precision != "32-true":
             return cls(precision, 2, 2, 2)
         if "mixed" in precision:
             return cls(precision, 4, 2, 4)  # fp32 master weights, bf16/fp16 compute, fp32 reduction

@@ -80,7 +80,8 @@ def fragment(e: Estimate, cluster: Cluster, settings: Settings, recipe: str) -> 
     layout = e.layout
     init_args = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "activation_checkpointing": layout.ac}
     if layout.pp > 1:
-        init_args.update(pp=layout.pp, pp_microbatches=layout.microbatches, pp_virtual_stages=layout.virtual_stages)
+        schedule = "Interleaved1F1B" if layout.virtual_stages > 1 else "1F1B"  # the schedules whose memory memory.py models
+        init_args.update(pp=layout.pp, pp_schedule=schedule, pp_microbatches=layout.microbatches, pp_virtual_stages=layout.virtual_stages)
     if layout.ep > 1:
         init_args["ep"] = layout.ep
     accumulate = layout.microbatches if layout.pp == 1 else 1

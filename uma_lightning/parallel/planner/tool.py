@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"--calibrate-from: {err}") from None
         stage, batch_size, recipe_precision = resolve(args.config, overrides)
         facts = facts_of_stage(stage)
-        precision = Precision.of(args.precision or recipe_precision or ("32-true" if args.gpu == "cpu" else "bf16-mixed"))
+        precision = precision_of(args.precision or recipe_precision or ("32-true" if args.gpu == "cpu" else "bf16-mixed"), bool(args.precision))
         cluster = build_cluster(args, precision, args.nodes, args.gpus_per_node)
     except ConfigError as err:
         print(f"uma: error: {err}", file=sys.stderr)
@@ -121,6 +121,13 @@ def resolve(config: str, overrides: list[str]):
     cli = resolve_recipe(config, overrides, PlanCLI)
     precision = cli.precision_asked
     return cli.model, cli.datamodule.hparams.batch_size, None if precision is None else str(precision)
+
+
+def precision_of(name: str, asked: bool) -> Precision:
+    try:
+        return Precision.of(str(name))
+    except ValueError as err:
+        raise ConfigError(f"{'--precision' if asked else 'trainer.precision'}: {err}") from None
 
 
 def build_cluster(args, precision: Precision, nodes: int, gpus_per_node: int) -> Cluster:
