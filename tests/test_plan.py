@@ -51,6 +51,23 @@ def test_state_shards_sum_to_the_whole_model():
     assert whole.optimizer == 2 * whole.params + 4 * len(model.params)  # two fp32 states and a step per tensor
 
 
+def test_every_parameter_lives_on_exactly_one_stage_and_expert_shard():
+    import dataclasses
+
+    import torch
+
+    cfg = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4}))
+    with torch.device("meta"):
+        model = facts_of(RobotTransformer(cfg), cfg, 1, 1, cfg.seq_len)
+    fp32 = Precision.of("32-true")
+    whole = rank_state(model, Layout(), fp32).params
+    assert any(p.expert for p in model.params)
+    experts = Layout(dp_shard=4, ep=2)  # each expert weight: E split over 2 ranks, each half sharded over the other 2
+    assert sum(rank_state(model, experts, fp32, 0, 0, rank).params for rank in range(4)) == whole
+    pipeline = Layout(pp=2, virtual_stages=2, microbatches=2)
+    assert sum(rank_state(model, pipeline, fp32, stage).params for stage in range(2)) == whole
+
+
 def test_bubble_and_ring_times():
     assert pipeline_bubble(Layout(pp=4, microbatches=12)) == pytest.approx(3 / 15)
     assert pipeline_bubble(Layout(pp=4, microbatches=12, virtual_stages=2)) == pytest.approx(3 / 27)

@@ -28,8 +28,6 @@ from uma_lightning.parallel.planner.layout import Layout
 from uma_lightning.parallel.planner.memory import Precision, padded_shape, stage_params
 from uma_lightning.parallel.planner.model import ModelFacts
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "p2p")
-
 
 @dataclass(frozen=True)
 class Collective:

@@ -52,28 +52,38 @@ def chunk(size: int, parts: int, index: int) -> int:
     return max(0, min(size, (index + 1) * piece) - index * piece)
 
 
-def local_shape(param: Param, layout: Layout, tp_rank: int = 0, shard_rank: int = 0) -> tuple[int, ...]:
-    """The shape of ``param``'s piece on the rank at (tp_rank, shard_rank) of its stage."""
+def _shard_group(param: Param, layout: Layout) -> int:
+    """The ranks FSDP shards ``param`` over: dp_shard, or for expert weights what ep leaves of it."""
+    return layout.dp_shard // layout.ep if param.expert else layout.dp_shard
+
+
+def _model_parallel_shape(param: Param, layout: Layout, tp_rank: int = 0, ep_rank: int = 0) -> list[int]:
+    """``param``'s piece after tensor and expert parallelism, before FSDP."""
     shape = list(param.shape)
     if layout.tp > 1 and param.tp_dim is not None:
         shape[param.tp_dim] = chunk(shape[param.tp_dim], layout.tp, tp_rank)
-    shard, rank = layout.dp_shard, shard_rank
     if param.expert and layout.ep > 1:
-        shape[0] = chunk(shape[0], layout.ep, shard_rank % layout.ep)
-        shard, rank = layout.dp_shard // layout.ep, shard_rank // layout.ep
-    if shard > 1 and shape:
-        shape[0] = chunk(shape[0], shard, rank)
+        shape[0] = chunk(shape[0], layout.ep, ep_rank)
+    return shape
+
+
+def local_shape(param: Param, layout: Layout, tp_rank: int = 0, shard_rank: int = 0) -> tuple[int, ...]:
+    """The shape of ``param``'s piece on the rank at (tp_rank, shard_rank) of its stage. Expert
+    weights split over ep consecutive shard ranks and are sharded across the ep groups."""
+    ep_rank, fsdp_rank = (shard_rank % layout.ep, shard_rank // layout.ep) if param.expert else (0, shard_rank)
+    shape = _model_parallel_shape(param, layout, tp_rank, ep_rank)
+    group = _shard_group(param, layout)
+    if group > 1 and shape:
+        shape[0] = chunk(shape[0], group, fsdp_rank)
     return tuple(shape)
 
 
 def padded_shape(param: Param, layout: Layout) -> tuple[int, ...]:
-    """The tp-local tensor as FSDP2 gathers it: dim 0 padded to a multiple of the shard group."""
-    shape = list(local_shape(param, Layout(tp=layout.tp)))
-    shard = layout.dp_shard // layout.ep if param.expert else layout.dp_shard
-    if param.expert and layout.ep > 1:
-        shape[0] = chunk(shape[0], layout.ep, 0)
-    if shape and shard > 1:
-        shape[0] = -(-shape[0] // shard) * shard
+    """The piece FSDP2 gathers: the tp- and ep-local tensor, dim 0 padded to a multiple of its shard group."""
+    shape = _model_parallel_shape(param, layout)
+    group = _shard_group(param, layout)
+    if group > 1 and shape:
+        shape[0] = -(-shape[0] // group) * group
     return tuple(shape)
 
 
