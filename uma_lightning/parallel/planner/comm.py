@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from uma_lightning.parallel.planner.cluster import Cluster, Link
 from uma_lightning.parallel.planner.layout import Layout
-from uma_lightning.parallel.planner.memory import Precision, padded_shape, stage_params
+from uma_lightning.parallel.planner.memory import Precision, stage_params, unit_elements
 from uma_lightning.parallel.planner.model import ModelFacts
 
 
@@ -70,23 +70,22 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
     batch = global_batch // layout.dp // m
     dim, seq = facts.cfg.backbone.dim, facts.cfg.seq_len
     params = stage_params(facts, layout, 0)
-    units: dict[int, int] = {}
-    for param in params:
-        if param.trainable or layout.dp_shard > 1:
-            units[param.unit] = units.get(param.unit, 0) + math.prod(padded_shape(param, layout))
-    root = units.pop(-1, 0)
-    blocks = sum(units.values())
+    # Every weight is gathered; only the trainable ones have gradients to reduce.
+    root, blocks = unit_elements(facts, layout)
+    gathered, gathered_blocks = root + sum(blocks), sum(blocks)
+    trained_root, trained_blocks = unit_elements(facts, layout, trainable_only=True)
+    trained = trained_root + sum(trained_blocks)
     out: list[Collective] = []
     shard_stride, replicate_stride = tp, tp * layout.dp_shard
     if layout.dp_shard > 1:
-        out.append(Collective("FSDP weights, forward", "all-gather", (root + blocks) * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
-        out.append(Collective("FSDP weights, backward", "all-gather", blocks * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
-        out.append(Collective("FSDP gradients", "reduce-scatter", (root + blocks) * precision.reduce_bytes, m, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP weights, forward", "all-gather", gathered * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP weights, backward", "all-gather", gathered_blocks * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP gradients", "reduce-scatter", trained * precision.reduce_bytes, m, layout.dp_shard, shard_stride, True))
         if layout.dp_replicate > 1:
-            shards = (root + blocks) // layout.dp_shard * precision.reduce_bytes
+            shards = trained // layout.dp_shard * precision.reduce_bytes
             out.append(Collective("HSDP gradient shards", "all-reduce", shards, m, layout.dp_replicate, replicate_stride, True))
     elif layout.dp_replicate > 1:
-        out.append(Collective("DDP gradients", "all-reduce", (root + blocks) * precision.reduce_bytes, m, layout.dp_replicate, replicate_stride, True))
+        out.append(Collective("DDP gradients", "all-reduce", trained * precision.reduce_bytes, m, layout.dp_replicate, replicate_stride, True))
     if tp > 1:
         activation = batch * seq * dim * precision.compute_bytes
         layers = facts.n_layers // layout.pp

@@ -12,6 +12,7 @@ kernels (``planner/check.py``) and written here per block from the model's shape
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -125,11 +126,35 @@ def rank_state(facts: ModelFacts, layout: Layout, precision: Precision, stage: i
     return StateBytes(params, grads, optimizer)
 
 
-@functools.lru_cache(maxsize=4096)
+def mesh_only(layout: Layout) -> Layout:
+    """``layout`` without what does not move weights (checkpointing, micro-batches): the key of the caches below."""
+    return dataclasses.replace(layout, ac="none", microbatches=1)
+
+
 def largest_state(facts: ModelFacts, layout: Layout, precision: Precision) -> StateBytes:
     """The rank holding the most: the first tp and shard rank (``torch.chunk`` gives them the
     larger pieces) of the heaviest pipeline stage."""
+    return _largest_state(facts, mesh_only(layout), precision)
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_state(facts: ModelFacts, layout: Layout, precision: Precision) -> StateBytes:
     return max((rank_state(facts, layout, precision, stage) for stage in range(layout.pp)), key=lambda s: s.total)
+
+
+def unit_elements(facts: ModelFacts, layout: Layout, trainable_only: bool = False) -> tuple[int, list[int]]:
+    """Elements FSDP gathers (padded) per unit of the first stage: (the root's, each block's)."""
+    return _unit_elements(facts, mesh_only(layout), trainable_only)
+
+
+@functools.lru_cache(maxsize=1024)
+def _unit_elements(facts: ModelFacts, layout: Layout, trainable_only: bool) -> tuple[int, list[int]]:
+    units: dict[int, int] = {}
+    for param in stage_params(facts, layout, 0):
+        if param.trainable or not trainable_only:
+            units[param.unit] = units.get(param.unit, 0) + math.prod(padded_shape(param, layout))
+    root = units.pop(-1, 0)
+    return root, list(units.values())
 
 
 # ---- activations ---------------------------------------------------------------------------------
@@ -210,14 +235,10 @@ def buffer_bytes(facts: ModelFacts, layout: Layout, precision: Precision) -> int
     two gathered blocks (the running one and the prefetched next) and one block's unsharded
     gradients before their reduce-scatter; without FSDP, under mixed precision, autocast's
     low-precision copies of the weights (cached for the forward)."""
-    params = stage_params(facts, layout, 0)
-    units: dict[int, int] = {}
-    for param in params:
-        units[param.unit] = units.get(param.unit, 0) + math.prod(padded_shape(param, layout))
-    root = units.pop(-1, 0)
-    largest_block = max(units.values(), default=0)
+    root, blocks = unit_elements(facts, layout)
+    largest_block = max(blocks, default=0)
     if layout.dp_shard > 1:
         return root * precision.compute_bytes + 2 * largest_block * precision.compute_bytes + largest_block * precision.reduce_bytes
     if precision.compute_bytes < precision.param_bytes:
-        return (root + sum(units.values())) * precision.compute_bytes
+        return (root + sum(blocks)) * precision.compute_bytes
     return 0
