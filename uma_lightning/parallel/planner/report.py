@@ -35,6 +35,14 @@ def ranked_table(fits: list[Estimate], top: int, runnable) -> list[str]:
     return _table(rows) + [legend]
 
 
+def best_per_strategy(fits: list[Estimate]) -> list[str]:
+    """The fastest layout of each strategy family (pp and ep ones included), so none hides below the table."""
+    best: dict[str, Estimate] = {}
+    for e in fits:
+        best.setdefault(e.layout.strategy_name(), e)
+    return [f"  {name:12s} {e.tokens_per_s:>12,.0f} tokens/s  {e.peak_bytes / GIB:6.1f} GiB  {e.layout.describe()}" for name, e in best.items()]
+
+
 def rejected_lines(rejected: list[Estimate], top: int) -> list[str]:
     """The rejected layouts grouped by the kind of reason, with the most common reasons first."""
     kinds = Counter(_reason_kind(e.rejected) for e in rejected)

@@ -204,6 +204,8 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
     if fits:
         print(f"{len(fits)} layouts fit; the {min(args.top, len(fits))} fastest:")
         print("\n".join(report.ranked_table(fits, args.top, strategy_runs)))
+        print("the fastest of each strategy:")
+        print("\n".join(report.best_per_strategy(fits)))
         print()
     print("\n".join(report.rejected_lines(rejected, args.top)))
     print()
