@@ -28,7 +28,7 @@ from uma_lightning.models.robot import RobotModelConfig
 from uma_lightning.parallel.planner.comm import step_collectives
 from uma_lightning.parallel.planner.layout import Layout
 from uma_lightning.parallel.planner.memory import Precision, activation_bytes, rank_state
-from uma_lightning.parallel.planner.model import ModelFacts, facts_of
+from uma_lightning.parallel.planner.model import ModelFacts, facts_of_config
 
 # The strategies on four processes, both dimensions of the 2-D ones real.
 LAYOUTS = {
@@ -167,12 +167,9 @@ def compare(cfg: RobotModelConfig, layouts: dict[str, Layout], global_batch: int
     """Per layout, per rank: {"measured": ..., "predicted": ...}, from one launch of ``WORLD_SIZE`` processes."""
     import tempfile
 
-    from uma_lightning.models import RobotTransformer
     from uma_lightning.parallel.launch import run_local_group
 
-    with torch.device("meta"):
-        model = RobotTransformer(cfg)
-    facts = facts_of(model, cfg, 0, 0, cfg.seq_len)
+    facts = facts_of_config(cfg)
     with tempfile.TemporaryDirectory(prefix="uma-plan-check-") as out_dir:
         run_local_group(measure_rank, WORLD_SIZE, (cfg, layouts, global_batch, out_dir), timeout)
         results = {}

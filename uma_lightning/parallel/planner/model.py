@@ -69,12 +69,26 @@ def facts_of(model: nn.Module, cfg: RobotModelConfig, flops_per_sample: int, blo
     return ModelFacts(tuple(params), cfg, len(blocks), flops_per_sample, block_forward_flops, tokens_per_sample, model)
 
 
-def facts_of_stage(stage_module) -> ModelFacts:
-    """The facts of a training stage's network (``StageModule``), built on the meta device."""
+def _block_forward_flops(cfg: RobotModelConfig) -> int:
     from uma_lightning.models.flops import forward_flops_per_sample
 
+    forward = forward_flops_per_sample(cfg)
+    return forward["backbone_linear"] + forward["attention"]
+
+
+def facts_of_stage(stage_module) -> ModelFacts:
+    """The facts of a training stage's network (``StageModule``), built on the meta device."""
     with torch.device("meta"):
         model = stage_module.build_model()
     cfg = stage_module.model_config
-    forward = forward_flops_per_sample(cfg)
-    return facts_of(model, cfg, stage_module.flops_per_sample, forward["backbone_linear"] + forward["attention"], stage_module.tokens_per_sample)
+    return facts_of(model, cfg, stage_module.flops_per_sample, _block_forward_flops(cfg), stage_module.tokens_per_sample)
+
+
+def facts_of_config(cfg: RobotModelConfig) -> ModelFacts:
+    """The facts of the pretraining network (``RobotTransformer``) of ``cfg``, built on the meta device."""
+    from uma_lightning.models import RobotTransformer
+    from uma_lightning.models.flops import training_flops_per_sample
+
+    with torch.device("meta"):
+        model = RobotTransformer(cfg)
+    return facts_of(model, cfg, training_flops_per_sample(cfg), _block_forward_flops(cfg), cfg.seq_len)
