@@ -82,7 +82,11 @@ def main(argv: list[str]) -> int:
     if args.emit_config and recommended:
         Path(args.emit_config).write_text(report.fragment(recommended, cluster, settings, args.config))
     if args.plot:
-        report.plot(args.plot, fits, rejected, recommended, cluster)
+        try:
+            report.plot(args.plot, fits, rejected, recommended, cluster)
+        except ImportError:
+            print("uma: error: --plot: needs matplotlib (pip install matplotlib; mlflow installs it)", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(report.as_json(facts, cluster, settings, fits, rejected, recommended, smallest), indent=1))
         return 0 if recommended else 1
