@@ -130,6 +130,26 @@ def test_bad_cluster_options_are_one_line_errors(option, value, message, capsys)
     assert_short_error(code, err, "uma: error:", message)
 
 
+@pytest.mark.parametrize("every_n_layers, n_shared", [(2, 1), (1, 0)])
+def test_expert_layer_activations_match_a_real_forward(every_n_layers, n_shared):
+    """In this process: what a mixture-of-experts model's forward saves (router, routed tokens, experts)."""
+    import dataclasses
+
+    import torch
+
+    from uma_lightning.models import RobotTransformer
+    from uma_lightning.parallel.planner.check import random_batch, saved_activation_bytes
+    from uma_lightning.parallel.planner.memory import activation_bytes
+
+    moe = {"n_experts": 8, "top_k": 2, "n_shared": n_shared, "every_n_layers": every_n_layers, "expert_dim": 128}
+    cfg = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4, "moe": moe}))
+    inputs, saved = random_batch(cfg, 8, seed=0), {}
+    with saved_activation_bytes(model := RobotTransformer(cfg), saved):
+        model(*inputs, loss_targets=inputs[-1])
+    predicted = activation_bytes(facts_of_config(cfg), Layout(), Precision.of("32-true"), 8)
+    assert predicted == pytest.approx(saved["bytes"], rel=0.2)
+
+
 @pytest.mark.slow
 def test_predictions_match_a_real_step_of_every_strategy():
     """One launch of four gloo processes: ddp, fsdp, tp, hsdp and fsdp_tp, each rank's own figures."""
