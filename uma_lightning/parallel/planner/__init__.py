@@ -6,6 +6,7 @@
 - ``memory.py``: per-rank model state (exact), activations and buffers;
 - ``comm.py``: the collectives of a step and their alpha-beta times;
 - ``estimate.py``: step time and throughput of a layout, and the ranking;
+- ``calibrate.py``: the achievable fraction of peak, from a finished run's logged MFU;
 - ``report.py``, ``tool.py``: the printout, JSON, fragment, chart, and the command;
 - ``check.py``: predictions against a real step on gloo processes (tests, benchmarks/planner.py).
 """
