@@ -57,6 +57,7 @@ TOOLS: dict[str, str] = {
     "parity": "uma_lightning.parallel.parity:main",
     "ckpt": "uma_lightning.checkpoint.tools:main",
     "rl": "uma_lightning.rl.cli:main",
+    "plan": "uma_lightning.parallel.planner.tool:main",
 }
 
 
@@ -160,6 +161,12 @@ class UmaCLI(LightningCLI):
                 # Before RecordRunConfig's setup hook opens a new MLflow run.
                 callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
+
+
+def resolve_recipe(config: str, overrides: list[str], cli_class: type[UmaCLI] = UmaCLI) -> UmaCLI:
+    """The recipe and its overrides resolved and instantiated as ``uma fit`` would, without training:
+    one process, no logger. Tools that read a recipe (``uma parity``, ``uma plan``) start here."""
+    return cli_class(["--config", config, *overrides, "--trainer.logger", "false", "--trainer.devices", "1"], run=False)
 
 
 def _class_path(cls: type) -> str:

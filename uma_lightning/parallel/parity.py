@@ -224,9 +224,9 @@ def check_batch_splits(global_batch: int, strategies: list[str]) -> None:
 
 def resolve(config: str, overrides: list[str], steps: int):
     """The recipe's (not yet configured) LightningModule, its first ``steps`` training batches, and its gradient clipping."""
-    from uma_lightning.cli import UmaCLI
+    from uma_lightning.cli import resolve_recipe
 
-    cli = UmaCLI(["--config", config, *overrides, "--trainer.logger", "false", "--trainer.devices", "1"], run=False)
+    cli = resolve_recipe(config, overrides)
     cli.datamodule.setup("fit")
     batches = []
     for batch in cli.datamodule.train_dataloader():

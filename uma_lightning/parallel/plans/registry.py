@@ -38,7 +38,8 @@ class HeadPlan:
       it reads what the backbone leaves (replicated DTensors) and returns plain tensors, or None;
     - ``forward_inputs``: tensor arguments the model's ``forward`` takes for this head after the
       observation's (images, state, text ids, text mask); replicated over the tensor-parallel group;
-    - ``present(model)``: False where this instance was built without the head (an optional one).
+    - ``present(model)``: False where this instance was built without the head (an optional one);
+    - ``tp_colwise``: the head's modules that ``tp_layout`` splits column-wise (the planner predicts their shards).
     """
 
     name: str
@@ -47,6 +48,7 @@ class HeadPlan:
     tp_layout: Callable | None = None
     forward_inputs: int = 0
     present: Callable[[nn.Module], bool] = _always
+    tp_colwise: tuple[str, ...] = ()
 
 
 _PLANS: dict[type, Plan] = {}

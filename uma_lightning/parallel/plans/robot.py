@@ -37,6 +37,11 @@ from uma_lightning.parallel.plans.registry import HeadPlan, heads_for
 OBSERVATION_INPUTS = 4
 # Methods besides forward that run the model (evaluation, closed loop, export).
 INFERENCE_METHODS = ("predict_actions",)
+# The tensor-parallel split of a block's weights: column-wise layers split their output features
+# (dim 0 of an nn.Linear weight), row-wise ones their input features (dim 1). The planner
+# (``parallel/planner``) reads these too, to predict each rank's shard.
+BLOCK_COLWISE = ("attn.wq", "attn.wk", "attn.wv", "ffn.w1", "ffn.w3")
+BLOCK_ROWWISE = ("attn.wo", "ffn.w2")
 
 
 def check_robot(model: RobotBase, shape: MeshShape, config: ParallelConfig) -> None:
@@ -104,15 +109,10 @@ def apply_sequence_parallel_transformer(transformer: Transformer, tp_mesh) -> No
             {
                 "attn_norm": SequenceParallel(),
                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-                "attn.wq": ColwiseParallel(),
-                "attn.wk": ColwiseParallel(),
-                "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
                 "ffn_norm": SequenceParallel(),
                 "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "ffn.w1": ColwiseParallel(),
-                "ffn.w3": ColwiseParallel(),
-                "ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
+                **{name: ColwiseParallel() for name in BLOCK_COLWISE},
+                **{name: RowwiseParallel(output_layouts=Shard(1)) for name in BLOCK_ROWWISE},
             },
         )
 
@@ -186,6 +186,11 @@ def apply_inference_methods(model: nn.Module, tp: bool) -> str:
     return ""
 
 
+def robot_blocks(model: RobotBase) -> list[nn.Module]:
+    """The blocks wrapped one by one (checkpointing, compile, FSDP or DDP): the backbone's, then each head's."""
+    return list(model.backbone.layers) + [block for head in heads_for(model) for block in head.blocks(model)]
+
+
 def parallelize_robot(model: RobotBase, mesh, config: ParallelConfig) -> list[str]:
     """Apply the plan in place on ``mesh`` (dims dp_replicate, dp_shard, tp); returns what was applied.
 
@@ -197,7 +202,7 @@ def parallelize_robot(model: RobotBase, mesh, config: ParallelConfig) -> list[st
     so their wrappers see the final module.
     """
     heads = heads_for(model)
-    blocks: list[nn.Module] = list(model.backbone.layers) + [block for head in heads for block in head.blocks(model)]
+    blocks = robot_blocks(model)
     tp = mesh["tp"].size() > 1
     applied = []
     if tp:
@@ -244,6 +249,7 @@ DISCRETE_ACTION_HEAD = HeadPlan(
     tp_sizes=lambda model: {"n_action_bins": model.cfg.n_action_bins},
     tp_layout=discrete_action_layout,
     forward_inputs=1,  # the action tokens
+    tp_colwise=("action_head",),
 )
 
 ENVIRONMENT_STATE_HEAD = HeadPlan(

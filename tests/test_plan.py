@@ -1,0 +1,190 @@
+"""uma plan: the estimator's arithmetic, the command's output and errors, and its predictions
+against a real step of every strategy on four gloo processes."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from suite import RECIPE, assert_short_error, run_main
+from uma_lightning.data.spec import DataSpec
+from uma_lightning.models import RobotModelConfig, load_size
+from uma_lightning.parallel.planner.cluster import ACCELERATORS, LINK_PRESETS, Cluster, Link
+from uma_lightning.parallel.planner.comm import Collective, seconds
+from uma_lightning.parallel.planner.estimate import Settings, estimate, pipeline_bubble
+from uma_lightning.parallel.planner.layout import Layout
+from uma_lightning.parallel.planner.memory import Precision, chunk, rank_state
+from uma_lightning.parallel.planner.model import facts_of_config
+
+# Heads, kv heads, feed-forward, action bins and the 44-token sequence all split over tp 4.
+SPEC = DataSpec(cameras=("front",), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=1, action_horizon=4, fps=10)
+CONFIG = RobotModelConfig(load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 128}), SPEC, max_text_len=16, n_action_bins=32)
+CLUSTER = Cluster(2, 4, ACCELERATORS["h100"], 79.2, 989.0, Link(400.0, 3.0), LINK_PRESETS["ib-ndr"])
+SIZE_7B = ["--model.network.size", "7b"]
+
+
+def facts():
+    return facts_of_config(CONFIG)
+
+
+def test_chunks_follow_torch_chunk():
+    import torch
+
+    for size, parts in ((10, 4), (5, 4), (3, 4), (64, 4)):
+        pieces = [len(p) for p in torch.arange(size).chunk(parts)] + [0] * parts
+        assert [chunk(size, parts, i) for i in range(parts)] == pieces[:parts]
+
+
+def test_state_shards_sum_to_the_whole_model():
+    model = facts()
+    whole = rank_state(model, Layout(), Precision.of("32-true"))
+    layout = Layout(dp_shard=2, tp=2)
+    shards = [rank_state(model, layout, Precision.of("32-true"), 0, t, s) for t in range(2) for s in range(2)]
+    # Weights tp splits are cut in four pieces; the others are replicated over tp and cut in two by FSDP.
+    split = sum(4 * math.prod(p.shape) for p in model.params if p.tp_dim is not None)
+    assert sum(s.params for s in shards) == split + 2 * (whole.params - split)
+    assert whole.optimizer == 2 * whole.params + 4 * len(model.params)  # two fp32 states and a step per tensor
+
+
+def test_every_parameter_lives_on_exactly_one_stage_and_expert_shard():
+    import dataclasses
+
+    model = facts_of_config(dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4})))
+    fp32 = Precision.of("32-true")
+    whole = rank_state(model, Layout(), fp32).params
+    assert any(p.expert for p in model.params)
+    experts = Layout(dp_shard=4, ep=2)  # each expert weight: E split over 2 ranks, each half sharded over the other 2
+    assert sum(rank_state(model, experts, fp32, 0, 0, rank).params for rank in range(4)) == whole
+    pipeline = Layout(pp=2, virtual_stages=2, microbatches=2)
+    assert sum(rank_state(model, pipeline, fp32, stage).params for stage in range(2)) == whole
+
+
+def test_bubble_and_ring_times():
+    assert pipeline_bubble(Layout(pp=4, microbatches=12)) == pytest.approx(3 / 15)
+    assert pipeline_bubble(Layout(pp=4, microbatches=12, virtual_stages=2)) == pytest.approx(3 / 27)
+    gigabyte = Collective("x", "all-reduce", 10**9, 1, 4, 1, False)
+    # Within a node: 2 (n-1)/n of the bytes at 400 GB/s plus 2 (n-1) hops of 3 us.
+    assert seconds(gigabyte, CLUSTER) == pytest.approx(1.5e9 / 400e9 + 6 * 3e-6)
+    across = Collective("x", "all-gather", 10**9, 2, 2, 4, False)  # ranks 0 and 4: different nodes
+    assert seconds(across, CLUSTER) == pytest.approx(2 * (0.5e9 / 45e9 + 5e-6))
+
+
+def test_checkpointing_and_pipelines_change_activations_as_their_schedules_say():
+    from uma_lightning.parallel.planner.memory import activation_bytes, block_activations, in_flight_microbatches
+
+    model, fp32 = facts(), Precision.of("32-true")
+    none, ops, full = (activation_bytes(model, Layout(ac=ac), fp32, 8) for ac in ("none", "ops", "full"))
+    assert full < ops < none
+    # Full checkpointing keeps each of the 2 blocks' input and rebuilds the rest of one block at a time.
+    block, block_input = block_activations(model, 8, Layout()), 8 * CONFIG.seq_len * 64
+    assert none - full == 4 * (2 * block - 2 * block_input - (block - block_input))
+    assert in_flight_microbatches(Layout(pp=4, microbatches=8)) == 4  # 1F1B: one per stage ahead
+    assert in_flight_microbatches(Layout(pp=4, microbatches=2)) == 2
+    assert in_flight_microbatches(Layout(pp=4, microbatches=8, virtual_stages=2)) == 4 * (1 + 3 / 8)
+
+
+def test_layouts_that_cannot_run_say_why():
+    settings = Settings(16, Precision.of("bf16-mixed"), 0.4)
+    model = facts()
+    assert estimate(model, Layout(tp=8), CLUSTER, settings).rejected == "tp 8 crosses nodes (4 GPUs per node)"
+    assert estimate(model, Layout(dp_shard=3), CLUSTER, settings).rejected == "global batch 16 does not split over dp 3"
+    assert estimate(model, Layout(pp=2, dp_shard=4, microbatches=1), CLUSTER, settings).rejected == "1 micro-batches, fewer than the 2 stages"
+    tiny_memory = Cluster(2, 4, ACCELERATORS["h100"], 0.001, 989.0, Link(400.0, 3.0), LINK_PRESETS["ib-ndr"])
+    assert estimate(model, Layout(dp_shard=8), tiny_memory, settings).rejected.startswith("needs 0.0")
+
+
+def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsys):
+    fragment = tmp_path / "layout.yaml"
+    code, out, _ = run_main(["plan", "--config", RECIPE, *SIZE_7B, "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h200", "--emit-config", str(fragment), "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    ranked = [e["tokens_per_s"] for e in plan["ranked"]]
+    assert all(a >= b * (1 - 1e-9) for a, b in zip(ranked, ranked[1:])) and plan["recommended"]["tokens_per_s"] == ranked[0]
+    assert any(r["reason"].startswith("tp 8 crosses nodes") for r in plan["rejected"])
+    layout = plan["recommended"]["layout"]
+    args = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"]
+    assert (args["dp_replicate"], args["dp_shard"], args["tp"]) == (layout["dp_replicate"], layout["dp_shard"], layout["tp"])
+    code, out, _ = run_main(["fit", "--config", RECIPE, *SIZE_7B, "--config", str(fragment), "--print_config"], capsys)
+    printed = yaml.safe_load(out)
+    assert code in (0, None) and printed["trainer"]["strategy"]["init_args"]["dp_shard"] == layout["dp_shard"]
+    assert printed["data"]["init_args"]["batch_size"] == plan["settings"]["global_batch"] // (layout["dp_replicate"] * layout["dp_shard"])
+
+
+def test_impossible_request_names_the_smallest_cluster(capsys):
+    code, out, _ = run_main(["plan", "--config", RECIPE, *SIZE_7B, "--nodes", "1", "--gpus-per-node", "1", "--gpu", "a100", "--precision", "32-true"], capsys)
+    assert code == 1
+    assert "impossible: no layout fits 1 x 1 A100" in out
+    assert "smallest cluster that fits: --nodes 1 --gpus-per-node 2" in out
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [("--gpu", "h300", "--gpu: unknown accelerator 'h300'"), ("--nodes", "0", "--nodes: must be a positive integer, got 0"),
+     ("--mfu", "1.5", "--mfu: must be a fraction in (0, 1], got 1.5"), ("--inter-node", "wifi", "--inter-node: unknown link preset 'wifi'"),
+     ("--calibrate-from", "no/such/run", "--calibrate-from: no/such/run is not a run directory"),
+     ("--precision", "fp8", "--precision: unknown precision 'fp8'")],
+)  # fmt: skip
+def test_bad_cluster_options_are_one_line_errors(option, value, message, capsys):
+    code, _, err = run_main(["plan", "--config", RECIPE, option, value], capsys)
+    assert_short_error(code, err, "uma: error:", message)
+
+
+@pytest.mark.parametrize("every_n_layers, n_shared", [(2, 1), (1, 0)])
+def test_expert_layer_activations_match_a_real_forward(every_n_layers, n_shared):
+    """In this process: what a mixture-of-experts model's forward saves (router, routed tokens, experts)."""
+    import dataclasses
+
+    import torch
+
+    from uma_lightning.models import RobotTransformer
+    from uma_lightning.parallel.planner.check import random_batch, saved_activation_bytes
+    from uma_lightning.parallel.planner.memory import activation_bytes
+
+    moe = {"n_experts": 8, "top_k": 2, "n_shared": n_shared, "every_n_layers": every_n_layers, "expert_dim": 128}
+    cfg = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4, "moe": moe}))
+    inputs, saved = random_batch(cfg, 8, seed=0), {}
+    with saved_activation_bytes(model := RobotTransformer(cfg), saved):
+        model(*inputs, loss_targets=inputs[-1])
+    predicted = activation_bytes(facts_of_config(cfg), Layout(), Precision.of("32-true"), 8)
+    assert predicted == pytest.approx(saved["bytes"], rel=0.2)
+
+
+@pytest.mark.slow
+def test_predictions_match_a_real_step_of_every_strategy():
+    """One launch of four gloo processes: ddp, fsdp, tp, hsdp and fsdp_tp, each rank's own figures."""
+    from uma_lightning.parallel.planner.check import LAYOUTS, compare
+
+    results = compare(CONFIG, LAYOUTS, global_batch=8)
+    for name, ranks in results.items():
+        for rank, result in enumerate(ranks):
+            measured, predicted = result["measured"], result["predicted"]
+            for part in ("params", "grads", "optimizer"):
+                assert measured[part] == predicted[part], (name, rank, part, measured[part], predicted[part])
+            total = sum(measured["collectives"].values())
+            assert sum(predicted["collectives"].values()) == pytest.approx(total, rel=0.05), (name, measured, predicted)
+            for kind, size in measured["collectives"].items():
+                assert predicted["collectives"].get(kind, 0) == pytest.approx(size, rel=0.05), (name, kind)
+            assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.2), (name, rank)
+
+
+def test_mfu_is_calibrated_from_the_median_a_run_logged(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from uma_lightning.checkpoint.directory import step_dirname
+    from uma_lightning.checkpoint.manifest import FORMAT
+    from uma_lightning.parallel.planner.calibrate import measured_mfu
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()  # a file store: seconds faster to open than sqlite, which migrates its schema
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("plan")).info.run_id
+    for step, mfu in enumerate((31.0, 45.0, 38.0)):
+        client.log_metric(run_id, "throughput/mfu_percent", mfu, step=step)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"trainer": {"logger": {"init_args": {"tracking_uri": uri}}}}))
+    checkpoint = tmp_path / "checkpoints" / step_dirname(3)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "manifest.json").write_text(json.dumps({"format": FORMAT, "files": {}, "mlflow_run_id": run_id}))
+    assert measured_mfu(str(tmp_path)) == pytest.approx(0.38)
+    with pytest.raises(ValueError, match="not a run directory"):
+        measured_mfu(str(tmp_path / "checkpoints"))

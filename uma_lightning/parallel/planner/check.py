@@ -1,0 +1,179 @@
+"""The planner's predictions against one real training step on gloo processes.
+
+Each rank builds the model, applies the robot plan as ``MeshStrategy`` does (``parallelize_robot``
+on the strategy's mesh), and takes one AdamW step on its slice of a random global batch, while it
+measures:
+
+- the bytes of its local parameter, gradient and optimizer-state tensors;
+- every collective the step issues and its bytes (``CollectiveBytes``: the c10d ops FSDP and DDP call
+  and the functional ones DTensor calls), by kind;
+- what autograd saves in the forward (``saved_activation_bytes``: a saved-tensors hook, each
+  storage counted once, weights left out).
+
+The prediction for the same rank comes from ``memory.py`` and ``comm.py``. Used by the tests
+(tiny model) and ``benchmarks/planner.py`` (tiny and small).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from uma_lightning.models.robot import RobotModelConfig
+from uma_lightning.parallel.planner.comm import step_collectives
+from uma_lightning.parallel.planner.layout import Layout
+from uma_lightning.parallel.planner.memory import Precision, activation_bytes, rank_state
+from uma_lightning.parallel.planner.model import ModelFacts, facts_of_config
+
+# The strategies on four processes, both dimensions of the 2-D ones real.
+LAYOUTS = {
+    "ddp": Layout(dp_replicate=4),
+    "fsdp": Layout(dp_shard=4),
+    "tp": Layout(tp=4),
+    "hsdp": Layout(dp_replicate=2, dp_shard=2),
+    "fsdp_tp": Layout(dp_shard=2, tp=2),
+}
+WORLD_SIZE = 4
+FP32 = Precision.of("32-true")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# Per collective op: its kind and the bytes it moves under the planner's convention (comm.py).
+_COLLECTIVES = {
+    "c10d.allreduce_.default": ("all-reduce", lambda args: sum(_bytes(t) for t in args[0])),
+    "c10d._allgather_base_.default": ("all-gather", lambda args: _bytes(args[0])),
+    "c10d._reduce_scatter_base_.default": ("reduce-scatter", lambda args: _bytes(args[1])),
+    "c10d.alltoall_base_.default": ("all-to-all", lambda args: _bytes(args[1])),
+    "_c10d_functional.all_gather_into_tensor.default": ("all-gather", lambda args: _bytes(args[0]) * args[1]),
+    "_c10d_functional.reduce_scatter_tensor.default": ("reduce-scatter", lambda args: _bytes(args[0])),
+    "_c10d_functional.all_reduce.default": ("all-reduce", lambda args: _bytes(args[0])),
+}
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the bytes of every collective dispatched while active, by kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        known = _COLLECTIVES.get(str(func))
+        if known:
+            kind, size = known
+            self.bytes[kind] += size(args)
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def saved_activation_bytes(model: torch.nn.Module, out: dict):
+    """Sums into ``out["bytes"]`` the storages autograd saves inside the block, each once, without the model's weights."""
+    seen: set[int] = set()
+    out["bytes"] = 0
+
+    def pack(tensor: torch.Tensor):
+        local = _local(tensor)
+        weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        storage = local.untyped_storage()
+        if isinstance(tensor, torch.nn.Parameter) or storage.data_ptr() in weights or storage.data_ptr() in seen:
+            return tensor
+        seen.add(storage.data_ptr())
+        out["bytes"] += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+
+
+def random_batch(cfg: RobotModelConfig, batch: int, seed: int):
+    from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer
+
+    gen = torch.Generator().manual_seed(seed)
+    spec = cfg.spec
+    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
+    text_ids, text_mask = ByteTokenizer(cfg.max_text_len)(["reach the red square"] * batch)
+    actions = torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
+    return images, state, text_ids, text_mask, ActionBinner(cfg.n_action_bins).encode(actions).flatten(1)
+
+
+def measure_rank(cfg: RobotModelConfig, layouts: dict[str, Layout], global_batch: int, out_dir: str) -> None:
+    """One rank of the group: each layout's step, measured; writes ``<name>-<rank>.json``."""
+    import torch.distributed as dist
+
+    from uma_lightning.models import RobotTransformer
+    from uma_lightning.parallel.apply import ParallelConfig
+    from uma_lightning.parallel.mesh import MeshShape, build_mesh
+    from uma_lightning.parallel.plans.robot import parallelize_robot
+
+    dist.init_process_group("gloo")
+    for name, layout in layouts.items():
+        mesh = build_mesh(MeshShape(layout.dp_replicate, layout.dp_shard, layout.tp), "cpu")
+        torch.manual_seed(0)
+        model = RobotTransformer(cfg)
+        parallelize_robot(model, mesh, ParallelConfig(activation_checkpointing=layout.ac))
+        optimizer = torch.optim.AdamW(model.parameters())
+        dp_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
+        inputs = random_batch(cfg, global_batch // layout.dp, seed=dp_rank)
+        counter, saved = CollectiveBytes(), {}
+        with counter:
+            with saved_activation_bytes(model, saved):
+                loss, _ = model(*inputs, loss_targets=inputs[-1])
+            loss.backward()
+            optimizer.step()
+        state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        record = {
+            "coords": {"tp_rank": mesh["tp"].get_local_rank(), "shard_rank": mesh["dp_shard"].get_local_rank()},
+            "params": sum(_bytes(_local(p)) for p in model.parameters()),
+            "grads": sum(_bytes(_local(p.grad)) for p in model.parameters() if p.grad is not None),
+            "optimizer": sum(_bytes(_local(t)) for t in state),
+            "activations": saved["bytes"],
+            "collectives": dict(counter.bytes),
+        }
+        Path(out_dir, f"{name}-{dist.get_rank()}.json").write_text(json.dumps(record))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def predict_rank(facts: ModelFacts, layout: Layout, global_batch: int, tp_rank: int, shard_rank: int) -> dict:
+    state = rank_state(facts, layout, FP32, 0, tp_rank, shard_rank)
+    collectives: Counter[str] = Counter()
+    for collective in step_collectives(facts, layout, FP32, global_batch):
+        collectives[collective.kind] += collective.total_bytes
+    return {
+        "params": state.params,
+        "grads": state.grads,
+        "optimizer": state.optimizer,
+        "activations": activation_bytes(facts, layout, FP32, global_batch),
+        "collectives": dict(collectives),
+    }
+
+
+def compare(cfg: RobotModelConfig, layouts: dict[str, Layout], global_batch: int, timeout: float = 600) -> dict[str, list[dict]]:
+    """Per layout, per rank: {"measured": ..., "predicted": ...}, from one launch of ``WORLD_SIZE`` processes."""
+    import tempfile
+
+    from uma_lightning.parallel.launch import run_local_group
+
+    facts = facts_of_config(cfg)
+    with tempfile.TemporaryDirectory(prefix="uma-plan-check-") as out_dir:
+        run_local_group(measure_rank, WORLD_SIZE, (cfg, layouts, global_batch, out_dir), timeout)
+        results = {}
+        for name, layout in layouts.items():
+            ranks = [json.loads(Path(out_dir, f"{name}-{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+            results[name] = [{"measured": r, "predicted": predict_rank(facts, layout, global_batch, **r["coords"])} for r in ranks]
+    return results

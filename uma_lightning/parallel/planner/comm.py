@@ -1,0 +1,115 @@
+"""Collectives of one training step under a layout: bytes, the links they cross, alpha-beta time.
+
+Bytes are each collective's full buffer: the gathered tensor of an all-gather, the input of a
+reduce-scatter, the tensor of an all-reduce, what one rank sends in an all-to-all or a
+point-to-point. Times follow the ring algorithms: a group of n ranks moves (n - 1) / n of the
+buffer through each rank's link (twice for an all-reduce) in n - 1 steps of latency alpha, at the
+slowest link the group crosses.
+
+Where they come from (``parallel/apply.py``, ``plans/robot.py``), per micro-batch:
+- FSDP: each block's weights gathered before its forward and again before its backward (the root's
+  once: it stays gathered), every unit's gradients reduce-scattered; HSDP all-reduces the shards
+  across replicas after;
+- DDP: every gradient all-reduced;
+- TP: per block two all-gathers of the sequence-parallel activations and two reduce-scatters in
+  forward, the same in backward, the backbone's output gathered and its input gradient gathered,
+  and column-wise head weights gathered for the fused loss (with FSDP also the norms' gradients all-reduced);
+- pipeline: one activation forward and its gradient backward per stage boundary;
+- experts: per MoE layer a dispatch and a combine all-to-all, forward and backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from uma_lightning.parallel.planner.cluster import Cluster, Link
+from uma_lightning.parallel.planner.layout import Layout
+from uma_lightning.parallel.planner.memory import Precision, stage_params, unit_elements
+from uma_lightning.parallel.planner.model import ModelFacts
+
+
+@dataclass(frozen=True)
+class Collective:
+    what: str
+    kind: str
+    bytes: int  # per call
+    calls: int  # per step
+    group: int  # ranks in the group
+    stride: int  # rank distance between group members
+    overlaps_compute: bool  # FSDP's and DDP's run beside the next block's compute; TP's and experts' wait on it
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.calls
+
+
+def crosses_nodes(group: int, stride: int, cluster: Cluster) -> bool:
+    return group > 1 and group * stride > cluster.gpus_per_node
+
+
+def link_of(collective: Collective, cluster: Cluster) -> Link:
+    return cluster.inter if crosses_nodes(collective.group, collective.stride, cluster) else cluster.intra
+
+
+def seconds(collective: Collective, cluster: Cluster) -> float:
+    """Alpha-beta time of all the calls of ``collective``."""
+    n, link = collective.group, link_of(collective, cluster)
+    if n == 1:
+        return 0.0
+    if collective.kind == "p2p":
+        traffic, hops = collective.bytes, 1
+    else:
+        passes = 2 if collective.kind == "all-reduce" else 1
+        traffic, hops = passes * (n - 1) / n * collective.bytes, passes * (n - 1)
+    return collective.calls * (traffic / (link.gb_s * 1e9) + hops * link.latency_us * 1e-6)
+
+
+def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, global_batch: int) -> list[Collective]:
+    m, tp = layout.microbatches, layout.tp
+    batch = global_batch // layout.dp // m
+    dim, seq = facts.cfg.backbone.dim, facts.cfg.seq_len
+    params = stage_params(facts, layout, 0)
+    # Every weight is gathered; only the trainable ones have gradients to reduce.
+    root, blocks = unit_elements(facts, layout)
+    gathered, gathered_blocks = root + sum(blocks), sum(blocks)
+    trained_root, trained_blocks = unit_elements(facts, layout, trainable_only=True)
+    trained = trained_root + sum(trained_blocks)
+    out: list[Collective] = []
+    shard_stride, replicate_stride = tp, tp * layout.dp_shard
+    if layout.dp_shard > 1:
+        out.append(Collective("FSDP weights, forward", "all-gather", gathered * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP weights, backward", "all-gather", gathered_blocks * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP gradients", "reduce-scatter", trained * precision.reduce_bytes, m, layout.dp_shard, shard_stride, True))
+        if layout.dp_replicate > 1:
+            shards = trained // layout.dp_shard * precision.reduce_bytes
+            out.append(Collective("HSDP gradient shards", "all-reduce", shards, m, layout.dp_replicate, replicate_stride, True))
+    elif layout.dp_replicate > 1:
+        out.append(Collective("DDP gradients", "all-reduce", trained * precision.reduce_bytes, m, layout.dp_replicate, replicate_stride, True))
+    if tp > 1:
+        activation = batch * seq * dim * precision.compute_bytes
+        layers = facts.n_layers // layout.pp
+        out.append(Collective("TP activations", "all-gather", activation, m * (4 * layers + 2), tp, 1, False))
+        out.append(Collective("TP activations", "reduce-scatter", activation, m * 4 * layers, tp, 1, False))
+        if layout.dp_shard > 1:
+            # Measured: with FSDP over the tensor-parallel weights, the sequence-parallel norms' partial
+            # gradients are all-reduced over tp (without FSDP they are not).
+            norms = sum(math.prod(p.shape) for p in params if p.name.endswith("norm.weight"))
+            out.append(Collective("TP norm gradients", "all-reduce", norms * precision.reduce_bytes, m, tp, 1, False))
+        heads = sum(math.prod(p.shape) for p in params if p.tp_dim is not None and p.unit == -1)
+        if heads:
+            out.append(Collective("TP head weights", "all-gather", heads * precision.compute_bytes, m, tp, 1, False))
+    if layout.pp > 1:
+        boundary = batch * seq // tp * dim * precision.compute_bytes
+        out.append(Collective("pipeline activations and their gradients", "p2p", boundary, 2 * m * layout.virtual_stages, 2, stage_stride(layout), True))
+    if layout.ep > 1:
+        moe = facts.cfg.backbone.moe
+        moe_layers = sum(1 for index in range(facts.n_layers) if facts.cfg.backbone.is_moe_layer(index)) // layout.pp
+        routed = batch * seq * moe.top_k * dim * precision.compute_bytes
+        out.append(Collective("expert dispatch and combine", "all-to-all", routed, 4 * m * moe_layers, layout.ep, tp, False))
+    return out
+
+
+def stage_stride(layout: Layout) -> int:
+    """Rank distance between neighbouring pipeline stages (pp is the outermost mesh dimension)."""
+    return layout.dp * layout.tp

@@ -1,0 +1,99 @@
+"""One layout's estimate (memory, time, throughput) and the ranking of every candidate.
+
+Step time = compute / (1 - bubble) + the communication compute cannot hide. Compute is the
+model's exact training FLOPs (``models/flops.py``; full activation checkpointing adds one more
+forward of the blocks) over the cluster's peak at an achievable fraction ``mfu``. FSDP's and DDP's
+collectives run beside compute and show only where they take longer; TP's and the experts'
+all-to-alls sit on the critical path. The pipeline bubble is (p - 1) / (m + p - 1), and
+(p - 1) / (v m + p - 1) with v virtual stages per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from uma_lightning.parallel.planner.cluster import GIB, Cluster
+from uma_lightning.parallel.planner.comm import Collective, seconds, step_collectives
+from uma_lightning.parallel.planner.layout import Layout, candidates, illegal_reason
+from uma_lightning.parallel.planner.memory import Precision, activation_bytes, buffer_bytes, largest_state
+from uma_lightning.parallel.planner.model import ModelFacts
+
+# Of a device's memory, what training may use: the CUDA context, NCCL's buffers and the caching
+# allocator's fragmentation take the rest.
+USABLE_MEMORY = 0.92
+
+
+@dataclass(frozen=True)
+class Settings:
+    global_batch: int
+    precision: Precision
+    mfu: float  # achievable fraction of peak FLOP/s for the model's matmuls
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, int] = field(default_factory=dict)  # bytes per rank, by part
+    collectives: list[Collective] = field(default_factory=list)
+    compute_s: float = 0.0
+    bubble: float = 0.0
+    exposed_comm_s: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    rejected: str | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.memory.values())
+
+
+def pipeline_bubble(layout: Layout) -> float:
+    if layout.pp == 1:
+        return 0.0
+    return (layout.pp - 1) / (layout.virtual_stages * layout.microbatches + layout.pp - 1)
+
+
+def compute_seconds(facts: ModelFacts, layout: Layout, cluster: Cluster, settings: Settings) -> float:
+    flops = facts.flops_per_sample + (facts.block_forward_flops_per_sample if layout.ac == "full" else 0)
+    return flops * settings.global_batch / (cluster.world_size * cluster.peak_tflops * 1e12 * settings.mfu)
+
+
+def estimate(facts: ModelFacts, layout: Layout, cluster: Cluster, settings: Settings) -> Estimate:
+    result = Estimate(layout)
+    result.rejected = illegal_reason(layout, facts, cluster, settings.global_batch)
+    if result.rejected:
+        return result
+    state = largest_state(facts, layout, settings.precision)
+    result.memory = {
+        "parameters": state.params,
+        "gradients": state.grads,
+        "optimizer": state.optimizer,
+        "activations": activation_bytes(facts, layout, settings.precision, settings.global_batch),
+        "buffers": buffer_bytes(facts, layout, settings.precision),
+    }
+    usable = cluster.memory_gib * USABLE_MEMORY
+    if result.peak_bytes > usable * GIB:
+        result.rejected = f"needs {result.peak_bytes / GIB:.1f} GiB per GPU, has {usable:.1f}"
+    result.collectives = step_collectives(facts, layout, settings.precision, settings.global_batch)
+    result.compute_s = compute_seconds(facts, layout, cluster, settings)
+    result.bubble = pipeline_bubble(layout)
+    hidden = sum(seconds(c, cluster) for c in result.collectives if c.overlaps_compute)
+    exposed = sum(seconds(c, cluster) for c in result.collectives if not c.overlaps_compute)
+    result.exposed_comm_s = exposed + max(0.0, hidden - result.compute_s)
+    result.step_s = result.compute_s / (1 - result.bubble) + result.exposed_comm_s
+    result.tokens_per_s = settings.global_batch * facts.tokens_per_sample / result.step_s
+    return result
+
+
+_AC_COST = {"none": 0, "ops": 1, "full": 2}
+
+
+def rank(facts: ModelFacts, cluster: Cluster, settings: Settings) -> tuple[list[Estimate], list[Estimate]]:
+    """(Layouts that fit, fastest first; layouts that do not, each with its reason)."""
+    fits, rejected = [], []
+    for layout in candidates(facts, cluster.world_size):
+        result = estimate(facts, layout, cluster, settings)
+        (rejected if result.rejected else fits).append(result)
+    # Equal throughput: the simpler layout (less recomputation, fewer micro-batches, less memory).
+    fits.sort(key=lambda e: (-round(e.tokens_per_s, 6), _AC_COST[e.layout.ac], e.layout.microbatches, e.peak_bytes))
+    return fits, rejected
