@@ -50,6 +50,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision
 
 from uma_lightning.cli_errors import ConfigError
 from uma_lightning.parallel.launch import run_local_group
+from uma_lightning.parallel.mesh import MESH_DIMS
 from uma_lightning.parallel.precision_parity import compare_precision, print_precision_report
 from uma_lightning.parallel.recorded_runs import COMPARE_DTYPE, train, worker
 
@@ -113,6 +114,12 @@ TOLERANCES = {
     ),
     "hsdp": _tolerance(False, "as fsdp, with four ranks' gradients summed in two stages (within, then across replicas)"),
     "fsdp_tp": _tolerance(False, "the tp and fsdp reorderings together"),
+    "pp": _tolerance(
+        False,
+        "each stage's gradients are summed over microbatches (as gradient accumulation sums them) and divided by their "
+        "number after; the clipping norm adds the stages' squared norms",
+    ),
+    "pp_fsdp": _tolerance(False, "the pp and fsdp reorderings together"),
 }
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
@@ -122,6 +129,8 @@ LAYOUTS = {
     "tp": (2, {"dp_replicate": 1, "dp_shard": 1, "tp": 2}),
     "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2, "tp": 1}),
     "fsdp_tp": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    "pp": (2, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
+    "pp_fsdp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}),
 }
 
 
@@ -411,14 +420,14 @@ def print_report(config: str, results: dict, global_batch: int) -> None:
         "each step from the reference's weights"
     )
     print(
-        f"mesh: dp_replicate x dp_shard x tp. loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
+        f"mesh: pp x dp_replicate x dp_shard x tp. loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
         f"gradient over its largest element (tolerance {tol.grad:.1e}); update diff: per step |params - reference| / "
         f"|reference update|, L2 over all parameters (tolerance {tol.update:.1e}). margin: tolerance / difference, worst of the three"
     )
     header = ["strategy", "processes", "mesh", "max loss diff", "max grad diff", "max update diff", "margin", "bitwise vs accum.", "result"]
     rows = [header]
     for name, r in results.items():
-        mesh = "x".join(str(size) for size in LAYOUTS[name][1].values())
+        mesh = "x".join(str(LAYOUTS[name][1].get(dim, 1)) for dim in MESH_DIMS)
         bitwise = ("yes" if r["bitwise_vs_accumulation"] else "no") + (" (required)" if r["bitwise_required"] else "")
         rows.append([
             name, str(LAYOUTS[name][0]), mesh, f"{r['max_loss_diff']:.2e}", f"{r['max_gradient_diff']:.2e}", f"{r['update_diff']:.2e}",

@@ -138,13 +138,19 @@ class Pipeline:
         schedule = self._schedule(training, len(target))
         args = first_inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": []} if self.holds_last else {}
+        # The schedule accumulates into .grad: it starts from none, and what was there (the previous
+        # step's gradients, which Lightning clears after this step, or earlier batches' under
+        # gradient accumulation, which it keeps) is put back after.
+        earlier = [p.grad for p in self.parameters] if training else []
+        for p in self.parameters if training else ():
+            p.grad = None
         with _WaitTimer() as timer:
             merged = (schedule.step if training else schedule.eval)(*args, **shared, **kwargs)
         self.wait_seconds = timer.seconds
         if training:
             self._set_aside = [p.grad for p in self.parameters]
-            for p in self.parameters:
-                p.grad = None
+            for p, grad in zip(self.parameters, earlier):
+                p.grad = grad
         outputs = tuple(merged) if self.holds_last else tuple(torch.empty_like(t) for t in outputs_like(schedule._n_microbatches))
         for tensor in outputs:
             dist.broadcast(tensor, group=self.pp_group, group_src=self.last_rank)

@@ -77,7 +77,7 @@ class Recorder(Callback):
             self.activations.append({})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None})
+        self.grads.append(_from_every_stage({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None}, pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # The mean over all ranks is the global batch's loss: every data-parallel slice has the
@@ -124,7 +124,19 @@ def _first_tensor(output):
 
 
 def _full_params(module) -> dict[str, torch.Tensor]:
-    return {name: _full(p) for name, p in module.named_parameters()}
+    return _from_every_stage({name: _full(p) for name, p in module.named_parameters()}, module)
+
+
+def _from_every_stage(tensors: dict[str, torch.Tensor], module) -> dict[str, torch.Tensor]:
+    """Under pipeline parallelism each rank holds its stages' parameters: the union over the stages, on every rank."""
+    mesh = module.device_mesh
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()) or mesh["pp"].size() == 1:
+        return tensors
+    import torch.distributed as dist
+
+    stages = [None] * mesh["pp"].size()
+    dist.all_gather_object(stages, tensors, group=mesh["pp"].get_group())
+    return {name: tensor for stage in stages for name, tensor in stage.items()}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
