@@ -64,7 +64,7 @@ class Recorder(Callback):
         torch.manual_seed(self.seed)  # configure_model runs next: the same initial weights in every run
 
     def on_fit_start(self, trainer, pl_module):
-        self.params.append(_full_params(pl_module))
+        self.params.append(full_parameters(pl_module))
         self.replica_spread = _replica_spread(self.params[0], trainer.strategy)
         if self.record_activations:
             self._hook_layers(pl_module)
@@ -72,7 +72,7 @@ class Recorder(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = batch_idx // self.micro_batches
         if self.trajectory is not None and batch_idx % self.micro_batches == 0 and step > 0:
-            _load_full_params(pl_module, self.trajectory[step])
+            _loadfull_parameters(pl_module, self.trajectory[step])
         if self.record_activations and batch_idx % self.micro_batches == 0:
             self.activations.append({})
 
@@ -85,7 +85,7 @@ class Recorder(Callback):
         # micro-batch's loss divided by their number; their sum is the step's loss.
         self.batch_losses.append(trainer.strategy.reduce(outputs["loss"].detach().double(), reduce_op="mean"))
         if (batch_idx + 1) % self.micro_batches == 0:
-            self.params.append(_full_params(pl_module))
+            self.params.append(full_parameters(pl_module))
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
@@ -123,7 +123,8 @@ def _first_tensor(output):
     return None
 
 
-def _full_params(module) -> dict[str, torch.Tensor]:
+def full_parameters(module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` whole, as float64 on the CPU, on every rank (collectives: call on all ranks)."""
     return _from_every_stage({name: _full(p) for name, p in module.named_parameters()}, module)
 
 
@@ -155,7 +156,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _load_full_params(module, params: dict[str, torch.Tensor]) -> None:
+def _loadfull_parameters(module, params: dict[str, torch.Tensor]) -> None:
     """Set every parameter to the full tensor in ``params``; a DTensor keeps its layout, each rank its own part."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 

@@ -93,7 +93,10 @@ class MeshStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.mesh_sizes: dict[str, MeshSize] = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
-        self.pipeline_config = PipelineConfig(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split)
+        # Checked in set_world_ranks, where an error reaches the command line as one line (raised
+        # here, LightningCLI would report only that the strategy argument did not parse).
+        self._pipeline_args = (pp_schedule, pp_microbatches, pp_virtual_stages, pp_split)
+        self.pipeline_config: PipelineConfig | None = None
         self.plan_config = ParallelConfig(
             activation_checkpointing=activation_checkpointing,
             ac_every_n_blocks=ac_every_n_blocks,
@@ -108,6 +111,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
+        self.pipeline_config = PipelineConfig(*self._pipeline_args)
         # Called when the Trainer is built, once devices and nodes are known: a mesh that does not
         # fit the world fails here, before any process is launched.
         if self.parallel_devices:

@@ -63,7 +63,7 @@ class StageSplit:
                 what.insert(0, "tokenizers")
             if stage == len(self.shares) - 1:
                 what.append("heads")
-            parts.append(f"stage {stage}: {' + '.join(what)} ({100 * share:.0f}% of FLOPs)")
+            parts.append(f"stage {stage}: {' + '.join(what)} ({100 * share:.0f}%{' of FLOPs' if stage == 0 else ''})")
         return ", ".join(parts)
 
 
