@@ -55,7 +55,7 @@ from uma_lightning.hyperparameters import constructor_arguments, plain
 from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
-from uma_lightning.parallel.pipeline import clip_grad_norm
+from uma_lightning.parallel.pipeline import clip_grad_norm, pipeline_of
 from uma_lightning.policy import Policy
 
 log = logging.getLogger("uma_lightning")
@@ -277,7 +277,7 @@ class StageModule(L.LightningModule):
             self.token_accuracy[split].update(correct / real.sum(1).clamp(min=1))
             self.log(f"{split}/token_accuracy", self.token_accuracy[split])
         self.log_dict({f"{split}/{k}": v for k, v in scalars.items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
-        if getattr(self.model, "pipeline", None) is not None:
+        if pipeline_of(self) is not None:
             return  # this rank holds only its pipeline stages: predicted chunks need the whole model (said in the plan's log line)
         policy = self.policy()
         predicted = policy.denormalize_actions(policy.predict_normalized(batch["images"], batch["state"], batch["instruction"]))

@@ -184,6 +184,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP, in the strategy runs")
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP, in the strategy runs")
+    parser.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule, in the pp strategy runs")
+    parser.add_argument("--pp-microbatches", type=int, help="pipeline microbatches (default: one per stage)")
+    parser.add_argument("--pp-virtual-stages", type=int, default=1, help="pipeline stages per rank")
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
     args, overrides = parser.parse_known_args(argv)
@@ -196,7 +199,7 @@ def main(argv: list[str]) -> int:
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         module, batches, trainer_args = resolve(args.config, overrides, args.steps)
-        check_batch_splits(len(batches[0]["sample_id"]), strategies)
+        check_batch_splits(len(batches[0]["sample_id"]), strategies, args.pp_microbatches)
     except ConfigError as err:
         print(f"uma parity: error: {err}", file=sys.stderr)
         return 2
@@ -208,6 +211,8 @@ def main(argv: list[str]) -> int:
         "compile_backend": args.compile_backend,
         "reshard_after_forward": args.reshard_after_forward,
         "cpu_offload": args.cpu_offload,
+        **({"pp_schedule": args.pp_schedule, "pp_microbatches": args.pp_microbatches, "pp_virtual_stages": args.pp_virtual_stages}
+           if any(LAYOUTS[s][1].get("pp", 1) > 1 for s in strategies) else {}),
     }
     global_batch = len(batches[0]["sample_id"])
     if args.precision:
@@ -225,10 +230,15 @@ def main(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
-def check_batch_splits(global_batch: int, strategies: list[str]) -> None:
+def check_batch_splits(global_batch: int, strategies: list[str], pp_microbatches: int | None = None) -> None:
     for name in strategies:
-        if global_batch % data_parallel_size(name):
-            raise ConfigError(f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks")
+        stages = LAYOUTS[name][1].get("pp", 1)
+        parts = data_parallel_size(name) * (pp_microbatches or stages if stages > 1 else 1)
+        if global_batch % parts:
+            raise ConfigError(
+                f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks"
+                + (f" x {parts // data_parallel_size(name)} pipeline microbatches" if stages > 1 else "")
+            )
 
 
 def resolve(config: str, overrides: list[str], steps: int):

@@ -93,7 +93,8 @@ class Pipeline:
     the gradients are those of the mean over the whole batch), and put aside until
     ``restore_gradients``. Lightning's training loop clears gradients between the training step
     (where the schedule runs, forward and backward) and its backward call; the strategy's backward
-    restores them. ``wait_seconds`` holds the time the last step spent waiting on other ranks (the bubble).
+    restores them. ``bubble_fraction`` is the share of the last step's schedule that the stages
+    spent waiting on their neighbours, their mean.
 
     A schedule's stages fix their microbatches' shapes at the first step, so each batch size
     (evaluation's may differ from training's) gets stages and a schedule of its own, made when first met.
@@ -108,7 +109,7 @@ class Pipeline:
         self.holds_last = n_stages - 1 in modules
         # The rank of the pp group that holds the last stage (the loss): the last rank in a loop, rank 0 in a V.
         self.last_rank = next(rank for rank in range(self.pp) if n_stages - 1 in config.stage_indices(self.pp, rank))
-        self.wait_seconds = 0.0
+        self.bubble_fraction = 0.0
         self.parameters = [p for module in modules.values() for p in module.parameters()]
         self._set_aside: list[torch.Tensor | None] = [None] * len(self.parameters)
         self._schedules: dict[tuple[bool, int], object] = {}
@@ -144,9 +145,10 @@ class Pipeline:
         earlier = [p.grad for p in self.parameters] if training else []
         for p in self.parameters if training else ():
             p.grad = None
+        start = time.perf_counter()
         with _WaitTimer() as timer:
             merged = (schedule.step if training else schedule.eval)(*args, **shared, **kwargs)
-        self.wait_seconds = timer.seconds
+        elapsed = time.perf_counter() - start
         if training:
             self._set_aside = [p.grad for p in self.parameters]
             for p, grad in zip(self.parameters, earlier):
@@ -154,6 +156,10 @@ class Pipeline:
         outputs = tuple(merged) if self.holds_last else tuple(torch.empty_like(t) for t in outputs_like(schedule._n_microbatches))
         for tensor in outputs:
             dist.broadcast(tensor, group=self.pp_group, group_src=self.last_rank)
+        # The bubble: the share of the schedule's time a stage waits on its neighbours, averaged over the stages.
+        waits = torch.tensor([timer.seconds / elapsed], dtype=torch.float64)
+        dist.all_reduce(waits, group=self.pp_group)
+        self.bubble_fraction = float(waits) / self.pp
         return outputs
 
     def restore_gradients(self) -> None:
@@ -194,6 +200,11 @@ class _WaitTimer:
         import torch.distributed.pipelining.schedules as schedules
 
         schedules._wait_batch_p2p = self._original
+
+
+def pipeline_of(module: nn.Module) -> Optional[Pipeline]:
+    """The pipeline a LightningModule's model runs under (the pipeline plan sets ``model.pipeline``), or None."""
+    return next((child.pipeline for child in module.children() if getattr(child, "pipeline", None) is not None), None)
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, device_mesh=None) -> torch.Tensor:

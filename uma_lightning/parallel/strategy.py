@@ -39,7 +39,7 @@ from torch import nn
 from uma_lightning.lightning_compat import optimizers_to_device, release_strategy_name
 from uma_lightning.parallel.apply import ActivationCheckpointing, Compile, ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape, MeshSize, build_mesh, describe_sizes, resolve_mesh_shape
-from uma_lightning.parallel.pipeline import PipelineConfig, Schedule
+from uma_lightning.parallel.pipeline import PipelineConfig, Schedule, pipeline_of
 from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
 from uma_lightning.parallel.plans.pipeline import check_pipeline, pipeline_robot
 
@@ -196,9 +196,7 @@ class MeshStrategy(ModelParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for model in module.children():
-            if getattr(model, "pipeline", None) is not None:
-                model.pipeline.restore_gradients()
+        pipeline_of(module).restore_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
