@@ -72,7 +72,7 @@ def test_every_strategy_fragment_selects_the_mesh_strategy():
     import yaml
 
     fragments = sorted((REPO / "configs" / "strategy").glob("*.yaml"))
-    assert {f.stem for f in fragments} == {"ddp", "fsdp", "tp", "hsdp", "fsdp_tp", "pp", "pp_fsdp"}
+    assert {f.stem for f in fragments} == {"ddp", "fsdp", "tp", "hsdp", "fsdp_tp", "pp", "pp_fsdp", "pp_fsdp_tp"}
     for fragment in fragments:
         strategy = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]
         built = MeshStrategy(**strategy["init_args"])  # every key is a real argument

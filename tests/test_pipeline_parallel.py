@@ -85,12 +85,10 @@ def test_bad_pipeline_options_fail_in_one_line_before_any_work(tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
-def test_the_flow_model_and_tensor_parallel_stages_are_refused_with_the_reason():
+def test_the_flow_model_is_refused_with_the_reason():
     flow = RobotFlowTransformer.__new__(RobotFlowTransformer)
     with pytest.raises(ValueError, match="action expert runs after the whole backbone and its layer l attends to backbone layer l's keys"):
         check_pipeline(flow, MeshShape(1, 1, 1, pp=2), PipelineConfig())
-    with pytest.raises(ValueError, match="pp with tp 2: the pipeline plan does not lay stages out tensor-parallel yet"):
-        check_pipeline(meta_robot(4), MeshShape(1, 1, 2, pp=2), PipelineConfig())
 
 
 # ---- two gloo processes: resume after SIGKILL, checkpoints across strategies --------------------------

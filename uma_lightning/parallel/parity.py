@@ -120,6 +120,7 @@ TOLERANCES = {
         "number after; the clipping norm adds the stages' squared norms",
     ),
     "pp_fsdp": _tolerance(False, "the pp and fsdp reorderings together"),
+    "pp_fsdp_tp": _tolerance(False, "the pp and tp reorderings together (fsdp too where the processes allow it)"),
 }
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
@@ -131,6 +132,8 @@ LAYOUTS = {
     "fsdp_tp": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
     "pp": (2, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
     "pp_fsdp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}),
+    # On four processes the FSDP dimension has one rank: tp and pp are what it checks together.
+    "pp_fsdp_tp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}),
 }
 
 

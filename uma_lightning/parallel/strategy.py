@@ -14,6 +14,7 @@ Registered names (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``):
     fsdp_tp  tp = processes per node, dp_shard = nodes
     pp       pp = all processes                             stages of layers, scheduled in microbatches
     pp_fsdp  pp = 2, dp_shard = the rest                    FSDP within each stage
+    pp_fsdp_tp  pp = 2, tp = 2, dp_shard = the rest         tensor parallel and FSDP within each stage
 
 Under pp the plan (``plans/pipeline.py``) cuts the model into stages and the training step runs
 the schedule (``pipeline.py``): forward and backward of every microbatch happen inside the
@@ -248,6 +249,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "fsdp_tp": ("tensor parallel within each node, FSDP across nodes", {"dp_replicate": 1, "dp_shard": "auto", "tp": "node"}),
     "pp": ("pipeline parallel: stages of layers over all processes", {"pp": "auto", "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
     "pp_fsdp": ("two pipeline stages, FSDP over the processes of each", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 1}),
+    "pp_fsdp_tp": ("two pipeline stages, tensor parallel over pairs of processes in each, FSDP over the pairs", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 2}),
 }
 
 

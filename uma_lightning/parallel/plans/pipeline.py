@@ -17,8 +17,9 @@ scales and reduces exactly their gradients) but not the model, whose parameter n
 otherwise prefix. Between stages travel only the hidden states [microbatch, seq_len, dim]; the
 text mask, from which each stage rebuilds the attention mask, is given to every stage with the batch.
 
-Data parallelism (FSDP, DDP) wraps each stage module as its root and each of its blocks, as the
-robot plan wraps the whole model: the schedule calls the stage modules, never the model.
+Each stage is laid out as the robot plan lays out the whole model, in the same order (TP -> AC ->
+compile -> data parallel), but around the stage modules, since the schedule calls those, never the
+model: data parallelism (FSDP, DDP) wraps each stage module as its root and each of its blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from uma_lightning.models import RobotFlowTransformer, RobotTransformer
 from uma_lightning.models.flops import training_flops_per_unit
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
 from uma_lightning.parallel.mesh import MeshShape
+from uma_lightning.parallel.plans.robot import action_embedding_layout, action_head_layout, apply_sequence_parallel_blocks, apply_tp_tokenizers
 from uma_lightning.parallel.pipeline import Pipeline, PipelineConfig
 
 log = logging.getLogger("uma_lightning")
@@ -127,7 +129,8 @@ def split_robot(model: RobotTransformer, n_stages: int, split: tuple[int, ...] |
 
 
 def check_pipeline(model: nn.Module, shape: MeshShape, config: PipelineConfig) -> StageSplit:
-    """The split on ``shape``, or a one-line ValueError naming what the pipeline cannot take."""
+    """The split on ``shape``, or a one-line ValueError naming what the pipeline cannot take (the
+    robot plan's ``check_robot`` checks what tensor parallelism must divide)."""
     if isinstance(model, RobotFlowTransformer):
         raise ValueError(
             "pp: the flow model's action expert runs after the whole backbone and its layer l attends to backbone layer l's keys "
@@ -135,8 +138,6 @@ def check_pipeline(model: nn.Module, shape: MeshShape, config: PipelineConfig) -
         )
     if not isinstance(model, RobotTransformer):
         raise ValueError(f"pp: no pipeline plan for {type(model).__name__} (the robot transformer of pretraining and midtraining has one)")
-    if shape.tp > 1:
-        raise ValueError(f"pp with tp {shape.tp}: the pipeline plan does not lay stages out tensor-parallel yet; use pp or pp_fsdp")
     if model.environment_state_head is not None:
         raise ValueError("pp: the environment-state head reads the first stage's prefix from the last stage; train it without pp (network.environment_state_weight 0)")
     return split_robot(model, shape.pp * config.virtual_stages, config.split)
@@ -170,8 +171,35 @@ class RobotStage(nn.Module):
 
 def microbatch_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
     """The loss the last stage computed for its microbatch: the mean over its samples (the schedule
-    then divides gradients by the number of microbatches, for the mean over the batch)."""
-    return output[0].squeeze(0)
+    then divides gradients by the number of microbatches, for the mean over the batch). Its one
+    element summed: a new tensor, not a view, which the zero-bubble schedules detach in place."""
+    return output[0].sum()
+
+
+def apply_stage_tp(model: RobotTransformer, stage: RobotStage, tp_mesh) -> str:
+    """Tensor parallelism inside a stage, as the robot plan lays out the whole model: the first stage
+    takes its inputs as replicated DTensors into replicated tokenizers and keeps its rank's slice of
+    the tokens before the first block; the blocks take and return that slice (so between stages
+    travels a tp-th of the activations); the last stage gathers the tokens after the final norm for
+    the column-wise action head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel, parallelize_module
+
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]  # SequenceParallel makes norms' weights trainable
+    if stage.first:
+        inputs = (Replicate(),) * 4  # images, state, text ids, action tokens; text_mask, a keyword, stays plain
+        parallelize_module(stage, tp_mesh, {"": PrepareModuleInput(input_layouts=inputs, desired_input_layouts=inputs)})
+        apply_tp_tokenizers(model, tp_mesh)
+        action_embedding_layout(model, tp_mesh)
+        parallelize_module(stage.layers[0], tp_mesh, {"": PrepareModuleInput(input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None), use_local_output=True)})
+    apply_sequence_parallel_blocks(list(stage.layers), tp_mesh)
+    if stage.last:
+        parallelize_module(model.backbone, tp_mesh, {"norm": SequenceParallel()})
+        parallelize_module(model.backbone, tp_mesh, {"norm": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False)})
+        action_head_layout(model, tp_mesh)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    return f"tensor parallel over {tp_mesh.size()} ranks in each stage (attention heads, feed-forward; sequence-parallel norms; action head)"
 
 
 def drop_other_stages(model: RobotTransformer, held: list[range], first: bool, last: bool) -> None:
@@ -204,6 +232,8 @@ def pipeline_robot(model: RobotTransformer, mesh, config: ParallelConfig, pipeli
     applied = []
     for stage in modules.values():
         blocks = list(stage.layers)
+        if mesh["tp"].size() > 1:
+            applied.append(apply_stage_tp(model, stage, mesh["tp"]))
         applied += [apply_ac(blocks, config), apply_compile(blocks, config)]
         if mesh["dp_shard"].size() > 1:
             dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
@@ -224,7 +254,7 @@ def pipeline_robot(model: RobotTransformer, mesh, config: ParallelConfig, pipeli
     model.pipeline = runtime
     stages = f"{n_stages} stages" + (f" ({n_stages // pp_mesh.size()} per rank)" if n_stages > pp_mesh.size() else "")
     description = f"pipeline: {stages}, {pipeline.schedule}, {runtime.microbatches} microbatches; {split.describe()}"
-    # The same on every rank: said once, as the issue's users read it in the job log.
+    # Lines repeated for each of a rank's stages are said once.
     applied_once = list(dict.fromkeys(line for line in applied if line))
     evaluation = "evaluation: loss and token accuracy through the schedule; action errors need the whole model (uma validate on a checkpoint)"
     return [description, *applied_once, evaluation]
