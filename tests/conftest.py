@@ -186,7 +186,7 @@ def parity_on_four_processes():
     keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
     runs the compiled graph like inductor, without generating kernels, which takes minutes on a
     CPU); a model shape drawn at random; gradients averaged over the wrong group; pipeline stages
-    sharded by FSDP, with the zero-bubble V schedule."""
+    sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
     from suite import PARITY_SIZE, parity_case
     from uma_lightning.parallel.parity import check_parity, random_network
 
@@ -196,6 +196,8 @@ def parity_on_four_processes():
         parity_case("shape 2", "hsdp,fsdp_tp", *random_network(2)),
         parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
         parity_case("pipeline fsdp", "pp_fsdp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
+                    pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),
+        parity_case("pipeline tp", "pp_fsdp_tp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
                     pp_schedule="ZBVZeroBubble", pp_virtual_stages=2, pp_microbatches=2),
     ]
     return check_parity(cases)

@@ -70,6 +70,8 @@ def test_stages_of_each_rank_follow_the_schedule():
         (["--trainer.strategy.pp_split", "[2]"], "pp_split [2]: split points must be increasing layer indices between 1 and 1"),
         (["--trainer.strategy.pp_split", "[1, 1]"], "2 stages need 1 split point(s)"),
         (["--model.network.environment_state_weight", "0.5"], "pp: the environment-state head reads the first stage's prefix"),
+        (["--trainer.devices", "4", "--trainer.strategy.dp_shard", "2", "--trainer.strategy.pp_schedule", "ZBVZeroBubble", "--trainer.strategy.pp_virtual_stages", "2",
+          "--model.network.size", json.dumps({**TWO_LAYERS, "n_layers": 4})], "pp_schedule ZBVZeroBubble with data parallelism (dp 2) gives wrong gradients here"),
     ],
 )
 def test_bad_pipeline_options_fail_in_one_line_before_any_work(tmp_path, capsys, monkeypatch, options, message):

@@ -5,7 +5,7 @@
 
 The recipe's model and data are resolved as ``uma fit`` would, and the first ``--steps`` batches
 of its training data become the global batches. Each strategy trains on them in a group of gloo
-processes on this machine (2, or 4 for the 2-D meshes hsdp and fsdp_tp), each data-parallel rank
+processes on this machine (2, or 4 for the meshes hsdp, fsdp_tp, pp_fsdp and pp_fsdp_tp), each data-parallel rank
 on its equal slice of every global batch, from the same initial weights as the references:
 
 - one process on each whole global batch: the comparison that matters, judged against the

@@ -36,6 +36,7 @@ SCHEDULE_CLASSES = {
 }
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SHAPED = ("ZBVZeroBubble",)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")  # their backward is two passes: input gradients, then weight gradients
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from uma_lightning.models.flops import training_flops_per_unit
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
 from uma_lightning.parallel.mesh import MeshShape
 from uma_lightning.parallel.plans.robot import action_embedding_layout, action_head_layout, apply_sequence_parallel_blocks, apply_tp_tokenizers
-from uma_lightning.parallel.pipeline import Pipeline, PipelineConfig
+from uma_lightning.parallel.pipeline import ZERO_BUBBLE, Pipeline, PipelineConfig
 
 log = logging.getLogger("uma_lightning")
 
@@ -138,6 +138,10 @@ def check_pipeline(model: nn.Module, shape: MeshShape, config: PipelineConfig) -
         )
     if not isinstance(model, RobotTransformer):
         raise ValueError(f"pp: no pipeline plan for {type(model).__name__} (the robot transformer of pretraining and midtraining has one)")
+    if config.schedule in ZERO_BUBBLE and shape.dp > 1:
+        # Measured with uma parity: with FSDP, the separate weight-gradient pass gives wrong gradients
+        # (the norms of the second stage's first layer). Interleaved1F1B interleaves as well and is right.
+        raise ValueError(f"pp_schedule {config.schedule} with data parallelism (dp {shape.dp}) gives wrong gradients here; use Interleaved1F1B, or dp 1")
     if model.environment_state_head is not None:
         raise ValueError("pp: the environment-state head reads the first stage's prefix from the last stage; train it without pp (network.environment_state_weight 0)")
     return split_robot(model, shape.pp * config.virtual_stages, config.split)
