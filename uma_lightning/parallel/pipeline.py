@@ -113,7 +113,7 @@ class Pipeline:
         self.bubble_fraction = 0.0
         self.parameters = [p for module in modules.values() for p in module.parameters()]
         self._set_aside: list[torch.Tensor | None] = [None] * len(self.parameters)
-        self._schedules: dict[tuple[bool, int], object] = {}
+        self._schedules: dict[tuple[bool, int], tuple[object, int]] = {}  # (training, batch size) -> (schedule, microbatches)
 
     def _schedule(self, training: bool, batch_size: int):
         key = (training, batch_size)
@@ -127,7 +127,8 @@ class Pipeline:
             # does; GPipe also takes fewer microbatches than stages, which 1F1B refuses.
             schedule_name = self.config.schedule if training or self.config.schedule not in SINGLE_STAGE else "GPipe"
             schedule_class = getattr(pipelining, SCHEDULE_CLASSES[schedule_name])
-            self._schedules[key] = schedule_class(stages[0] if self.config.schedule in SINGLE_STAGE else stages, microbatches, loss_fn=self.loss_fn)
+            schedule = schedule_class(stages[0] if self.config.schedule in SINGLE_STAGE else stages, microbatches, loss_fn=self.loss_fn)
+            self._schedules[key] = (schedule, microbatches)
         return self._schedules[key]
 
     def step(self, first_inputs: tuple, shared: dict, target: torch.Tensor, outputs_like: Callable[[int], tuple]) -> tuple[torch.Tensor, ...]:
@@ -137,7 +138,7 @@ class Pipeline:
         import torch.distributed as dist
 
         training = torch.is_grad_enabled()
-        schedule = self._schedule(training, len(target))
+        schedule, microbatches = self._schedule(training, len(target))
         args = first_inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": []} if self.holds_last else {}
         # The schedule accumulates into .grad: it starts from none, and what was there (the previous
@@ -154,7 +155,7 @@ class Pipeline:
             self._set_aside = [p.grad for p in self.parameters]
             for p, grad in zip(self.parameters, earlier):
                 p.grad = grad
-        outputs = tuple(merged) if self.holds_last else tuple(torch.empty_like(t) for t in outputs_like(schedule._n_microbatches))
+        outputs = tuple(merged) if self.holds_last else tuple(torch.empty_like(t) for t in outputs_like(microbatches))
         for tensor in outputs:
             dist.broadcast(tensor, group=self.pp_group, group_src=self.last_rank)
         # The bubble: the share of the schedule's time a stage waits on its neighbours, averaged over the stages.
@@ -174,11 +175,10 @@ class Pipeline:
 class _WaitTimer:
     """Seconds spent inside the pipeline's point-to-point waits during a block.
 
-    The schedules wait on each receive's (and send's) work handle; timing those waits measures the
-    time a stage sits idle for its neighbours, the pipeline's bubble, without touching the schedule.
+    Every schedule waits on its sends' and receives' work handles through one function of torch's
+    (the private ``schedules._wait_batch_p2p``); wrapping it for the block times how long a stage
+    sits idle for its neighbours, the pipeline's bubble, without changing what the schedule runs.
     """
-
-    _active: Optional["_WaitTimer"] = None
 
     def __enter__(self) -> "_WaitTimer":
         import torch.distributed.pipelining.schedules as schedules
