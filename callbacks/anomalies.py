@@ -181,8 +181,10 @@ class GradientAnomalies(Callback):
         loss_sum, squares, nonfinite_ranks = summed.tolist()  # the one host sync per step
         world = trainer.world_size
         loss_value = loss_sum / world
-        # Replicated gradients (DDP) are the same on every rank; sharded ones add up across ranks.
-        grad_norm = math.sqrt(squares if sharded else squares / world) if math.isfinite(squares) else squares
+        # Replicated gradients (DDP) are the same on every rank of a pipeline stage; sharded ones, and
+        # different stages' gradients, add up across ranks.
+        copies = 1 if sharded else world // _pipeline_stages(pl_module)
+        grad_norm = math.sqrt(squares / copies) if math.isfinite(squares) else squares
 
         kinds, scores = [], {}
         if nonfinite_ranks > 0:
@@ -322,6 +324,11 @@ class GradientAnomalies(Callback):
             elif isinstance(value, list) and len(value) == size:
                 batch[key] = [value[i] for i in index.tolist()]
         log.info("step %d: left out %d blocked samples", trainer.global_step, n_blocked)
+
+
+def _pipeline_stages(pl_module: LightningModule) -> int:
+    mesh = pl_module.device_mesh
+    return mesh["pp"].size() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 1
 
 
 def _plain(value: float):

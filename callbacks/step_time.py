@@ -11,6 +11,9 @@ Phases are cut at Lightning's hooks:
     backward    on_before_backward -> on_after_backward (DDP's gradient all-reduce overlaps it)
     optimizer   on_after_backward -> on_train_batch_end (clipping, optimizer and scheduler step)
     comm        summed time of DDP's gradient-bucket all-reduces, from issue to completion
+    pipeline_bubble_fraction   under pipeline parallelism, the share of the schedule's time (forward
+                and backward of every microbatch, inside the forward phase) that the stages spend
+                waiting on their neighbours, averaged over the stages (``parallel/pipeline.py``)
 
 On a GPU the compute phases are CUDA events, so they measure the device, not the host's kernel
 launches; they are read one batch later, when they have completed, so the callback never stalls
@@ -35,6 +38,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from uma_lightning.lightning_compat import fetch_hook, log_step, set_fetch_hook
+from uma_lightning.parallel.pipeline import pipeline_of
 from uma_lightning.tracking import log_step_metrics
 
 log = logging.getLogger("uma_lightning")
@@ -86,6 +90,7 @@ class _Step:
     data_wait: Optional[float]
     overhead: Optional[float]  # None when the gap before the step held validation, a save or an epoch start
     comm: list
+    bubble: Optional[float]  # pipeline bubble fraction; None without a pipeline
 
 
 class StepTimeBreakdown(Callback):
@@ -145,8 +150,9 @@ class StepTimeBreakdown(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self._marks["end"] = _mark(self._on_cuda)
+        pipeline = pipeline_of(pl_module)
         step = _Step(log_step(trainer), self._marks, self._data_wait, self._overhead,
-                     self._comm.take() if self._comm else [])
+                     self._comm.take() if self._comm else [], pipeline.bubble_fraction if pipeline else None)
         if self._on_cuda:
             ready, self._pending = self._pending, step
         else:
@@ -207,6 +213,8 @@ class StepTimeBreakdown(Callback):
             self.total_step += whole
             metrics["time/overhead_ms"] = 1e3 * step.overhead
             metrics["time/data_wait_fraction"] = step.data_wait / whole
+        if step.bubble is not None:
+            metrics["time/pipeline_bubble_fraction"] = step.bubble
         if self._comm is not None:
             metrics["time/comm_ms"] = 1e3 * sum(_seconds(start, end) for start, end in step.comm)
         log_step_metrics(trainer, metrics, step.log_step)

@@ -113,8 +113,9 @@ def _backward(ctx, grad_loss, _predictions, _grad_hidden, _grad_weight):
     grad_hidden, grad_weight = ctx.saved_tensors
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError("linear_cross_entropy ran without gradients (grad mode was off or no input required grad)")
-    # Scaled in place: a second backward through the same graph then fails loudly (saved tensor modified).
-    return grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)), grad_weight.mul_(grad_loss.to(grad_weight.dtype)), None, None, None, None, None
+    # Scaled out of place, so a second backward through the same graph gets the same gradients: the
+    # zero-bubble pipeline schedules run one for the input's gradient, then one for the weight's.
+    return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None, None, None, None
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save)

@@ -142,3 +142,18 @@ def resume_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_step
 def crash_at(step: int) -> dict:
     """The recipe entry of a ``CrashAt`` callback."""
     return {"class_path": "checkpoint_modules.CrashAt", "init_args": {"step": step}}
+
+
+class SaveWeightsAtStart(Callback):
+    """Rank 0 saves every parameter, whole (gathered from shards and pipeline stages), to ``path``
+    when training starts: after a checkpoint has been restored, before the first step."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        from uma_lightning.parallel.recorded_runs import full_parameters
+
+        weights = full_parameters(pl_module)
+        if trainer.is_global_zero:
+            torch.save(weights, self.path)

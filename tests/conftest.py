@@ -170,8 +170,9 @@ def parity_on_two_processes():
     """Results (case label -> strategy -> result) of one launch of two processes: the small model
     with every second block checkpointed and the environment-state head; the FiLM keypoint
     tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
-    model shapes drawn at random; and one injected bug per case."""
-    from suite import parity_case, recipe
+    model shapes drawn at random; the pipeline, with 1F1B and with two interleaved stages per rank;
+    and one injected bug per case."""
+    from suite import PARITY_SIZE, parity_case, recipe
     from uma_lightning.parallel.parity import check_parity, random_network
 
     def fault(name, strategies):
@@ -188,6 +189,10 @@ def parity_on_two_processes():
         fault("rank_seed", "ddp,fsdp"),
         fault("wrong_dim", "tp"),
         fault("unreduced_norm", "tp"),
+        parity_case("pipeline", "pp"),
+        parity_case("interleaved", "pp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
+                    pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),
+        fault("unscaled_microbatches", "pp"),
     ]
     return check_parity(cases)
 
@@ -197,8 +202,9 @@ def parity_on_four_processes():
     """As ``parity_on_two_processes`` for the 2-D meshes: compiled, checkpointed blocks with FSDP
     keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
     runs the compiled graph like inductor, without generating kernels, which takes minutes on a
-    CPU); a model shape drawn at random; gradients averaged over the wrong group."""
-    from suite import parity_case
+    CPU); a model shape drawn at random; gradients averaged over the wrong group; pipeline stages
+    sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
+    from suite import PARITY_SIZE, parity_case
     from uma_lightning.parallel.parity import check_parity, random_network
 
     switches = {"activation_checkpointing": "full", "compile": "blocks", "compile_backend": "aot_eager", "reshard_after_forward": False, "cpu_offload": True}
@@ -206,5 +212,9 @@ def parity_on_four_processes():
         parity_case("switches", "hsdp,fsdp_tp", **switches),
         parity_case("shape 2", "hsdp,fsdp_tp", *random_network(2)),
         parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
+        parity_case("pipeline fsdp", "pp_fsdp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
+                    pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),
+        parity_case("pipeline tp", "pp_fsdp_tp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
+                    pp_schedule="ZBVZeroBubble", pp_virtual_stages=2, pp_microbatches=2),
     ]
     return check_parity(cases)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from uma_lightning.models import RobotTransformer
 from uma_lightning.modules import PretrainModule
 from uma_lightning.parallel import register_plan
+from uma_lightning.parallel.pipeline import pipeline_of
 from uma_lightning.parallel.plans.robot import check_robot, parallelize_robot
 
 
@@ -43,7 +44,9 @@ class InjectedFault(PretrainModule):
     - ``wrong_group``: (plan) HSDP averages gradients over the shard group only, not across replicas;
     - ``wrong_dim``: (plan) block 0's query weight is split over head_dim instead of over heads;
     - ``unreduced_norm``: (plan) block 0's sequence-parallel feed-forward norm computes on local
-      tokens and leaves its weight gradient unreduced.
+      tokens and leaves its weight gradient unreduced;
+    - ``unscaled_microbatches``: (pipeline) gradients are summed over the microbatches, not averaged
+      (the schedule's division by their number left out).
     """
 
     UNREDUCED = "model.backbone.layers.0.ffn.w2.weight"
@@ -77,6 +80,11 @@ class InjectedFault(PretrainModule):
         self._local_grad = grad.detach().clone()
 
     def on_after_backward(self) -> None:
+        pipeline = pipeline_of(self)
+        if self.fault == "unscaled_microbatches" and pipeline is not None:
+            for param in self.parameters():
+                if param.grad is not None:
+                    (param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad).mul_(pipeline.microbatches)
         if self.fault == "unreduced_gradient" and self.trainer.world_size > 1:
             param = self.get_parameter(self.UNREDUCED)
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad

@@ -18,7 +18,7 @@ from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.models import RobotTransformer
 from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
-from uma_lightning.parallel.mesh import resolve_mesh_shape
+from uma_lightning.parallel.mesh import MESH_DIMS, resolve_mesh_shape
 from uma_lightning.parallel.parity import TOLERANCES, main as parity_main, random_network
 
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
@@ -44,7 +44,7 @@ def test_mesh_sizes_resolve_auto_and_node():
     [
         (sizes(1, 1, 3), 2, "mesh dp_replicate 1 x dp_shard 1 x tp 3 needs 3 processes, but the world size is 2"),
         (sizes(1, "auto", 3), 4, "4 processes do not divide by 3, so dp_shard 'auto' has no size"),
-        (sizes("auto", "auto", 1), 4, "at most one of dp_replicate, dp_shard, tp may be 'auto'"),
+        (sizes("auto", "auto", 1), 4, "at most one of pp, dp_replicate, dp_shard, tp may be 'auto'"),
         (sizes(0, "auto", 1), 4, "dp_replicate must be a positive integer, 'auto' or 'node', got 0"),
     ],
 )
@@ -57,7 +57,8 @@ def test_bad_mesh_sizes_name_the_numbers(asked, world, message):
 
 @pytest.mark.parametrize(
     "name, shape",
-    [("ddp", MeshShape(2, 1, 1)), ("fsdp", MeshShape(1, 2, 1)), ("tp", MeshShape(1, 1, 2)), ("hsdp", MeshShape(1, 2, 1)), ("fsdp_tp", MeshShape(1, 1, 2))],
+    [("ddp", MeshShape(2, 1, 1)), ("fsdp", MeshShape(1, 2, 1)), ("tp", MeshShape(1, 1, 2)), ("hsdp", MeshShape(1, 2, 1)), ("fsdp_tp", MeshShape(1, 1, 2)),
+     ("pp", MeshShape(1, 1, 1, pp=2)), ("pp_fsdp", MeshShape(1, 1, 1, pp=2))],
 )
 def test_strategy_names_select_the_mesh_strategy_on_cpu(name, shape):
     # Lightning's own "fsdp" needs a GPU; ours runs anywhere gloo does.
@@ -71,12 +72,12 @@ def test_every_strategy_fragment_selects_the_mesh_strategy():
     import yaml
 
     fragments = sorted((REPO / "configs" / "strategy").glob("*.yaml"))
-    assert {f.stem for f in fragments} == {"ddp", "fsdp", "tp", "hsdp", "fsdp_tp"}
+    assert {f.stem for f in fragments} == {"ddp", "fsdp", "tp", "hsdp", "fsdp_tp", "pp", "pp_fsdp", "pp_fsdp_tp"}
     for fragment in fragments:
         strategy = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]
         built = MeshStrategy(**strategy["init_args"])  # every key is a real argument
         preset = StrategyRegistry[fragment.stem]["init_params"]
-        assert {k: strategy["init_args"][k] for k in ("dp_replicate", "dp_shard", "tp")} == {k: preset[k] for k in ("dp_replicate", "dp_shard", "tp")}
+        assert {k: strategy["init_args"].get(k, 1) for k in MESH_DIMS} == {k: preset.get(k, 1) for k in MESH_DIMS}
         assert built.plan_config.activation_checkpointing == "none"
 
 
@@ -251,6 +252,8 @@ def test_model_shapes_drawn_at_random_raise_no_false_alarm(parity_on_two_process
         ("wrong_dim", "tp", "model.backbone.layers.0.attn.wq.weight", "initial"),
         ("unreduced_norm", "tp", "model.backbone.layers.0.ffn_norm.weight", "gradient"),
         ("wrong_group", "hsdp", "model.text_embed.weight", "gradient"),
+        # Gradients summed over the pipeline's microbatches instead of averaged: every one is twice too large.
+        ("unscaled_microbatches", "pp", "model.text_embed.weight", "gradient"),
     ],
 )
 def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parity_on_four_processes, fault, strategy, parameter, where):
@@ -267,6 +270,17 @@ def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parit
     else:
         found = result["initial_difference" if where == "initial" else "replica_difference"]
         assert found["parameter"] == parameter and found["max_abs_diff"] > 1e-3
+
+
+@pytest.mark.slow
+def test_pipeline_schedules_match_one_process(parity_on_two_processes, parity_on_four_processes):
+    """1F1B, Interleaved1F1B (two stages per rank) alone and under FSDP, ZBVZeroBubble under TP: within tolerance, by a wide margin."""
+    results = {**parity_on_two_processes, **parity_on_four_processes}
+    for case, strategy in (("pipeline", "pp"), ("interleaved", "pp"), ("pipeline fsdp", "pp_fsdp"), ("pipeline tp", "pp_fsdp_tp")):
+        result = results[case][strategy]
+        assert result["ok"], (case, result["parts_ways_at"])
+        assert result["margin"] > 100, case
+        assert result["initial_param_diff"] == 0.0  # the stages start from the one-process model's weights, gathered whole
 
 
 @pytest.mark.slow

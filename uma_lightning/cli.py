@@ -150,7 +150,9 @@ class UmaCLI(LightningCLI):
                 raise ConfigError(f"model.init_from: {err}") from None
         if isinstance(self.trainer.strategy, MeshStrategy):
             try:
-                self.trainer.strategy.check_module(self.model)
+                # Per process, so per data-parallel rank: what pipeline microbatches cut up.
+                batch_size = getattr(getattr(self.datamodule, "hparams", None), "batch_size", None)
+                self.trainer.strategy.check_module(self.model, batch_size)
             except ValueError as err:
                 raise ConfigError(f"trainer.strategy: {err}") from None
         run_dir = Path(self.trainer.default_root_dir).resolve()

@@ -36,6 +36,7 @@ from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, ten
 from uma_lightning.checkpoint.weights import MODEL, OPTIMIZER, RNG, TRAINER, read_state
 from uma_lightning.lightning_compat import forget_train_loader
 from uma_lightning.parallel.mesh import random_stream_rank
+from uma_lightning.parallel.pipeline import pipeline_of
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ def collect(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[dict, dict
     parts = model_and_optimizer(module, trainer.optimizers)
     parts[TRAINER] = _trainer_state(trainer, module)
     state, tensors = encode_parts(parts)
+    if pipeline_of(module) is not None:
+        # Each rank's optimizer holds its stages' parameters; state.json (rank 0's) must list them all.
+        state[OPTIMIZER] = _union_over_ranks(state[OPTIMIZER])
     live = {_storage(p) for p in module.parameters()} | {_storage(t) for k, t in tensors.items() if k.startswith(OPTIMIZER + "/")}
     tensors = {key: value if _storage(value) in live else value.detach().clone() for key, value in tensors.items()}
     tensors.update({f"{RNG}/{trainer.global_rank}/{name}": value for name, value in rng.capture().items()})
@@ -110,9 +114,13 @@ def load_module(
     current = model_and_optimizer(module, list(optimizers))
     model_refs, model_tensors = encode({prefix + name: value for name, value in current[MODEL].items()}, MODEL)
     saved_model = {key for key in tensor_metadata(directory) if key.startswith(f"{MODEL}/{prefix}")}
-    _check_same_parameters(directory, set(model_tensors), saved_model)
+    staged = pipeline_of(module) is not None
+    # A pipeline stage holds part of the model: the stages together must match the checkpoint.
+    expected = {key for keys in _gather(set(model_tensors)) for key in keys} if staged else set(model_tensors)
+    _check_same_parameters(directory, expected, saved_model)
     _, optimizer_tensors = encode(current[OPTIMIZER], OPTIMIZER)
-    wanted = tensor_references(saved[OPTIMIZER]) if optimizers else []
+    saved_optimizer = _own_parameters(saved[OPTIMIZER], current[OPTIMIZER]) if staged and optimizers else saved[OPTIMIZER]
+    wanted = tensor_references(saved_optimizer) if optimizers else []
     unknown = sorted(set(wanted) - set(optimizer_tensors))
     if unknown:
         raise CheckpointError(f"{directory}: optimizer state {unknown[:3]} does not match this run's optimizer (another optimizer type?)")
@@ -120,7 +128,7 @@ def load_module(
     load_tensors(targets, directory, process_group)
     model_state = {name.removeprefix(prefix): value for name, value in decode(model_refs, targets).items()}
     if optimizers:
-        set_state_dict(module, list(optimizers), model_state_dict=model_state, optim_state_dict=decode(saved[OPTIMIZER], targets))
+        set_state_dict(module, list(optimizers), model_state_dict=model_state, optim_state_dict=decode(saved_optimizer, targets))
     else:
         set_model_state_dict(module, model_state)
 
@@ -187,6 +195,32 @@ def _plain_hyperparameters(module: pl.LightningModule) -> Optional[dict]:
         log.warning("checkpoint without hyperparameters: %s", err)
         return None
     return dict(module.hparams)
+
+
+def _gather(value) -> list:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _union_over_ranks(optimizer: dict) -> dict:
+    """The optimizer state structure of every rank together (under pipeline parallelism, of every stage), parameters in rank order."""
+    union = {"state": {}, "param_groups": [{**group, "params": []} for group in optimizer["param_groups"]]}
+    for part in _gather(optimizer):
+        for name, value in part["state"].items():
+            union["state"].setdefault(name, value)
+        for group, part_group in zip(union["param_groups"], part["param_groups"]):
+            group["params"] += [name for name in part_group["params"] if name not in group["params"]]
+    return union
+
+
+def _own_parameters(saved: dict, current: dict) -> dict:
+    """The part of a saved optimizer state structure that covers this rank's parameters (its pipeline stages')."""
+    own = {name for group in current["param_groups"] for name in group["params"]}
+    return {
+        "state": {name: value for name, value in saved["state"].items() if name in own},
+        "param_groups": [{**group, "params": [name for name in group["params"] if name in own]} for group in saved["param_groups"]],
+    }
 
 
 def _check_same_parameters(directory: Path, expected: set[str], saved: set[str]) -> None:

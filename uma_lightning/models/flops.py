@@ -116,6 +116,15 @@ def training_flops_per_sample(cfg: RobotModelConfig) -> int:
     return 2 * parts["data_fed"] + 3 * (parts["image_features"] + parts["backbone_linear"] + parts["attention"] + parts["head"])
 
 
+def training_flops_per_unit(cfg: RobotModelConfig) -> tuple[int, list[int], int]:
+    """Training FLOPs of one sample in (the tokenizers, each backbone layer, the head); they add up
+    to ``training_flops_per_sample``. What a pipeline split balances."""
+    parts, b, seq = forward_flops_per_sample(cfg), cfg.backbone, cfg.seq_len
+    attention = 4 * b.n_heads * seq * seq * b.head_dim
+    layers = [3 * (2 * seq * _linear_per_token(b, index) + attention) for index in range(b.n_layers)]
+    return 2 * parts["data_fed"] + 3 * parts["image_features"], layers, 3 * parts["head"]
+
+
 def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerConfig) -> int:
     """Training FLOPs of one sample of the flow-matching model (``flow.py``), every parameter trainable:
     the backbone over the prefix, the action expert over the chunk attending to prefix and chunk.

@@ -194,16 +194,35 @@ class RobotTransformer(RobotBase):
 
         ``with_environment_state`` returns (that output, the predicted environment state [B, dim]).
         """
-        prefix = self.embed_prefix(images, state, text_ids, text_mask)
-        h = torch.cat((prefix, self.embed_actions(action_tokens[:, :-1])), dim=1)
-        real = torch.ones(h.shape[0], h.shape[1] - text_mask.shape[1], dtype=torch.bool, device=h.device)
-        hidden = self.backbone(h, prefix_len=prefix.shape[1], key_padding_mask=torch.cat((text_mask, real), dim=1))
-        hidden = hidden[:, prefix.shape[1] - 1 :]  # the states that predict each action token
+        h = self.embed_sequence(images, state, text_ids, text_mask, action_tokens)
+        hidden = self.backbone(h, prefix_len=self.cfg.prefix_len, key_padding_mask=self.sequence_padding_mask(text_mask))
+        hidden = self.action_states(hidden)
         if loss_targets is None:
             out = self.action_head(hidden)
         else:
-            out = self.action_loss(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy)
+            out = self.action_loss_of(hidden, loss_targets)
         return (out, self.predict_environment_state(hidden[:, 0])) if with_environment_state else out
+
+    # The steps of forward, each usable on its own (a pipeline stage runs some of them).
+
+    def embed_sequence(
+        self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor, action_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """The backbone's input [B, seq_len, dim]: the prefix, then every action token but the last."""
+        return torch.cat((self.embed_prefix(images, state, text_ids, text_mask), self.embed_actions(action_tokens[:, :-1])), dim=1)
+
+    def sequence_padding_mask(self, text_mask: torch.Tensor) -> torch.Tensor:
+        """[B, seq_len], True on real tokens: every token but the instruction's padding bytes."""
+        real = torch.ones(text_mask.shape[0], self.cfg.seq_len - text_mask.shape[1], dtype=torch.bool, device=text_mask.device)
+        return torch.cat((text_mask, real), dim=1)
+
+    def action_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The backbone's final states [B, n_action_tokens, dim] that predict each action token."""
+        return hidden[:, self.cfg.prefix_len - 1 :]
+
+    def action_loss_of(self, hidden: torch.Tensor, loss_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-sample mean cross-entropy, argmax predictions) of ``action_states`` against bin ids (-100: not counted)."""
+        return self.action_loss(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy)
 
     def predict_actions(
         self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor

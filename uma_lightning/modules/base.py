@@ -56,6 +56,7 @@ from uma_lightning.hyperparameters import constructor_arguments, plain
 from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, grouped_settings, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
+from uma_lightning.parallel.pipeline import clip_grad_norm, pipeline_of
 from uma_lightning.policy import Policy
 
 log = logging.getLogger("uma_lightning")
@@ -290,6 +291,8 @@ class StageModule(L.LightningModule):
             self.token_accuracy[split].update(correct / real.sum(1).clamp(min=1))
             self.log(f"{split}/token_accuracy", self.token_accuracy[split])
         self.log_dict({f"{split}/{k}": v for k, v in scalars.items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
+        if pipeline_of(self) is not None:
+            return  # this rank holds only its pipeline stages: predicted chunks need the whole model (said in the plan's log line)
         policy = self.policy()
         predicted = policy.denormalize_actions(policy.predict_normalized(batch["images"], batch["state"], batch["instruction"]))
         target = policy.denormalize_actions(batch["actions"])
@@ -330,7 +333,7 @@ class StageModule(L.LightningModule):
         # Always measure the norm (the first sign of divergence); clip only when the trainer asks to.
         by_norm = bool(gradient_clip_val) and gradient_clip_algorithm in (None, "norm")
         params = [p for p in self.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val) if by_norm else math.inf)
+        grad_norm = clip_grad_norm(params, float(gradient_clip_val) if by_norm else math.inf, self.device_mesh)
         self.log("grad_norm", grad_norm)
         if gradient_clip_val and not by_norm:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)

@@ -1,11 +1,13 @@
-"""The device mesh every uma strategy trains on: dp_replicate x dp_shard x tp.
+"""The device mesh every uma strategy trains on: pp x dp_replicate x dp_shard x tp.
 
+- ``pp``: pipeline stages, each holding a contiguous part of the model's layers (``plans/pipeline.py``);
 - ``dp_replicate``: data-parallel groups that hold full replicas (DDP, or the replicate half of HSDP);
 - ``dp_shard``: data-parallel ranks that shard parameters, gradients and optimizer state (FSDP);
 - ``tp``: ranks that split each layer's matrices (tensor parallel), all seeing the same batch.
 
 Ranks are laid out row-major, so tp is innermost: the ranks of a tensor-parallel group are
-neighbours, which on a GPU node keeps its frequent collectives on the fastest links.
+neighbours, which on a GPU node keeps its frequent collectives on the fastest links. pp is
+outermost: stages exchange only activations, the least traffic, so they may span nodes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 # A mesh size in config: a number, "auto" (whatever the other sizes leave of the world), or
 # "node" (the processes of one node, e.g. shard within a node and replicate across nodes).
@@ -26,6 +28,7 @@ class MeshShape:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1  # last, so a shape without pipeline stages reads (dp_replicate, dp_shard, tp)
 
     @property
     def dp(self) -> int:
@@ -34,18 +37,20 @@ class MeshShape:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     def __str__(self) -> str:
-        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
+        stages = f"pp {self.pp} x " if self.pp > 1 else ""
+        return f"{stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
 
 
 def resolve_mesh_shape(sizes: dict[str, MeshSize], world_size: int, processes_per_node: int) -> MeshShape:
-    """Concrete sizes for ``sizes`` (keyed by MESH_DIMS) on ``world_size`` processes, or a one-line ValueError."""
+    """Concrete sizes for ``sizes`` (keyed by MESH_DIMS; a missing pp is 1) on ``world_size`` processes, or a one-line ValueError."""
+    sizes = {"pp": 1, **sizes}
     resolved: dict[str, int] = {}
     auto = [name for name in MESH_DIMS if sizes[name] == "auto"]
     if len(auto) > 1:
-        raise ValueError(f"mesh: at most one of dp_replicate, dp_shard, tp may be 'auto', got {describe_sizes(sizes)}")
+        raise ValueError(f"mesh: at most one of pp, dp_replicate, dp_shard, tp may be 'auto', got {describe_sizes(sizes)}")
     for name in MESH_DIMS:
         value = sizes[name]
         if value == "node":
@@ -74,11 +79,12 @@ def resolve_mesh_shape(sizes: dict[str, MeshSize], world_size: int, processes_pe
 def build_mesh(shape: MeshShape, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=MESH_DIMS)
 
 
 def describe_sizes(sizes: dict[str, MeshSize]) -> str:
-    return " x ".join(f"{name} {sizes[name]}" for name in MESH_DIMS)
+    """The sizes asked, pp left out where it is 1 (no pipeline)."""
+    return " x ".join(f"{name} {sizes.get(name, 1)}" for name in MESH_DIMS if name != "pp" or sizes.get("pp", 1) != 1)
 
 
 def data_parallel_rank(trainer) -> tuple[int, int]:

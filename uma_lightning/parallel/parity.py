@@ -5,7 +5,7 @@
 
 The recipe's model and data are resolved as ``uma fit`` would, and the first ``--steps`` batches
 of its training data become the global batches. Each strategy trains on them in a group of gloo
-processes on this machine (2, or 4 for the 2-D meshes hsdp and fsdp_tp), each data-parallel rank
+processes on this machine (2, or 4 for the meshes hsdp, fsdp_tp, pp_fsdp and pp_fsdp_tp), each data-parallel rank
 on its equal slice of every global batch, from the same initial weights as the references:
 
 - one process on each whole global batch: the comparison that matters, judged against the
@@ -50,6 +50,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision
 
 from uma_lightning.cli_errors import ConfigError
 from uma_lightning.parallel.launch import run_local_group
+from uma_lightning.parallel.mesh import MESH_DIMS
 from uma_lightning.parallel.precision_parity import compare_precision, print_precision_report
 from uma_lightning.parallel.recorded_runs import COMPARE_DTYPE, train, worker
 
@@ -113,6 +114,13 @@ TOLERANCES = {
     ),
     "hsdp": _tolerance(False, "as fsdp, with four ranks' gradients summed in two stages (within, then across replicas)"),
     "fsdp_tp": _tolerance(False, "the tp and fsdp reorderings together"),
+    "pp": _tolerance(
+        False,
+        "each stage's gradients are summed over microbatches (as gradient accumulation sums them) and divided by their "
+        "number after; the clipping norm adds the stages' squared norms",
+    ),
+    "pp_fsdp": _tolerance(False, "the pp and fsdp reorderings together"),
+    "pp_fsdp_tp": _tolerance(False, "the pp and tp reorderings together (fsdp too where the processes allow it)"),
 }
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
@@ -122,6 +130,10 @@ LAYOUTS = {
     "tp": (2, {"dp_replicate": 1, "dp_shard": 1, "tp": 2}),
     "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2, "tp": 1}),
     "fsdp_tp": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    "pp": (2, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
+    "pp_fsdp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}),
+    # On four processes the FSDP dimension has one rank: tp and pp are what it checks together.
+    "pp_fsdp_tp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}),
 }
 
 
@@ -175,6 +187,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP, in the strategy runs")
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP, in the strategy runs")
+    parser.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule, in the pp strategy runs")
+    parser.add_argument("--pp-microbatches", type=int, help="pipeline microbatches (default: one per stage)")
+    parser.add_argument("--pp-virtual-stages", type=int, default=1, help="pipeline stages per rank")
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
     args, overrides = parser.parse_known_args(argv)
@@ -187,7 +202,7 @@ def main(argv: list[str]) -> int:
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         module, batches, trainer_args = resolve(args.config, overrides, args.steps)
-        check_batch_splits(len(batches[0]["sample_id"]), strategies)
+        check_batch_splits(len(batches[0]["sample_id"]), strategies, args.pp_microbatches)
     except ConfigError as err:
         print(f"uma parity: error: {err}", file=sys.stderr)
         return 2
@@ -199,6 +214,8 @@ def main(argv: list[str]) -> int:
         "compile_backend": args.compile_backend,
         "reshard_after_forward": args.reshard_after_forward,
         "cpu_offload": args.cpu_offload,
+        **({"pp_schedule": args.pp_schedule, "pp_microbatches": args.pp_microbatches, "pp_virtual_stages": args.pp_virtual_stages}
+           if any(LAYOUTS[s][1].get("pp", 1) > 1 for s in strategies) else {}),
     }
     global_batch = len(batches[0]["sample_id"])
     if args.precision:
@@ -216,10 +233,15 @@ def main(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
-def check_batch_splits(global_batch: int, strategies: list[str]) -> None:
+def check_batch_splits(global_batch: int, strategies: list[str], pp_microbatches: int | None = None) -> None:
     for name in strategies:
-        if global_batch % data_parallel_size(name):
-            raise ConfigError(f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks")
+        stages = LAYOUTS[name][1].get("pp", 1)
+        parts = data_parallel_size(name) * (pp_microbatches or stages if stages > 1 else 1)
+        if global_batch % parts:
+            raise ConfigError(
+                f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks"
+                + (f" x {parts // data_parallel_size(name)} pipeline microbatches" if stages > 1 else "")
+            )
 
 
 def resolve(config: str, overrides: list[str], steps: int):
@@ -411,14 +433,14 @@ def print_report(config: str, results: dict, global_batch: int) -> None:
         "each step from the reference's weights"
     )
     print(
-        f"mesh: dp_replicate x dp_shard x tp. loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
+        f"mesh: pp x dp_replicate x dp_shard x tp. loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
         f"gradient over its largest element (tolerance {tol.grad:.1e}); update diff: per step |params - reference| / "
         f"|reference update|, L2 over all parameters (tolerance {tol.update:.1e}). margin: tolerance / difference, worst of the three"
     )
     header = ["strategy", "processes", "mesh", "max loss diff", "max grad diff", "max update diff", "margin", "bitwise vs accum.", "result"]
     rows = [header]
     for name, r in results.items():
-        mesh = "x".join(str(size) for size in LAYOUTS[name][1].values())
+        mesh = "x".join(str(LAYOUTS[name][1].get(dim, 1)) for dim in MESH_DIMS)
         bitwise = ("yes" if r["bitwise_vs_accumulation"] else "no") + (" (required)" if r["bitwise_required"] else "")
         rows.append([
             name, str(LAYOUTS[name][0]), mesh, f"{r['max_loss_diff']:.2e}", f"{r['max_gradient_diff']:.2e}", f"{r['update_diff']:.2e}",

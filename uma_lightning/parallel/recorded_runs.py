@@ -64,7 +64,7 @@ class Recorder(Callback):
         torch.manual_seed(self.seed)  # configure_model runs next: the same initial weights in every run
 
     def on_fit_start(self, trainer, pl_module):
-        self.params.append(_full_params(pl_module))
+        self.params.append(full_parameters(pl_module))
         self.replica_spread = _replica_spread(self.params[0], trainer.strategy)
         if self.record_activations:
             self._hook_layers(pl_module)
@@ -72,12 +72,12 @@ class Recorder(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = batch_idx // self.micro_batches
         if self.trajectory is not None and batch_idx % self.micro_batches == 0 and step > 0:
-            _load_full_params(pl_module, self.trajectory[step])
+            _loadfull_parameters(pl_module, self.trajectory[step])
         if self.record_activations and batch_idx % self.micro_batches == 0:
             self.activations.append({})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None})
+        self.grads.append(_from_every_stage({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None}, pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # The mean over all ranks is the global batch's loss: every data-parallel slice has the
@@ -85,7 +85,7 @@ class Recorder(Callback):
         # micro-batch's loss divided by their number; their sum is the step's loss.
         self.batch_losses.append(trainer.strategy.reduce(outputs["loss"].detach().double(), reduce_op="mean"))
         if (batch_idx + 1) % self.micro_batches == 0:
-            self.params.append(_full_params(pl_module))
+            self.params.append(full_parameters(pl_module))
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
@@ -123,8 +123,21 @@ def _first_tensor(output):
     return None
 
 
-def _full_params(module) -> dict[str, torch.Tensor]:
-    return {name: _full(p) for name, p in module.named_parameters()}
+def full_parameters(module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` whole, as float64 on the CPU, on every rank (collectives: call on all ranks)."""
+    return _from_every_stage({name: _full(p) for name, p in module.named_parameters()}, module)
+
+
+def _from_every_stage(tensors: dict[str, torch.Tensor], module) -> dict[str, torch.Tensor]:
+    """Under pipeline parallelism each rank holds its stages' parameters: the union over the stages, on every rank."""
+    mesh = module.device_mesh
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()) or mesh["pp"].size() == 1:
+        return tensors
+    import torch.distributed as dist
+
+    stages = [None] * mesh["pp"].size()
+    dist.all_gather_object(stages, tensors, group=mesh["pp"].get_group())
+    return {name: tensor for stage in stages for name, tensor in stage.items()}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -143,7 +156,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _load_full_params(module, params: dict[str, torch.Tensor]) -> None:
+def _loadfull_parameters(module, params: dict[str, torch.Tensor]) -> None:
     """Set every parameter to the full tensor in ``params``; a DTensor keeps its layout, each rank its own part."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 

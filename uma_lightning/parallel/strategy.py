@@ -1,6 +1,6 @@
-"""``MeshStrategy``: one Lightning strategy for DDP, FSDP2, tensor parallel and their hybrids.
+"""``MeshStrategy``: one Lightning strategy for DDP, FSDP2, tensor parallel, pipeline parallel and their hybrids.
 
-The strategy owns a dp_replicate x dp_shard x tp device mesh (``mesh.py``). After the module's
+The strategy owns a pp x dp_replicate x dp_shard x tp device mesh (``mesh.py``). After the module's
 ``configure_model()`` has built the model, it looks up the parallel plan registered for each of
 the module's submodules (``plans/``) and applies it; a module that parallelizes itself in
 ``configure_model()``, as Lightning's ModelParallelStrategy expects, is left as it is.
@@ -12,6 +12,13 @@ Registered names (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``):
     tp       tp = all processes                             DTensor tensor + sequence parallel
     hsdp     dp_shard = processes per node, dp_replicate = nodes
     fsdp_tp  tp = processes per node, dp_shard = nodes
+    pp       pp = all processes                             stages of layers, scheduled in microbatches
+    pp_fsdp  pp = 2, dp_shard = the rest                    FSDP within each stage
+    pp_fsdp_tp  pp = 2, tp = 2, dp_shard = the rest         tensor parallel and FSDP within each stage
+
+Under pp the plan (``plans/pipeline.py``) cuts the model into stages and the training step runs
+the schedule (``pipeline.py``): forward and backward of every microbatch happen inside the
+module's forward call, and this strategy's ``backward`` then only runs the hooks around it.
 
 Other layouts take explicit sizes (``configs/strategy/*.yaml``). Lightning's own ``ddp`` and
 ``fsdp`` entries are replaced on import; its classes stay available by class path.
@@ -33,7 +40,9 @@ from torch import nn
 from uma_lightning.lightning_compat import optimizers_to_device, release_strategy_name
 from uma_lightning.parallel.apply import ActivationCheckpointing, Compile, ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape, MeshSize, build_mesh, describe_sizes, resolve_mesh_shape
+from uma_lightning.parallel.pipeline import PipelineConfig, Schedule, pipeline_of
 from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
+from uma_lightning.parallel.plans.pipeline import check_pipeline, pipeline_robot
 
 log = logging.getLogger("uma_lightning")
 
@@ -44,6 +53,11 @@ class MeshStrategy(ModelParallelStrategy):
         dp_replicate: MeshSize = 1,
         dp_shard: MeshSize = "auto",
         tp: MeshSize = 1,
+        pp: MeshSize = 1,
+        pp_schedule: Schedule = "1F1B",
+        pp_microbatches: Optional[int] = None,
+        pp_virtual_stages: int = 1,
+        pp_split: Optional[list[int]] = None,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
         compile: Compile = "none",
@@ -59,6 +73,11 @@ class MeshStrategy(ModelParallelStrategy):
             dp_replicate: Data-parallel replica groups: a number, "auto" (what the other sizes leave) or "node" (processes per node).
             dp_shard: Ranks that shard parameters, gradients and optimizer state within a replica group.
             tp: Tensor-parallel ranks, which split every layer and see the same batch.
+            pp: Pipeline stages (ranks), each holding a contiguous part of the layers and seeing the same batch.
+            pp_schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble.
+            pp_microbatches: Microbatches each batch is cut into (None: one per pipeline rank).
+            pp_virtual_stages: Stages per pipeline rank (the interleaved schedules take 2 or more, ZBVZeroBubble 2).
+            pp_split: The backbone layer each stage after the first starts at; None balances the stages' FLOPs.
             activation_checkpointing: none, full (recompute whole blocks) or ops (keep matmul outputs, recompute the rest).
             ac_every_n_blocks: Checkpoint every n-th block only (1: all of them).
             compile: torch.compile: none, or blocks (each transformer block).
@@ -74,7 +93,11 @@ class MeshStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.mesh_sizes: dict[str, MeshSize] = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        self.mesh_sizes: dict[str, MeshSize] = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        # Checked in set_world_ranks, where an error reaches the command line as one line (raised
+        # here, LightningCLI would report only that the strategy argument did not parse).
+        self._pipeline_args = (pp_schedule, pp_microbatches, pp_virtual_stages, pp_split)
+        self.pipeline_config: PipelineConfig | None = None
         self.plan_config = ParallelConfig(
             activation_checkpointing=activation_checkpointing,
             ac_every_n_blocks=ac_every_n_blocks,
@@ -89,6 +112,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
+        self.pipeline_config = PipelineConfig(*self._pipeline_args)
         # Called when the Trainer is built, once devices and nodes are known: a mesh that does not
         # fit the world fails here, before any process is launched.
         if self.parallel_devices:
@@ -106,14 +130,15 @@ class MeshStrategy(ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        # Tensor-parallel ranks see the same batch; only data-parallel ranks get different samples.
-        # tp is the innermost mesh dimension, so the ranks of one tp group are consecutive.
-        return {"num_replicas": self.shape.dp, "rank": self.global_rank // self.shape.tp}
+        # Tensor-parallel ranks and pipeline stages see the same batch; only data-parallel ranks get
+        # different samples. tp is the innermost mesh dimension and pp the outermost.
+        return {"num_replicas": self.shape.dp, "rank": self.global_rank // self.shape.tp % self.shape.dp}
 
     # ---- the plan ------------------------------------------------------------------------------
 
-    def check_module(self, module: nn.Module) -> None:
-        """Raise a one-line ValueError if ``module`` cannot be laid out on this mesh.
+    def check_module(self, module: nn.Module, batch_size: int | None = None) -> None:
+        """Raise a one-line ValueError if ``module`` cannot be laid out on this mesh (under pp: in
+        stages, on batches of ``batch_size`` samples per data-parallel rank).
 
         Before ``configure_model()`` has run, a module with ``build_model()`` (PretrainModule and
         its subclasses) is built on the meta device for the check, which costs no memory.
@@ -128,6 +153,9 @@ class MeshStrategy(ModelParallelStrategy):
             raise ValueError(_no_plan_message(module))
         for model, plan in targets:
             plan.check(model, self.shape, self.plan_config)
+            if self.shape.pp > 1:
+                self.pipeline_config.check(self.shape.pp, batch_size)
+                check_pipeline(model, self.shape, self.pipeline_config)
 
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
@@ -154,8 +182,25 @@ class MeshStrategy(ModelParallelStrategy):
         for model, plan in targets:
             plan.check(model, self.shape, config)
             model_class = type(model).__name__  # before data parallelism renames the class (FSDPRobotTransformer...)
-            applied = plan.parallelize(model, self.device_mesh, config)
+            if self.shape.pp > 1:
+                applied = pipeline_robot(model, self.device_mesh, config, self.pipeline_config, self.root_device)
+            else:
+                applied = plan.parallelize(model, self.device_mesh, config)
             self._log(f"parallel plan {plan.name} on {model_class}: {'; '.join(applied) or 'nothing to apply on one process'}")
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
+        if self.shape.pp == 1:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline schedule ran every microbatch's backward inside the training step's forward
+        # call: what is left of Lightning's backward is to hand its gradients back (the loop cleared
+        # them after the training step) between the hooks around it, which callbacks rely on.
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        pipeline_of(module).restore_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def _log(self, message: str) -> None:
         if self.is_global_zero:
@@ -172,7 +217,7 @@ def describe(shape: MeshShape) -> str:
         data = "DDP"
     else:
         data = ""
-    parts = [p for p in (data, "TP" if shape.tp > 1 else "") if p]
+    parts = [p for p in ("PP" if shape.pp > 1 else "", data, "TP" if shape.tp > 1 else "") if p]
     return " x ".join(parts) or "one process"
 
 
@@ -202,6 +247,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tp": ("tensor parallel over all processes", {"dp_replicate": 1, "dp_shard": 1, "tp": "auto"}),
     "hsdp": ("HSDP: shard within each node, replicate across nodes", {"dp_replicate": "auto", "dp_shard": "node", "tp": 1}),
     "fsdp_tp": ("tensor parallel within each node, FSDP across nodes", {"dp_replicate": 1, "dp_shard": "auto", "tp": "node"}),
+    "pp": ("pipeline parallel: stages of layers over all processes", {"pp": "auto", "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
+    "pp_fsdp": ("two pipeline stages, FSDP over the processes of each", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 1}),
+    "pp_fsdp_tp": ("two pipeline stages, tensor parallel over pairs of processes in each, FSDP over the pairs", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 2}),
 }
 
 

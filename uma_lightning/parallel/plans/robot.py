@@ -84,14 +84,7 @@ def apply_sequence_parallel_transformer(transformer: Transformer, tp_mesh) -> No
     states are gathered into a replicated DTensor. Attention keys and values, and so a ``KVCache``,
     cover every token (after the all-gather) and this rank's key/value heads."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel, parallelize_module
 
     parallelize_module(
         transformer,
@@ -102,7 +95,16 @@ def apply_sequence_parallel_transformer(transformer: Transformer, tp_mesh) -> No
         },
     )
     parallelize_module(transformer, tp_mesh, {"": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False)})
-    for block in transformer.layers:
+    apply_sequence_parallel_blocks(list(transformer.layers), tp_mesh)
+
+
+def apply_sequence_parallel_blocks(blocks: list[nn.Module], tp_mesh) -> None:
+    """Transformer blocks that take and return this rank's slice of the tokens, as plain tensors:
+    attention heads and feed-forward split over the ranks, the norms sequence-parallel."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
+
+    for block in blocks:
         parallelize_module(
             block,
             tp_mesh,
@@ -118,17 +120,32 @@ def apply_sequence_parallel_transformer(transformer: Transformer, tp_mesh) -> No
 
 
 def apply_tp(model: RobotBase, tp_mesh, heads: list[HeadPlan]) -> str:
-    from torch.distributed.tensor import Replicate, distribute_module
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
     # Frozen parameters stay frozen: SequenceParallel re-creates the norms' weights as trainable.
     frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
-    for tokenizer in (model.text_embed, model.image_tokenizer, model.camera_embed, model.state_proj):
-        distribute_module(tokenizer, tp_mesh)  # parameters and buffers replicated as DTensors
     # Tensor inputs become replicated DTensors for the replicated tokenizers and heads; text_mask stays
     # a plain tensor because it only builds the attention mask.
     inputs = (Replicate(), Replicate(), Replicate(), None) + (Replicate(),) * sum(head.forward_inputs for head in heads)
     parallelize_module(model, tp_mesh, {"": PrepareModuleInput(input_layouts=inputs, desired_input_layouts=inputs)})
+    apply_tp_tokenizers(model, tp_mesh)
+    apply_sequence_parallel_transformer(model.backbone, tp_mesh)
+    for head in heads:
+        if head.tp_layout is not None:
+            head.tp_layout(model, tp_mesh)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    return f"tensor parallel over {tp_mesh.size()} ranks (attention heads, feed-forward; sequence-parallel norms; heads: {', '.join(h.name for h in heads) or 'none'})"
+
+
+def apply_tp_tokenizers(model: RobotBase, tp_mesh) -> None:
+    """The modality tokenizers replicated, fed replicated DTensors (the caller lays out the model's inputs)."""
+    from torch.distributed.tensor import Replicate, distribute_module
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    for tokenizer in (model.text_embed, model.image_tokenizer, model.camera_embed, model.state_proj):
+        distribute_module(tokenizer, tp_mesh)  # parameters and buffers replicated as DTensors
     if model.instruction_pooling is not None:
         parallelize_module(
             model,
@@ -140,13 +157,6 @@ def apply_tp(model: RobotBase, tp_mesh, heads: list[HeadPlan]) -> str:
                 "image_tokenizer": PrepareModuleInput(input_layouts=(Replicate(), Replicate()), desired_input_layouts=(Replicate(), Replicate())),
             },
         )
-    apply_sequence_parallel_transformer(model.backbone, tp_mesh)
-    for head in heads:
-        if head.tp_layout is not None:
-            head.tp_layout(model, tp_mesh)
-    for name in frozen:
-        model.get_parameter(name).requires_grad_(False)
-    return f"tensor parallel over {tp_mesh.size()} ranks (attention heads, feed-forward; sequence-parallel norms; heads: {', '.join(h.name for h in heads) or 'none'})"
 
 
 def apply_tp_lora(model: nn.Module, tp_mesh) -> str:
@@ -223,19 +233,31 @@ def parallelize_robot(model: RobotBase, mesh, config: ParallelConfig) -> list[st
 
 
 def discrete_action_layout(model: RobotTransformer, tp_mesh) -> None:
-    """The action head column-wise over the bins, its logits gathered; the fused loss takes the
-    gathered hidden states and the head's weight whole (its gradient goes back to the shards)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_module
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
+    """The action embeddings replicated; the action head column-wise over the bins, its logits
+    gathered; the fused loss takes the gathered hidden states and the head's weight whole (its
+    gradient goes back to the shards)."""
+    action_embedding_layout(model, tp_mesh)
+    action_head_layout(model, tp_mesh)
+
+
+def action_embedding_layout(model: RobotTransformer, tp_mesh) -> None:
+    from torch.distributed.tensor import Replicate, distribute_module
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
     distribute_module(model.action_embed, tp_mesh)
     distribute_module(model.action_dim_embed, tp_mesh)
+    # Its input (action-dimension indices) is created inside forward.
+    parallelize_module(model, tp_mesh, {"action_dim_embed": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))})
+
+
+def action_head_layout(model: RobotTransformer, tp_mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
+
     parallelize_module(
         model,
         tp_mesh,
         {
-            # Its input (action-dimension indices) is created inside forward.
-            "action_dim_embed": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
             "action_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
             "action_loss": PrepareModuleInput(
                 input_layouts=(Replicate(), Shard(0), None), desired_input_layouts=(Replicate(), Replicate(), None), use_local_output=True
