@@ -5,7 +5,7 @@
 
 The recipe's model and data are resolved as ``uma fit`` would, and the first ``--steps`` batches
 of its training data become the global batches. Each strategy trains on them in a group of gloo
-processes on this machine (2, or 4 for the 2-D meshes hsdp and fsdp_tp), each data-parallel rank
+processes on this machine (2, or 4 for the 2-D meshes hsdp and fsdp_tp and for ep_fsdp), each data-parallel rank
 on its equal slice of every global batch, from the same initial weights as the references:
 
 - one process on each whole global batch: the comparison that matters, judged against the
@@ -21,8 +21,9 @@ Two choices keep a correct strategy from ever looking wrong:
   difference cannot compound through the optimizer (AdamW divides each gradient element by its
   running size, which magnifies rounding noise of near-zero gradients step after step).
 
-The verdict also checks that the initial weights equal the reference's and that every rank
-holds the same copy of every replicated weight. For a strategy that fails, the report names the
+The verdict also checks that the initial weights equal the reference's, that every rank holds
+the same copy of every replicated weight, and, for mixture-of-experts models, that every step
+routes exactly as many tokens to each expert of each layer as one process does. For a strategy that fails, the report names the
 first parameter in model order where the run parts ways: in the initial weights, between the
 ranks, or in the gradients of the first step that differs (with the one that differs most).
 
@@ -113,6 +114,12 @@ TOLERANCES = {
     ),
     "hsdp": _tolerance(False, "as fsdp, with four ranks' gradients summed in two stages (within, then across replicas)"),
     "fsdp_tp": _tolerance(False, "the tp and fsdp reorderings together"),
+    "ep": _tolerance(
+        False,
+        "as ddp for the other parameters. An expert's owner sums the gradient over both ranks' tokens in one matmul, "
+        "where the accumulating reference adds two per-slice sums",
+    ),
+    "ep_fsdp": _tolerance(False, "the ep reordering, with the dense and the expert gradients summed by reduce-scatters"),
 }
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
@@ -122,6 +129,10 @@ LAYOUTS = {
     "tp": (2, {"dp_replicate": 1, "dp_shard": 1, "tp": 2}),
     "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2, "tp": 1}),
     "fsdp_tp": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    # Experts split over 2 ranks: all of them under ep (the rest DDP); under ep_fsdp each rank's
+    # experts are FSDP-sharded over 2 more, as the dense layers are over all 4.
+    "ep": (2, {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "ep": 2}),
+    "ep_fsdp": (4, {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 2}),
 }
 
 
@@ -294,6 +305,7 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
     update_diffs = [_relative_update_diff(run["params"][k], whole_batch["params"][k], whole_batch["params"][k - 1]) for k in range(1, steps + 1)]
     initial = first_difference(run["params"][0], whole_batch["params"][0])
     replicas = next(({"parameter": n, "max_abs_diff": d} for n, d in run["replica_spread"].items() if d), None)
+    routing = first_routing_difference(whole_batch, run)
     bitwise = (
         run["losses"] == accumulated["losses"]
         and all(_same(a, b) for a, b in zip(run["grads"], accumulated["grads"]))
@@ -305,6 +317,7 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
         len(run["losses"]) == steps
         and initial is None
         and replicas is None
+        and routing is None
         and all(measured[k] <= getattr(tol, k) for k in measured)
         and divergence is None
         and (bitwise or not tol.bitwise)
@@ -321,6 +334,7 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
         "initial_param_diff": _max_param_diff(run["params"][0], whole_batch["params"][0]),
         "initial_difference": initial,
         "replica_difference": replicas,
+        "routing_difference": routing,
         "loss_tolerance": tol.loss,
         "gradient_tolerance": tol.grad,
         "update_tolerance": tol.update,
@@ -331,6 +345,18 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
         "first_divergence": divergence,
         "parts_ways_at": parting_parameter(initial, replicas, divergence),
     }
+
+
+def first_routing_difference(reference: dict, run: dict) -> dict | None:
+    """The first step and mixture-of-experts layer where the run sent other numbers of tokens to
+    the experts than the reference (counts summed over ranks), with both counts; None if none."""
+    for step, (expected, counts) in enumerate(zip(reference["routing"], run["routing"]), start=1):
+        for layer, want, got in zip(reference["moe_layers"], expected, counts):
+            if not torch.equal(want, got):
+                return {"step": step, "layer": layer, "expected": want.tolist(), "got": got.tolist()}
+    if len(reference["routing"]) != len(run["routing"]):
+        return {"step": min(len(reference["routing"]), len(run["routing"])) + 1, "layer": None, "expected": None, "got": None}
+    return None
 
 
 def parting_parameter(initial: dict | None, replicas: dict | None, divergence: dict | None) -> str | None:
@@ -411,7 +437,7 @@ def print_report(config: str, results: dict, global_batch: int) -> None:
         "each step from the reference's weights"
     )
     print(
-        f"mesh: dp_replicate x dp_shard x tp. loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
+        f"mesh: dp_replicate x dp_shard x tp (x ep). loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
         f"gradient over its largest element (tolerance {tol.grad:.1e}); update diff: per step |params - reference| / "
         f"|reference update|, L2 over all parameters (tolerance {tol.update:.1e}). margin: tolerance / difference, worst of the three"
     )
@@ -440,6 +466,9 @@ def explain_failure(name: str, r: dict) -> str:
     if r["initial_difference"]:
         d = r["initial_difference"]
         return f"{name}: the initial weights already differ from the reference's, first in {d['parameter']} (by {d['max_abs_diff']:.3g}): the plan changed the weights"
+    if r["routing_difference"] and not r["first_divergence"]:
+        d = r["routing_difference"]
+        return f"{name}: at step {d['step']}, {d['layer']} routes tokens per expert {d['got']} where one process routes {d['expected']}"
     if r["replica_difference"]:
         d = r["replica_difference"]
         return f"{name}: the ranks start from different copies of {d['parameter']} (apart by {d['max_abs_diff']:.3g}): a rank was initialised differently"

@@ -1,6 +1,7 @@
 """``MeshStrategy``: one Lightning strategy for DDP, FSDP2, tensor parallel and their hybrids.
 
-The strategy owns a dp_replicate x dp_shard x tp device mesh (``mesh.py``). After the module's
+The strategy owns a dp_replicate x dp_shard x tp device mesh, with ep inside the data-parallel
+ranks for mixture-of-experts models (``mesh.py``). After the module's
 ``configure_model()`` has built the model, it looks up the parallel plan registered for each of
 the module's submodules (``plans/``) and applies it; a module that parallelizes itself in
 ``configure_model()``, as Lightning's ModelParallelStrategy expects, is left as it is.
@@ -12,6 +13,9 @@ Registered names (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``):
     tp       tp = all processes                             DTensor tensor + sequence parallel
     hsdp     dp_shard = processes per node, dp_replicate = nodes
     fsdp_tp  tp = processes per node, dp_shard = nodes
+    ep       dp_replicate = ep = all processes              experts split over all ranks, the rest DDP
+    ep_fsdp  dp_shard = all processes, ep = processes per node
+                                                            the rest FSDP; experts split within a node, FSDP across nodes
 
 Other layouts take explicit sizes (``configs/strategy/*.yaml``). Lightning's own ``ddp`` and
 ``fsdp`` entries are replaced on import; its classes stay available by class path.
@@ -44,6 +48,7 @@ class MeshStrategy(ModelParallelStrategy):
         dp_replicate: MeshSize = 1,
         dp_shard: MeshSize = "auto",
         tp: MeshSize = 1,
+        ep: MeshSize = 1,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
         compile: Compile = "none",
@@ -59,6 +64,7 @@ class MeshStrategy(ModelParallelStrategy):
             dp_replicate: Data-parallel replica groups: a number, "auto" (what the other sizes leave) or "node" (processes per node).
             dp_shard: Ranks that shard parameters, gradients and optimizer state within a replica group.
             tp: Tensor-parallel ranks, which split every layer and see the same batch.
+            ep: Expert-parallel ranks, which split every mixture-of-experts layer's experts: data-parallel ranks ("auto": all of them).
             activation_checkpointing: none, full (recompute whole blocks) or ops (keep matmul outputs, recompute the rest).
             ac_every_n_blocks: Checkpoint every n-th block only (1: all of them).
             compile: torch.compile: none, or blocks (each transformer block).
@@ -74,7 +80,7 @@ class MeshStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.mesh_sizes: dict[str, MeshSize] = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        self.mesh_sizes: dict[str, MeshSize] = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ep": ep}
         self.plan_config = ParallelConfig(
             activation_checkpointing=activation_checkpointing,
             ac_every_n_blocks=ac_every_n_blocks,
@@ -172,7 +178,7 @@ def describe(shape: MeshShape) -> str:
         data = "DDP"
     else:
         data = ""
-    parts = [p for p in (data, "TP" if shape.tp > 1 else "") if p]
+    parts = [p for p in (data, "TP" if shape.tp > 1 else "", "EP" if shape.ep > 1 else "") if p]
     return " x ".join(parts) or "one process"
 
 
@@ -202,6 +208,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tp": ("tensor parallel over all processes", {"dp_replicate": 1, "dp_shard": 1, "tp": "auto"}),
     "hsdp": ("HSDP: shard within each node, replicate across nodes", {"dp_replicate": "auto", "dp_shard": "node", "tp": 1}),
     "fsdp_tp": ("tensor parallel within each node, FSDP across nodes", {"dp_replicate": 1, "dp_shard": "auto", "tp": "node"}),
+    "ep": ("expert parallel over all processes, other parameters replicated (DDP)", {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "ep": "auto"}),
+    "ep_fsdp": (
+        "FSDP over all processes, experts split within each node and sharded across nodes",
+        {"dp_replicate": 1, "dp_shard": "auto", "tp": 1, "ep": "node"},
+    ),
 }
 
 
