@@ -5,15 +5,19 @@ Checkpoints keep whole [E, ...] tensors under plain names, so the resharding mat
 optimizer state included: ep=2 loads into one unsharded process and under plain FSDP, and a
 one-process or plain-FSDP checkpoint loads under ep=2."""
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import forked_cli
-from checkpoint_helpers import full_state, save_module
-from suite import free_port
+from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors, full_state, save_module
+from checkpoint_modules import resume_recipe
+from suite import REPO, free_port
+from uma_lightning.checkpoint import committed
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.models import MoEConfig, Transformer, TransformerConfig
 from uma_lightning.parallel import MeshShape, ParallelConfig
@@ -24,6 +28,7 @@ from uma_lightning.parallel.plans.experts import apply_expert_parallel, check_ex
 CONFIG = TransformerConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
                            moe=MoEConfig(n_experts=4, top_k=2, n_shared=1, expert_dim=32))  # fmt: skip
 BATCH, SEQ = 4, 8
+FIT_DATA = ["--data.generation.n_episodes", "6", "--data.batch_size", "4", "--data.loader.num_workers", "0"]
 
 
 def moe_backbone(seed: int) -> Transformer:
@@ -134,3 +139,45 @@ def test_expert_parallel_is_checked_before_any_work():
     dense = Transformer(TransformerConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), max_seq_len=SEQ)
     with pytest.raises(ValueError, match="ep 2 needs a model with mixture-of-experts layers"):
         check_expert_parallel(dense, 2, 2)
+
+
+# A mixture of experts small enough for four gloo processes on two cores.
+SMALL_MOE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64,
+             "moe": {"n_experts": 4, "top_k": 2, "n_shared": 1, "every_n_layers": 2, "expert_dim": 32}}  # fmt: skip
+FIT_STEPS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_uma_fit_under_ep_fsdp_resumes_bit_for_bit_after_sigkill(tmp_path):
+    """The pretrain recipe with experts under the ep_fsdp fragment on 4 processes, ep 2 (each rank's
+    experts FSDP-sharded over the 2 ranks that hold the same ones; the rest FSDP over all 4). Every
+    rank killed (SIGKILL) after a checkpoint, the same command run again: it resumes and ends bit for
+    bit where an uninterrupted run ends, in every model and optimizer tensor."""
+    runs = {}
+    for name in ("reference", "interrupted"):
+        recipe = resume_recipe(tmp_path / f"{name}.yaml", tmp_path / name / "record", every_n_steps=2,
+                               trainer={"max_steps": FIT_STEPS, "accelerator": "cpu", "devices": 4})  # fmt: skip
+        runs[name] = ["fit", "--config", recipe, "--config", str(REPO / "configs" / "strategy" / "ep_fsdp.yaml"), "--trainer.strategy.init_args.ep", "2",
+                      "--model.network.size", json.dumps(SMALL_MOE), *FIT_DATA, "--trainer.default_root_dir", str(tmp_path / name / "run")]  # fmt: skip
+    assert forked_cli.run_as_ranks(runs["reference"], tmp_path / "reference.log", tmp_path, world_size=4) == [0] * 4
+    assert "strategy: FSDP x EP on mesh dp_replicate 1 x dp_shard 4 x tp 1 (ep 2: experts split over 2 ranks, held by 2)" in (tmp_path / "reference.log").read_text()
+
+    checkpoints = tmp_path / "interrupted" / "run" / "checkpoints"
+    ranks = forked_cli.start_ranks(runs["interrupted"], tmp_path / "killed.log", tmp_path, world_size=4)
+    deadline = time.monotonic() + 300
+    while not committed(checkpoints):
+        assert all(rank.is_alive() for rank in ranks) and time.monotonic() < deadline, "no checkpoint before the kill"
+        time.sleep(0.005)
+    for rank in ranks:
+        rank.kill()  # SIGKILL
+        rank.join()
+    killed_at = max(step for step, _ in committed(checkpoints))
+    assert killed_at < FIT_STEPS
+
+    assert forked_cli.run_as_ranks(runs["interrupted"], tmp_path / "resumed.log", tmp_path, world_size=4) == [0] * 4
+    assert f"resumed from {checkpoints / f'step-{killed_at:09d}'}: step {killed_at}" in (tmp_path / "resumed.log").read_text()
+    final = f"run/checkpoints/step-{FIT_STEPS:09d}"
+    expected = checkpoint_tensors(tmp_path / "reference" / final)
+    assert expected["model/model.backbone.layers.1.ffn.experts.w1"].shape == (4, 32, 32)  # whole, under its plain name
+    assert_bitwise_equal(checkpoint_tensors(tmp_path / "interrupted" / final), expected)
