@@ -69,6 +69,9 @@ def test_grouped_experts_need_aligned_rows_and_auto_falls_back_to_the_loop():
     with pytest.raises(ValueError, match="kernels.experts=grouped needs dim and expert hidden sizes .* got dim 5, hidden 8"):
         expert_feed_forward(x, counts, w13, w13, w2, backend="grouped")
     torch.testing.assert_close(expert_feed_forward(x, counts, w13, w13, w2, backend="auto"), expert_feed_forward(x, counts, w13, w13, w2, backend="loop"))
+    # Aligned rows in float64 (uma parity's dtype), which grouped_mm does not take: the loop, bit for bit.
+    x, w13, w2 = torch.randn(3, 8, dtype=torch.float64), torch.randn(1, 8, 8, dtype=torch.float64), torch.randn(1, 8, 8, dtype=torch.float64)
+    assert torch.equal(expert_feed_forward(x, counts, w13, w13, w2, backend="auto"), expert_feed_forward(x, counts, w13, w13, w2, backend="loop"))
     with pytest.raises(ValueError, match="kernels.experts: unknown backend 'fast'"):
         KernelConfig(experts="fast")
 

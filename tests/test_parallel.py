@@ -167,6 +167,22 @@ def test_heads_that_do_not_divide_by_tp_fail_before_any_work(tmp_path, capsys, m
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "devices, strategy, message",
+    [
+        ("3", ["--trainer.strategy", "ep"], "trainer.strategy: ep 3 does not divide the 8 experts of backbone.layers.1.ffn"),
+        ("4", ["--config", str(REPO / "configs" / "strategy" / "ep_fsdp.yaml"), "--trainer.strategy.init_args.ep", "3"],
+         "mesh dp_replicate 1 x dp_shard 4 x tp 1: ep 3 does not divide the 4 data-parallel ranks (dp_shard) it splits the experts over"),
+    ],
+)  # fmt: skip
+def test_expert_parallel_sizes_that_do_not_divide_fail_before_any_work(tmp_path, capsys, monkeypatch, devices, strategy, message):
+    monkeypatch.chdir(tmp_path)
+    args = quick_fit(tmp_path, "--model.network.size", "tiny_moe", "--trainer.devices", devices, *strategy, "--trainer.logger", "false")
+    code, _, err = run_main(args, capsys)
+    assert_short_error(code, err, message)
+    assert not (tmp_path / "run").exists()
+
+
 # ---- parity with one process -----------------------------------------------------------------------
 
 
