@@ -1,11 +1,13 @@
 """Expert parallelism on two gloo ranks, composed with FSDP as the ep_fsdp strategy lays them out:
 each rank keeps half the experts and exchanges tokens with all-to-all, the other parameters are
-FSDP-sharded over both. Outputs and gradients equal one process running both ranks' samples.
+FSDP-sharded over both. Outputs, gradients and the clipping norm equal one process running both
+ranks' samples.
 Checkpoints keep whole [E, ...] tensors under plain names, so the resharding matrix holds,
 optimizer state included: ep=2 loads into one unsharded process and under plain FSDP, and a
 one-process or plain-FSDP checkpoint loads under ep=2."""
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from uma_lightning.checkpoint.state import load_module
 from uma_lightning.models import MoEConfig, Transformer, TransformerConfig
 from uma_lightning.parallel import MeshShape, ParallelConfig
 from uma_lightning.parallel.apply import apply_fsdp
+from uma_lightning.parallel.grad_norm import clip_grad_norm
 from uma_lightning.parallel.mesh import build_mesh
 from uma_lightning.parallel.plans.experts import apply_expert_parallel, check_expert_parallel, expert_parameters
 
@@ -83,6 +86,15 @@ def ep_rank(rank: int, world_size: int, port: int, root: str) -> None:
             torch.testing.assert_close(parameter.grad.to_local(), whole.grad[owned] / world_size, rtol=1e-5, atol=1e-6, msg=name)
         else:
             torch.testing.assert_close(parameter.grad.full_tensor(), whole.grad / world_size, rtol=1e-5, atol=1e-6, msg=name)
+    # The clipping norm spans both meshes (experts on ep, the rest on dp_shard): one process's norm,
+    # in either order (the experts' part is small: first, a norm that missed the rest would show).
+    expected_norm = torch.nn.utils.get_total_norm([p.grad / world_size for p in reference.parameters()])
+    experts = expert_parameters(model)
+    experts_first = [p for p in model.parameters() if p in experts] + [p for p in model.parameters() if p not in experts]
+    for order in (list(model.parameters()), experts_first):
+        torch.testing.assert_close(clip_grad_norm(order, math.inf), expected_norm)
+    clip_grad_norm(list(model.parameters()), float(expected_norm) / 2)
+    torch.testing.assert_close(clip_grad_norm(list(model.parameters()), math.inf), expected_norm / 2, rtol=1e-5, atol=0)
     optimizer = optimizer_for(model)
     optimizer.step()
 
