@@ -82,13 +82,13 @@ class ImbalanceRecorder(Callback):
             print(f"step {len(self.per_step)}: mean imbalance over the last {len(last)} steps {sum(last) / len(last):.3f}", flush=True)
 
 
-def balance(steps: int, window: int, bias_update_rate: float, batch_size: int) -> dict:
+def balance(steps: int, window: int, bias_update_rate: float, bias_update: str, batch_size: int) -> dict:
     from uma_lightning.cli import UmaCLI
     from uma_lightning.models import load_size
 
     # Empty settings left out: the command line would read a JSON null as the string "null".
     preset = {key: value for key, value in dataclasses.asdict(load_size("tiny_moe").moe).items() if value is not None}
-    moe = {**preset, "bias_update_rate": bias_update_rate}
+    moe = {**preset, "bias_update_rate": bias_update_rate, "bias_update": bias_update}
     size = {"name": "tiny_moe", "moe": moe}
     recorder = ImbalanceRecorder()
     with tempfile.TemporaryDirectory() as root:
@@ -103,7 +103,7 @@ def balance(steps: int, window: int, bias_update_rate: float, batch_size: int) -
         cli.trainer.callbacks.append(recorder)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     last = recorder.per_step[-window:]
-    return {"bias_update_rate": bias_update_rate, "steps": len(recorder.per_step), "imbalance_last": sum(last) / len(last), "worst_step": max(last)}
+    return {"bias_update_rate": bias_update_rate, "bias_update": bias_update, "steps": len(recorder.per_step), "imbalance_last": sum(last) / len(last), "worst_step": max(last)}
 
 
 def expert_parallel_rank(out: str, tokens: int, repeats: int) -> None:
@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=32, help="the pretrain recipe's")
     parser.add_argument("--rates", type=float, nargs="+", default=[1e-3, 0.0], help="bias_update_rate of each run (0: no bias balancing)")
+    parser.add_argument("--bias-update", choices=("sign", "proportional"), default="sign", help="moe.bias_update of every run")
     args = parser.parse_args()
     if args.part in ("layer", "both"):
         rows = layer_speed(args.tokens, args.dim, args.hidden, args.experts, args.top_k, args.shared, args.repeats)
@@ -189,12 +190,12 @@ def main() -> None:
             ["variant", "ms (median)", "x grouped"], rows,
         )  # fmt: skip
     if args.part in ("balance", "both"):
-        results = [balance(args.steps, args.window, rate, args.batch_size) for rate in args.rates]
+        results = [balance(args.steps, args.window, rate, args.bias_update, args.batch_size) for rate in args.rates]
         print_table(
             f"Load imbalance (max/mean token choices per expert, mean over MoE layers) over the last {args.window} of {args.steps} "
             f"pretraining steps, tiny_moe, batch {args.batch_size}",
-            ["bias_update_rate", "steps", f"mean imbalance, last {args.window}", "worst step"],
-            [[r["bias_update_rate"], r["steps"], r["imbalance_last"], r["worst_step"]] for r in results],
+            ["bias_update_rate", "bias_update", "steps", f"mean imbalance, last {args.window}", "worst step"],
+            [[r["bias_update_rate"], r["bias_update"], r["steps"], r["imbalance_last"], r["worst_step"]] for r in results],
         )  # fmt: skip
     if args.part == "ep":
         print_table(

@@ -129,6 +129,10 @@ def test_bias_update_moves_overloaded_experts_down_and_underloaded_up():
     frozen = moe_layer(bias_update_rate=0.0)
     frozen.update_bias(torch.tensor([10, 2, 4, 4]))
     assert not frozen.expert_bias.any()
+    # proportional: the step times (mean - load) / mean, so nearly even loads barely move it
+    proportional = moe_layer(bias_update_rate=0.01, bias_update="proportional")
+    proportional.update_bias(torch.tensor([10, 2, 4, 4]))
+    torch.testing.assert_close(proportional.expert_bias, torch.tensor([-0.01, 0.006, 0.002, 0.002]))
 
 
 def test_biases_move_once_per_optimizer_step_from_every_micro_batch():
@@ -192,6 +196,8 @@ def test_bad_moe_settings_are_one_line_errors():
         MoEConfig(n_experts=4, top_k=5)
     with pytest.raises(ValueError, match="moe.score must be one of softmax, sigmoid, got 'relu'"):
         MoEConfig(score="relu")
+    with pytest.raises(ValueError, match="moe.bias_update must be one of sign, proportional, got 'linear'"):
+        MoEConfig(bias_update="linear")
     with pytest.raises(ValueError, match=r"model size: unknown moe key\(s\) \['experts'\]"):
         load_size({"name": "tiny_moe", "moe": {"experts": 8}})
 
