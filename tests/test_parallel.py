@@ -19,7 +19,7 @@ from uma_lightning.models import RobotTransformer
 from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
 from uma_lightning.parallel.mesh import resolve_mesh_shape
-from uma_lightning.parallel.parity import TOLERANCES, first_routing_difference, main as parity_main, random_network
+from uma_lightning.parallel.parity import TOLERANCES, first_routing_difference, main as parity_main, needs_experts, random_network
 
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
@@ -204,6 +204,9 @@ def test_parity_refuses_bad_arguments_before_training(capsys):
     args = ["--config", RECIPE, "--strategies", "hsdp", "--trainer.logger", "false", *DATA, "--data.batch_size", "6"]
     assert parity_main(args) == 2
     assert "hsdp: global batch 6 (data.batch_size) does not split over 4 data-parallel ranks" in capsys.readouterr().err
+    args = ["--config", RECIPE, "--strategies", "ddp,ep", "--trainer.logger", "false", *DATA, "--data.batch_size", "4"]
+    assert parity_main(args) == 2
+    assert "ep: the model has no mixture-of-experts layers to split" in capsys.readouterr().err
 
 
 def assert_within_tolerance(name, result):
@@ -257,7 +260,7 @@ def test_model_shapes_drawn_at_random_raise_no_false_alarm(parity_on_two_process
     """A few of benchmarks/parity_sweep.py's shapes, under every strategy: each within tolerance, by a wide margin."""
     shapes = {**{k: v for k, v in parity_on_two_processes.items() if k.startswith("shape")}, **parity_on_four_processes}
     checked = [(label, name) for label, results in shapes.items() if label.startswith("shape") for name in results]
-    assert {name for _, name in checked} == set(TOLERANCES) - {"ep", "ep_fsdp"}  # the drawn shapes are dense
+    assert {name for _, name in checked} == {name for name in TOLERANCES if not needs_experts(name)}  # the drawn shapes are dense
     for label, name in checked:
         result = shapes[label][name]
         assert_within_tolerance(name, result)

@@ -50,6 +50,7 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision
 
 from uma_lightning.cli_errors import ConfigError
+from uma_lightning.models.moe import moe_layers
 from uma_lightning.parallel.launch import run_local_group
 from uma_lightning.parallel.precision_parity import compare_precision, print_precision_report
 from uma_lightning.parallel.recorded_runs import COMPARE_DTYPE, train, worker
@@ -136,6 +137,11 @@ LAYOUTS = {
 }
 
 
+def needs_experts(name: str) -> bool:
+    """Whether the strategy splits experts (ep above one), which refuses a model without mixture-of-experts layers."""
+    return LAYOUTS[name][1].get("ep", 1) > 1
+
+
 def data_parallel_size(name: str) -> int:
     sizes = LAYOUTS[name][1]
     return sizes["dp_replicate"] * sizes["dp_shard"]
@@ -199,6 +205,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         module, batches, trainer_args = resolve(args.config, overrides, args.steps)
         check_batch_splits(len(batches[0]["sample_id"]), strategies)
+        check_experts(module, strategies)
     except ConfigError as err:
         print(f"uma parity: error: {err}", file=sys.stderr)
         return 2
@@ -231,6 +238,16 @@ def check_batch_splits(global_batch: int, strategies: list[str]) -> None:
     for name in strategies:
         if global_batch % data_parallel_size(name):
             raise ConfigError(f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks")
+
+
+def check_experts(module, strategies: list[str]) -> None:
+    """The expert-parallel strategies need mixture-of-experts layers; the model is built on the meta device to look."""
+    wanting = [name for name in strategies if needs_experts(name)]
+    if wanting:
+        with torch.device("meta"):
+            model = module.build_model()
+        if not moe_layers(model):
+            raise ConfigError(f"{', '.join(wanting)}: the model has no mixture-of-experts layers to split (use a size with a moe: section, e.g. --model.network.size tiny_moe)")
 
 
 def resolve(config: str, overrides: list[str], steps: int):
