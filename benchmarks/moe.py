@@ -6,11 +6,15 @@
 2. Load imbalance (the busiest expert's token choices over the mean, per MoE layer and step,
    averaged over layers) over the last ``--window`` steps of a pretraining run of the tiny_moe
    preset, with the aux-loss-free bias balancing and without it (bias_update_rate 0), same seed.
+3. Expert parallelism: the tiny_moe backbone's forward + backward on 2 gloo processes under ep=2,
+   and the share of that step spent in the all-to-alls (the token counts, the tokens out and
+   back, and their gradients), timed around every ``all_to_all_single`` call on each rank.
 
-    python benchmarks/moe.py                      # both parts, 300-step runs
+    python benchmarks/moe.py                      # layer and balance, 300-step runs
     python benchmarks/moe.py --part layer --tokens 8192
     python benchmarks/moe.py --part balance --steps 100 --window 20
     python benchmarks/moe.py --part balance --rates 0.001 --batch-size 8   # one run
+    python benchmarks/moe.py --part ep --tokens 2048                       # tokens per rank
 """
 
 from __future__ import annotations
@@ -78,13 +82,13 @@ class ImbalanceRecorder(Callback):
             print(f"step {len(self.per_step)}: mean imbalance over the last {len(last)} steps {sum(last) / len(last):.3f}", flush=True)
 
 
-def balance(steps: int, window: int, bias_update_rate: float, batch_size: int) -> dict:
+def balance(steps: int, window: int, bias_update_rate: float, bias_update: str, batch_size: int) -> dict:
     from uma_lightning.cli import UmaCLI
     from uma_lightning.models import load_size
 
     # Empty settings left out: the command line would read a JSON null as the string "null".
     preset = {key: value for key, value in dataclasses.asdict(load_size("tiny_moe").moe).items() if value is not None}
-    moe = {**preset, "bias_update_rate": bias_update_rate}
+    moe = {**preset, "bias_update_rate": bias_update_rate, "bias_update": bias_update}
     size = {"name": "tiny_moe", "moe": moe}
     recorder = ImbalanceRecorder()
     with tempfile.TemporaryDirectory() as root:
@@ -99,13 +103,73 @@ def balance(steps: int, window: int, bias_update_rate: float, batch_size: int) -
         cli.trainer.callbacks.append(recorder)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     last = recorder.per_step[-window:]
-    return {"bias_update_rate": bias_update_rate, "steps": len(recorder.per_step), "imbalance_last": sum(last) / len(last), "worst_step": max(last)}
+    return {"bias_update_rate": bias_update_rate, "bias_update": bias_update, "steps": len(recorder.per_step), "imbalance_last": sum(last) / len(last), "worst_step": max(last)}
+
+
+def expert_parallel_rank(out: str, tokens: int, repeats: int) -> None:
+    """One rank of part 3 (``run_local_group`` sets up the process group's environment)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from uma_lightning.models import Transformer, load_size
+    from uma_lightning.parallel import MeshShape
+    from uma_lightning.parallel.mesh import build_mesh
+    from uma_lightning.parallel.plans.experts import apply_expert_parallel
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = build_mesh(MeshShape(dp_replicate=world, dp_shard=1, tp=1, ep=world), "cpu")
+    torch.manual_seed(0)
+    seq = 128
+    model = Transformer(load_size("tiny_moe"), max_seq_len=seq)
+    apply_expert_parallel(model, mesh["ep"])
+    x = torch.randn(tokens // seq, seq, load_size("tiny_moe").dim, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    exchange = [0.0]
+    all_to_all = dist.all_to_all_single
+
+    def timed_all_to_all(*args, **kwargs):  # forward and backward exchanges both go through it
+        start = time.perf_counter()
+        result = all_to_all(*args, **kwargs)
+        exchange[0] += time.perf_counter() - start
+        return result
+
+    dist.all_to_all_single = timed_all_to_all
+    steps, shares = [], []
+    for index in range(repeats + 1):
+        dist.barrier()
+        exchange[0] = 0.0
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        elapsed = time.perf_counter() - start
+        if index:  # the first step warms up
+            steps.append(elapsed)
+            shares.append(exchange[0] / elapsed)
+    dist.all_to_all_single = all_to_all
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"step_ms": 1e3 * median(steps), "share": median(shares)})
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def expert_parallel_share(tokens: int, repeats: int, world_size: int = 2) -> list[list[object]]:
+    from uma_lightning.parallel.launch import run_local_group
+
+    with tempfile.TemporaryDirectory() as root:
+        out = str(Path(root) / "ranks.json")
+        run_local_group(expert_parallel_rank, world_size, (out, tokens, repeats), timeout=1200)
+        ranks = json.loads(Path(out).read_text())
+    return [[rank, r["step_ms"], 100 * r["share"]] for rank, r in enumerate(ranks)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("layer", "balance", "both"), default="both")
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--part", choices=("layer", "balance", "both", "ep"), default="both", help="both: layer and balance")
+    parser.add_argument("--tokens", type=int, default=4096, help="per rank for --part ep (a multiple of 128)")
     parser.add_argument("--dim", type=int, default=192)
     parser.add_argument("--hidden", type=int, default=128, help="each expert's hidden size")
     parser.add_argument("--experts", type=int, default=8)
@@ -116,6 +180,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=32, help="the pretrain recipe's")
     parser.add_argument("--rates", type=float, nargs="+", default=[1e-3, 0.0], help="bias_update_rate of each run (0: no bias balancing)")
+    parser.add_argument("--bias-update", choices=("sign", "proportional"), default="sign", help="moe.bias_update of every run")
     args = parser.parse_args()
     if args.part in ("layer", "both"):
         rows = layer_speed(args.tokens, args.dim, args.hidden, args.experts, args.top_k, args.shared, args.repeats)
@@ -125,12 +190,19 @@ def main() -> None:
             ["variant", "ms (median)", "x grouped"], rows,
         )  # fmt: skip
     if args.part in ("balance", "both"):
-        results = [balance(args.steps, args.window, rate, args.batch_size) for rate in args.rates]
+        results = [balance(args.steps, args.window, rate, args.bias_update, args.batch_size) for rate in args.rates]
         print_table(
             f"Load imbalance (max/mean token choices per expert, mean over MoE layers) over the last {args.window} of {args.steps} "
             f"pretraining steps, tiny_moe, batch {args.batch_size}",
-            ["bias_update_rate", "steps", f"mean imbalance, last {args.window}", "worst step"],
-            [[r["bias_update_rate"], r["steps"], r["imbalance_last"], r["worst_step"]] for r in results],
+            ["bias_update_rate", "bias_update", "steps", f"mean imbalance, last {args.window}", "worst step"],
+            [[r["bias_update_rate"], r["bias_update"], r["steps"], r["imbalance_last"], r["worst_step"]] for r in results],
+        )  # fmt: skip
+    if args.part == "ep":
+        print_table(
+            f"tiny_moe backbone, forward + backward of {args.tokens} tokens per rank under ep=2 (gloo, 2 processes): "
+            "time in all_to_all_single (token counts, tokens out and back, their gradients)",
+            ["rank", "step ms (median)", "all-to-all % of the step (median)"],
+            expert_parallel_share(args.tokens, args.repeats),
         )  # fmt: skip
 
 

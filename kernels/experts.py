@@ -6,7 +6,8 @@ Tokens arrive sorted by expert, ``counts[e]`` of them for expert ``e``; the weig
 - ``loop``: one matmul per expert over its slice, the reference;
 - ``grouped``: ``torch._grouped_mm``, one call for all experts per projection. It needs every row
   stride to be a multiple of 16 bytes (dim and hidden multiples of 4 in float32, 8 in bfloat16);
-- ``auto``: grouped where the shapes allow it, the loop otherwise.
+- ``auto``: grouped where the shapes and the dtype allow it (grouped_mm has no float64, which
+  ``uma parity`` computes in), the loop otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from uma_lightning.kernels.dispatch import EXPERT_BACKENDS, log_once
 from uma_lightning.kernels.swiglu import swiglu
 
 _ALIGNMENT_BYTES = 16
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def expert_feed_forward(x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, backend: str = "auto", swiglu_backend: str = "auto") -> Tensor:
@@ -50,8 +52,10 @@ def _resolve(backend: str, x: Tensor, w1: Tensor) -> str:
                 f"in {x.dtype}; got dim {w1.shape[1]}, hidden {w1.shape[2]} (use loop or auto)"
             )
         return "grouped"
-    choice = "grouped" if aligned else "loop"
-    log_once(f"kernel experts: {choice} (auto: {'aligned shapes' if aligned else 'rows not 16-byte aligned'})")
+    supported = x.dtype in _GROUPED_DTYPES
+    choice = "grouped" if aligned and supported else "loop"
+    why = "aligned shapes" if choice == "grouped" else "rows not 16-byte aligned" if supported else f"grouped_mm has no {x.dtype}"
+    log_once(f"kernel experts: {choice} (auto: {why})")
     return choice
 
 

@@ -171,12 +171,12 @@ def parity_on_two_processes():
     with every second block checkpointed and the environment-state head; the FiLM keypoint
     tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
     model shapes drawn at random; the pipeline, with 1F1B and with two interleaved stages per rank;
-    and one injected bug per case."""
-    from suite import PARITY_SIZE, parity_case, recipe
+    a mixture of experts under ep; and one injected bug per case."""
+    from suite import PARITY_MOE, PARITY_SIZE, parity_case, recipe
     from uma_lightning.parallel.parity import check_parity, random_network
 
-    def fault(name, strategies):
-        return parity_case(name, strategies, "--model.init_args.fault", name, module=FAULT)
+    def fault(name, strategies, *overrides):
+        return parity_case(name, strategies, *overrides, "--model.init_args.fault", name, module=FAULT)
 
     vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
     expert = ["--model.init_from", "null", "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}), "--data.action_horizon", "4"]
@@ -193,6 +193,8 @@ def parity_on_two_processes():
         parity_case("interleaved", "pp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
                     pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),
         fault("unscaled_microbatches", "pp"),
+        parity_case("experts", "ep", *PARITY_MOE),
+        fault("wrong_rank", "ep", *PARITY_MOE),
     ]
     return check_parity(cases)
 
@@ -202,15 +204,17 @@ def parity_on_four_processes():
     """As ``parity_on_two_processes`` for the 2-D meshes: compiled, checkpointed blocks with FSDP
     keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
     runs the compiled graph like inductor, without generating kernels, which takes minutes on a
-    CPU); a model shape drawn at random; gradients averaged over the wrong group; pipeline stages
-    sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
-    from suite import PARITY_SIZE, parity_case
+    CPU); a model shape drawn at random; a mixture of experts under ep_fsdp (experts over 2 ranks,
+    each rank's experts FSDP-sharded over 2); gradients averaged over the wrong group; pipeline
+    stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
+    from suite import PARITY_MOE, PARITY_SIZE, parity_case
     from uma_lightning.parallel.parity import check_parity, random_network
 
     switches = {"activation_checkpointing": "full", "compile": "blocks", "compile_backend": "aot_eager", "reshard_after_forward": False, "cpu_offload": True}
     cases = [
         parity_case("switches", "hsdp,fsdp_tp", **switches),
         parity_case("shape 2", "hsdp,fsdp_tp", *random_network(2)),
+        parity_case("experts 4", "ep_fsdp", *PARITY_MOE),
         parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
         parity_case("pipeline fsdp", "pp_fsdp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
                     pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),

@@ -46,7 +46,9 @@ class InjectedFault(PretrainModule):
     - ``unreduced_norm``: (plan) block 0's sequence-parallel feed-forward norm computes on local
       tokens and leaves its weight gradient unreduced;
     - ``unscaled_microbatches``: (pipeline) gradients are summed over the microbatches, not averaged
-      (the schedule's division by their number left out).
+      (the schedule's division by their number left out);
+    - ``wrong_rank``: (plan) block 0's mixture-of-experts layer sends the tokens meant for each ep
+      rank's experts to the next rank, whose experts at the same local index compute them.
     """
 
     UNREDUCED = "model.backbone.layers.0.ffn.w2.weight"
@@ -100,6 +102,26 @@ class _ShardGroupOnly:
     def __getitem__(self, dims):
         return self.mesh["dp_shard"] if dims == ("dp_replicate", "dp_shard") else self.mesh[dims]
 
+    @property
+    def mesh_dim_names(self):
+        return self.mesh.mesh_dim_names
+
+
+class _ToNextRank:
+    """A MoE layer's expert-parallel dispatch with the bug: each rank's block of tokens goes to the
+    rank after the one owning their experts, and the outputs come back in the right place."""
+
+    def __init__(self, dispatch):
+        self.dispatch = dispatch
+
+    def __call__(self, experts, x, counts):
+        per_rank = counts.view(self.dispatch.size, -1)
+        blocks = x.split(per_rank.sum(1).tolist())
+        moved = per_rank.roll(1, 0)  # row r now holds what was meant for rank r - 1
+        out = self.dispatch(experts, torch.cat(blocks[-1:] + blocks[:-1]), moved.flatten())
+        back = out.split(moved.sum(1).tolist())
+        return torch.cat(back[1:] + back[:1])
+
 
 def _parallelize_with_fault(model: FaultyRobot, mesh, config):
     from torch.distributed.tensor import DTensor
@@ -122,6 +144,8 @@ def _parallelize_with_fault(model: FaultyRobot, mesh, config):
             return DTensor.from_local(out, x.device_mesh, x.placements)
 
         norm.forward = local_norm
+    if model.fault == "wrong_rank":
+        block.ffn.dispatch = _ToNextRank(block.ffn.dispatch)
     return applied
 
 

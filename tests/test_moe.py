@@ -69,6 +69,9 @@ def test_grouped_experts_need_aligned_rows_and_auto_falls_back_to_the_loop():
     with pytest.raises(ValueError, match="kernels.experts=grouped needs dim and expert hidden sizes .* got dim 5, hidden 8"):
         expert_feed_forward(x, counts, w13, w13, w2, backend="grouped")
     torch.testing.assert_close(expert_feed_forward(x, counts, w13, w13, w2, backend="auto"), expert_feed_forward(x, counts, w13, w13, w2, backend="loop"))
+    # Aligned rows in float64 (uma parity's dtype), which grouped_mm does not take: the loop, bit for bit.
+    x, w13, w2 = torch.randn(3, 8, dtype=torch.float64), torch.randn(1, 8, 8, dtype=torch.float64), torch.randn(1, 8, 8, dtype=torch.float64)
+    assert torch.equal(expert_feed_forward(x, counts, w13, w13, w2, backend="auto"), expert_feed_forward(x, counts, w13, w13, w2, backend="loop"))
     with pytest.raises(ValueError, match="kernels.experts: unknown backend 'fast'"):
         KernelConfig(experts="fast")
 
@@ -126,6 +129,10 @@ def test_bias_update_moves_overloaded_experts_down_and_underloaded_up():
     frozen = moe_layer(bias_update_rate=0.0)
     frozen.update_bias(torch.tensor([10, 2, 4, 4]))
     assert not frozen.expert_bias.any()
+    # proportional: the step times (mean - load) / mean, so nearly even loads barely move it
+    proportional = moe_layer(bias_update_rate=0.01, bias_update="proportional")
+    proportional.update_bias(torch.tensor([10, 2, 4, 4]))
+    torch.testing.assert_close(proportional.expert_bias, torch.tensor([-0.01, 0.006, 0.002, 0.002]))
 
 
 def test_biases_move_once_per_optimizer_step_from_every_micro_batch():
@@ -189,6 +196,8 @@ def test_bad_moe_settings_are_one_line_errors():
         MoEConfig(n_experts=4, top_k=5)
     with pytest.raises(ValueError, match="moe.score must be one of softmax, sigmoid, got 'relu'"):
         MoEConfig(score="relu")
+    with pytest.raises(ValueError, match="moe.bias_update must be one of sign, proportional, got 'linear'"):
+        MoEConfig(bias_update="linear")
     with pytest.raises(ValueError, match=r"model size: unknown moe key\(s\) \['experts'\]"):
         load_size({"name": "tiny_moe", "moe": {"experts": 8}})
 

@@ -7,6 +7,10 @@ their outputs weighted by its scores renormalised over the chosen ones, plus the
 Load balancing is aux-loss-free by default: a per-expert bias, added to the scores only to choose
 experts, is nudged after every optimizer step towards the experts that got fewer tokens than the
 mean (``update_bias``, outside autograd; the bias is a persistent buffer, so checkpoints carry it).
+The nudge is a fixed step times sign(mean - load) (``bias_update: sign``, DeepSeek-V3's), or that
+step times (mean - load) / mean (``proportional``), which shrinks as the loads even out: tokens of
+similar hidden states choose alike, so a fixed step that moves one of them moves them all, and
+the load swings from expert to expert instead of settling.
 An optional sequence-level auxiliary loss adds ``aux_loss_weight`` times its value to the
 training loss through the layer's output (see ``_AuxiliaryLoss``), so it reaches the router whatever
 wraps the block.
@@ -37,6 +41,7 @@ from torch import Tensor, nn
 from uma_lightning.kernels import KernelConfig, expert_feed_forward
 
 ROUTER_SCORES = ("softmax", "sigmoid")
+BIAS_UPDATES = ("sign", "proportional")
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,8 @@ class MoEConfig:
 
     ``every_n_layers``: layers i with (i + 1) % every_n_layers == 0 are MoE layers (1: all of them);
     ``expert_dim``: each expert's hidden size (empty: the backbone's ffn_dim);
-    ``bias_update_rate``: step of the balancing bias per optimizer step (0: no bias balancing).
+    ``bias_update_rate``: step of the balancing bias per optimizer step (0: no bias balancing);
+    ``bias_update``: ``sign`` (the step times sign(mean - load)) or ``proportional`` (times (mean - load) / mean).
     """
 
     n_experts: int = 8
@@ -55,6 +61,7 @@ class MoEConfig:
     expert_dim: Optional[int] = None
     score: str = "softmax"
     bias_update_rate: float = 1e-3
+    bias_update: str = "sign"
     aux_loss_weight: float = 0.0
     capacity_factor: Optional[float] = None
 
@@ -67,6 +74,8 @@ class MoEConfig:
             raise ValueError(f"moe.n_shared must be >= 0 and moe.every_n_layers >= 1, got {self.n_shared} and {self.every_n_layers}")
         if self.score not in ROUTER_SCORES:
             raise ValueError(f"moe.score must be one of {', '.join(ROUTER_SCORES)}, got {self.score!r}")
+        if self.bias_update not in BIAS_UPDATES:
+            raise ValueError(f"moe.bias_update must be one of {', '.join(BIAS_UPDATES)}, got {self.bias_update!r}")
         if self.bias_update_rate < 0 or self.aux_loss_weight < 0:
             raise ValueError(f"moe.bias_update_rate and moe.aux_loss_weight must be >= 0, got {self.bias_update_rate} and {self.aux_loss_weight}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
@@ -185,7 +194,11 @@ class MoEFeedForward(nn.Module):
         """Nudge the bias of experts that got more than the mean number of tokens down, the others up."""
         if self.cfg.bias_update_rate:
             routed = routed.float().to(self.expert_bias.device)
-            self.expert_bias += self.cfg.bias_update_rate * torch.sign(routed.mean() - routed)
+            mean = routed.mean()
+            if self.cfg.bias_update == "sign":
+                self.expert_bias += self.cfg.bias_update_rate * torch.sign(mean - routed)
+            elif mean > 0:
+                self.expert_bias += self.cfg.bias_update_rate * (mean - routed) / mean
 
 
 def sequence_balance_loss(scores: Tensor, routing: Routing, cfg: MoEConfig) -> Tensor:

@@ -56,7 +56,8 @@ from uma_lightning.hyperparameters import constructor_arguments, plain
 from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, grouped_settings, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
-from uma_lightning.parallel.pipeline import clip_grad_norm, pipeline_of
+from uma_lightning.parallel.grad_norm import clip_grad_norm
+from uma_lightning.parallel.pipeline import pipeline_of
 from uma_lightning.policy import Policy
 
 log = logging.getLogger("uma_lightning")
@@ -333,6 +334,8 @@ class StageModule(L.LightningModule):
         # Always measure the norm (the first sign of divergence); clip only when the trainer asks to.
         by_norm = bool(gradient_clip_val) and gradient_clip_algorithm in (None, "norm")
         params = [p for p in self.parameters() if p.grad is not None]
+        # Across meshes (with expert parallelism, experts and the other parameters are laid out on
+        # different ones) and pipeline stages.
         grad_norm = clip_grad_norm(params, float(gradient_clip_val) if by_norm else math.inf, self.device_mesh)
         self.log("grad_norm", grad_norm)
         if gradient_clip_val and not by_norm:

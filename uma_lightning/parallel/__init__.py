@@ -1,6 +1,6 @@
 """Parallelism: the mesh strategy (DDP, FSDP2, tensor parallel, hybrids), per-model plans, and the parity tool.
 
-Importing this package registers the strategy names ddp, fsdp, tp, hsdp and fsdp_tp in
+Importing this package registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp, ep and ep_fsdp in
 Lightning's strategy registry (the ``uma`` command imports it).
 """
 

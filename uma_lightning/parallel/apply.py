@@ -85,22 +85,31 @@ def apply_compile(blocks: list[nn.Module], config: ParallelConfig) -> str:
     return f"torch.compile ({config.compile_backend}) per block"
 
 
-def apply_fsdp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig) -> str:
-    """FSDP2 on each block, then on the root for the parameters outside the blocks.
-
-    A 1-D ``dp_mesh`` shards across all its ranks (FSDP); a 2-D (replicate, shard) mesh shards
-    within groups and all-reduces across them (HSDP).
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+def data_parallel_policies(config: ParallelConfig):
+    """FSDP2's (and replicate's) mixed-precision and offload policies for ``config``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     # bf16 compute and all-gathers halve memory traffic; gradients are reduced in fp32 so the
     # sum over many ranks does not lose the small contributions.
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.bf16_params else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.cpu_offload else OffloadPolicy()
+    return mp_policy, offload
+
+
+def apply_fsdp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig, ignored: set[nn.Parameter] | None = None) -> str:
+    """FSDP2 on each block, then on the root for the parameters outside the blocks.
+
+    A 1-D ``dp_mesh`` shards across all its ranks (FSDP); a 2-D (replicate, shard) mesh shards
+    within groups and all-reduces across them (HSDP). ``ignored`` parameters are left as they are
+    (experts that expert parallelism already split over these ranks).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mp_policy, offload = data_parallel_policies(config)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload, ignored_params=ignored)
     # The root's parameters are needed again right at the start of backward: keep them gathered.
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload, ignored_params=ignored)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
     details = [f"reshard_after_forward={config.reshard_after_forward}"]
     if config.bf16_params:
@@ -110,13 +119,12 @@ def apply_fsdp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: Parall
     return f"{kind} over {'x'.join(map(str, dp_mesh.shape))} ranks per block and at the root ({', '.join(details)})"
 
 
-def apply_ddp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig) -> str:
+def apply_ddp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig, ignored: set[nn.Parameter] | None = None) -> str:
     """Full replicas with gradients all-reduced per block, so each block's reduction overlaps the backward of the next."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.bf16_params else MixedPrecisionPolicy()
+    mp_policy, _ = data_parallel_policies(config)
     for block in blocks:
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-    replicate(root, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
+    replicate(root, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
     return f"DDP over {dp_mesh.size()} replicas, gradients all-reduced per block" + (" (bf16 params, fp32 reduce)" if config.bf16_params else "")

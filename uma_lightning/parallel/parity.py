@@ -5,7 +5,7 @@
 
 The recipe's model and data are resolved as ``uma fit`` would, and the first ``--steps`` batches
 of its training data become the global batches. Each strategy trains on them in a group of gloo
-processes on this machine (2, or 4 for the meshes hsdp, fsdp_tp, pp_fsdp and pp_fsdp_tp), each data-parallel rank
+processes on this machine (2, or 4 for the meshes hsdp, fsdp_tp, pp_fsdp, pp_fsdp_tp and ep_fsdp), each data-parallel rank
 on its equal slice of every global batch, from the same initial weights as the references:
 
 - one process on each whole global batch: the comparison that matters, judged against the
@@ -21,8 +21,9 @@ Two choices keep a correct strategy from ever looking wrong:
   difference cannot compound through the optimizer (AdamW divides each gradient element by its
   running size, which magnifies rounding noise of near-zero gradients step after step).
 
-The verdict also checks that the initial weights equal the reference's and that every rank
-holds the same copy of every replicated weight. For a strategy that fails, the report names the
+The verdict also checks that the initial weights equal the reference's, that every rank holds
+the same copy of every replicated weight, and, for mixture-of-experts models, that every step
+routes exactly as many tokens to each expert of each layer as one process does. For a strategy that fails, the report names the
 first parameter in model order where the run parts ways: in the initial weights, between the
 ranks, or in the gradients of the first step that differs (with the one that differs most).
 
@@ -49,6 +50,7 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision
 
 from uma_lightning.cli_errors import ConfigError
+from uma_lightning.models.moe import moe_layers
 from uma_lightning.parallel.launch import run_local_group
 from uma_lightning.parallel.mesh import MESH_DIMS
 from uma_lightning.parallel.precision_parity import compare_precision, print_precision_report
@@ -121,6 +123,12 @@ TOLERANCES = {
     ),
     "pp_fsdp": _tolerance(False, "the pp and fsdp reorderings together"),
     "pp_fsdp_tp": _tolerance(False, "the pp and tp reorderings together (fsdp too where the processes allow it)"),
+    "ep": _tolerance(
+        False,
+        "as ddp for the other parameters. An expert's owner sums the gradient over both ranks' tokens in one matmul, "
+        "where the accumulating reference adds two per-slice sums",
+    ),
+    "ep_fsdp": _tolerance(False, "the ep reordering, with the dense and the expert gradients summed by reduce-scatters"),
 }
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
@@ -134,7 +142,16 @@ LAYOUTS = {
     "pp_fsdp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}),
     # On four processes the FSDP dimension has one rank: tp and pp are what it checks together.
     "pp_fsdp_tp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}),
+    # Experts split over 2 ranks: all of them under ep (the rest DDP); under ep_fsdp each rank's
+    # experts are FSDP-sharded over 2 more, as the dense layers are over all 4.
+    "ep": (2, {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "ep": 2}),
+    "ep_fsdp": (4, {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 2}),
 }
+
+
+def needs_experts(name: str) -> bool:
+    """Whether the strategy splits experts (ep above one), which refuses a model without mixture-of-experts layers."""
+    return LAYOUTS[name][1].get("ep", 1) > 1
 
 
 def data_parallel_size(name: str) -> int:
@@ -203,6 +220,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         module, batches, trainer_args = resolve(args.config, overrides, args.steps)
         check_batch_splits(len(batches[0]["sample_id"]), strategies, args.pp_microbatches)
+        check_experts(module, strategies)
     except ConfigError as err:
         print(f"uma parity: error: {err}", file=sys.stderr)
         return 2
@@ -242,6 +260,16 @@ def check_batch_splits(global_batch: int, strategies: list[str], pp_microbatches
                 f"{name}: global batch {global_batch} (data.batch_size) does not split over {data_parallel_size(name)} data-parallel ranks"
                 + (f" x {parts // data_parallel_size(name)} pipeline microbatches" if stages > 1 else "")
             )
+
+
+def check_experts(module, strategies: list[str]) -> None:
+    """The expert-parallel strategies need mixture-of-experts layers; the model is built on the meta device to look."""
+    wanting = [name for name in strategies if needs_experts(name)]
+    if wanting:
+        with torch.device("meta"):
+            model = module.build_model()
+        if not moe_layers(model):
+            raise ConfigError(f"{', '.join(wanting)}: the model has no mixture-of-experts layers to split (use a size with a moe: section, e.g. --model.network.size tiny_moe)")
 
 
 def resolve(config: str, overrides: list[str], steps: int):
@@ -316,6 +344,7 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
     update_diffs = [_relative_update_diff(run["params"][k], whole_batch["params"][k], whole_batch["params"][k - 1]) for k in range(1, steps + 1)]
     initial = first_difference(run["params"][0], whole_batch["params"][0])
     replicas = next(({"parameter": n, "max_abs_diff": d} for n, d in run["replica_spread"].items() if d), None)
+    routing = first_routing_difference(whole_batch, run)
     bitwise = (
         run["losses"] == accumulated["losses"]
         and all(_same(a, b) for a, b in zip(run["grads"], accumulated["grads"]))
@@ -327,6 +356,7 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
         len(run["losses"]) == steps
         and initial is None
         and replicas is None
+        and routing is None
         and all(measured[k] <= getattr(tol, k) for k in measured)
         and divergence is None
         and (bitwise or not tol.bitwise)
@@ -343,6 +373,7 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
         "initial_param_diff": _max_param_diff(run["params"][0], whole_batch["params"][0]),
         "initial_difference": initial,
         "replica_difference": replicas,
+        "routing_difference": routing,
         "loss_tolerance": tol.loss,
         "gradient_tolerance": tol.grad,
         "update_tolerance": tol.update,
@@ -353,6 +384,18 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
         "first_divergence": divergence,
         "parts_ways_at": parting_parameter(initial, replicas, divergence),
     }
+
+
+def first_routing_difference(reference: dict, run: dict) -> dict | None:
+    """The first step and mixture-of-experts layer where the run sent other numbers of tokens to
+    the experts than the reference (counts summed over ranks), with both counts; None if none."""
+    for step, (expected, counts) in enumerate(zip(reference["routing"], run["routing"]), start=1):
+        for layer, want, got in zip(reference["moe_layers"], expected, counts):
+            if not torch.equal(want, got):
+                return {"step": step, "layer": layer, "expected": want.tolist(), "got": got.tolist()}
+    if len(reference["routing"]) != len(run["routing"]):
+        return {"step": min(len(reference["routing"]), len(run["routing"])) + 1, "layer": None, "expected": None, "got": None}
+    return None
 
 
 def parting_parameter(initial: dict | None, replicas: dict | None, divergence: dict | None) -> str | None:
@@ -433,7 +476,7 @@ def print_report(config: str, results: dict, global_batch: int) -> None:
         "each step from the reference's weights"
     )
     print(
-        f"mesh: pp x dp_replicate x dp_shard x tp. loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
+        f"mesh: pp x dp_replicate x dp_shard x tp (x ep). loss diff: relative (tolerance {tol.loss:.1e}); grad diff: max abs difference of a "
         f"gradient over its largest element (tolerance {tol.grad:.1e}); update diff: per step |params - reference| / "
         f"|reference update|, L2 over all parameters (tolerance {tol.update:.1e}). margin: tolerance / difference, worst of the three"
     )
@@ -462,6 +505,9 @@ def explain_failure(name: str, r: dict) -> str:
     if r["initial_difference"]:
         d = r["initial_difference"]
         return f"{name}: the initial weights already differ from the reference's, first in {d['parameter']} (by {d['max_abs_diff']:.3g}): the plan changed the weights"
+    if r["routing_difference"] and not r["first_divergence"]:
+        d = r["routing_difference"]
+        return f"{name}: at step {d['step']}, {d['layer']} routes tokens per expert {d['got']} where one process routes {d['expected']}"
     if r["replica_difference"]:
         d = r["replica_difference"]
         return f"{name}: the ranks start from different copies of {d['parameter']} (apart by {d['max_abs_diff']:.3g}): a rank was initialised differently"

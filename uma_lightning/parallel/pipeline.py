@@ -206,26 +206,3 @@ class _WaitTimer:
 def pipeline_of(module: nn.Module) -> Optional[Pipeline]:
     """The pipeline a LightningModule's model runs under (the pipeline plan sets ``model.pipeline``), or None."""
     return next((child.pipeline for child in module.children() if getattr(child, "pipeline", None) is not None), None)
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, device_mesh=None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``, with the norm over every pipeline stage's gradients.
-
-    Each stage holds other parameters, so the global norm adds the stages' squared norms (over
-    the ``pp`` mesh dimension); every stage then scales its gradients by the same factor, and
-    returns the same norm.
-    """
-    if device_mesh is None or "pp" not in (device_mesh.mesh_dim_names or ()) or device_mesh["pp"].size() == 1:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads)
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    squares = norm.square()
-    dist.all_reduce(squares, group=device_mesh["pp"].get_group())
-    total = squares.sqrt()
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's clip_grads_with_norm_ computes it
-    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coefficient)
-    return total

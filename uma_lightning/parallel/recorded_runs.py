@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
+from uma_lightning.models.moe import moe_layers
 from uma_lightning.parallel.fixed_batches import fit_on_batches
 
 COMPARE_DTYPE = torch.float64  # what every record holds, whatever the run's precision
@@ -44,8 +45,9 @@ def worker(runs_file: str) -> None:
 
 class Recorder(Callback):
     """What a run did, saved by rank 0: per step the global loss, the full gradients and the full
-    weights after the step (``params[0]``: the initial ones); how far the ranks' copies of each
-    weight are apart at the start; and, if asked, rank 0's output of every layer in every step.
+    weights after the step (``params[0]``: the initial ones), and the tokens each expert of each
+    mixture-of-experts layer got, summed over ranks; how far the ranks' copies of each weight are
+    apart at the start; and, if asked, rank 0's output of every layer in every step.
 
     With a ``trajectory`` (a reference's ``params``), each step starts from the reference's weights.
     """
@@ -55,6 +57,7 @@ class Recorder(Callback):
         self.batch_losses: list[torch.Tensor] = []
         self.grads: list[dict[str, torch.Tensor]] = []
         self.params: list[dict[str, torch.Tensor]] = []
+        self.routing: list[torch.Tensor] = []  # per step: [MoE layers, experts]
         self.replica_spread: dict[str, float] = {}
         self.record_activations = activations
         self.activations: list[dict[str, torch.Tensor]] = []
@@ -78,6 +81,10 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads.append(_from_every_stage({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None}, pl_module))
+        # The step's choices per expert (all its micro-batches), before the balancing bias consumes them.
+        routed = getattr(getattr(pl_module, "expert_balancing", None), "routed", None)
+        if routed is not None:
+            self.routing.append(trainer.strategy.reduce(routed.clone(), reduce_op="sum").cpu())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # The mean over all ranks is the global batch's loss: every data-parallel slice has the
@@ -91,7 +98,8 @@ class Recorder(Callback):
         if trainer.is_global_zero:
             n = self.micro_batches
             losses = [float(sum(self.batch_losses[i : i + n])) for i in range(0, len(self.batch_losses), n)]
-            record = {"losses": losses, "grads": self.grads, "params": self.params, "replica_spread": self.replica_spread}
+            moe = [name for name, _ in moe_layers(pl_module)]
+            record = {"losses": losses, "grads": self.grads, "params": self.params, "replica_spread": self.replica_spread, "routing": self.routing, "moe_layers": moe}
             if self.record_activations:
                 record.update(activations=self.activations, layer_order=self.layer_order)
             torch.save(record, self.out)

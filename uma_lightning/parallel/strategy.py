@@ -1,6 +1,7 @@
 """``MeshStrategy``: one Lightning strategy for DDP, FSDP2, tensor parallel, pipeline parallel and their hybrids.
 
-The strategy owns a pp x dp_replicate x dp_shard x tp device mesh (``mesh.py``). After the module's
+The strategy owns a pp x dp_replicate x dp_shard x tp device mesh, with ep inside the data-parallel
+ranks for mixture-of-experts models (``mesh.py``). After the module's
 ``configure_model()`` has built the model, it looks up the parallel plan registered for each of
 the module's submodules (``plans/``) and applies it; a module that parallelizes itself in
 ``configure_model()``, as Lightning's ModelParallelStrategy expects, is left as it is.
@@ -15,6 +16,9 @@ Registered names (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``):
     pp       pp = all processes                             stages of layers, scheduled in microbatches
     pp_fsdp  pp = 2, dp_shard = the rest                    FSDP within each stage
     pp_fsdp_tp  pp = 2, tp = 2, dp_shard = the rest         tensor parallel and FSDP within each stage
+    ep       dp_replicate = ep = all processes              experts split over all ranks, the rest DDP
+    ep_fsdp  dp_shard = all processes, ep = processes per node
+                                                            the rest FSDP; experts split within a node, FSDP across nodes
 
 Under pp the plan (``plans/pipeline.py``) cuts the model into stages and the training step runs
 the schedule (``pipeline.py``): forward and backward of every microbatch happen inside the
@@ -58,6 +62,7 @@ class MeshStrategy(ModelParallelStrategy):
         pp_microbatches: Optional[int] = None,
         pp_virtual_stages: int = 1,
         pp_split: Optional[list[int]] = None,
+        ep: MeshSize = 1,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
         compile: Compile = "none",
@@ -78,6 +83,7 @@ class MeshStrategy(ModelParallelStrategy):
             pp_microbatches: Microbatches each batch is cut into (None: one per pipeline rank).
             pp_virtual_stages: Stages per pipeline rank (the interleaved schedules take 2 or more, ZBVZeroBubble 2).
             pp_split: The backbone layer each stage after the first starts at; None balances the stages' FLOPs.
+            ep: Expert-parallel ranks, which split every mixture-of-experts layer's experts: data-parallel ranks ("auto": all of them).
             activation_checkpointing: none, full (recompute whole blocks) or ops (keep matmul outputs, recompute the rest).
             ac_every_n_blocks: Checkpoint every n-th block only (1: all of them).
             compile: torch.compile: none, or blocks (each transformer block).
@@ -93,7 +99,7 @@ class MeshStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.mesh_sizes: dict[str, MeshSize] = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        self.mesh_sizes: dict[str, MeshSize] = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ep": ep}
         # Checked in set_world_ranks, where an error reaches the command line as one line (raised
         # here, LightningCLI would report only that the strategy argument did not parse).
         self._pipeline_args = (pp_schedule, pp_microbatches, pp_virtual_stages, pp_split)
@@ -217,7 +223,7 @@ def describe(shape: MeshShape) -> str:
         data = "DDP"
     else:
         data = ""
-    parts = [p for p in ("PP" if shape.pp > 1 else "", data, "TP" if shape.tp > 1 else "") if p]
+    parts = [p for p in ("PP" if shape.pp > 1 else "", data, "TP" if shape.tp > 1 else "", "EP" if shape.ep > 1 else "") if p]
     return " x ".join(parts) or "one process"
 
 
@@ -250,6 +256,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "pp": ("pipeline parallel: stages of layers over all processes", {"pp": "auto", "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
     "pp_fsdp": ("two pipeline stages, FSDP over the processes of each", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 1}),
     "pp_fsdp_tp": ("two pipeline stages, tensor parallel over pairs of processes in each, FSDP over the pairs", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 2}),
+    "ep": ("expert parallel over all processes, other parameters replicated (DDP)", {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "ep": "auto"}),
+    "ep_fsdp": (
+        "FSDP over all processes, experts split within each node and sharded across nodes",
+        {"dp_replicate": 1, "dp_shard": "auto", "tp": 1, "ep": "node"},
+    ),
 }
 
 

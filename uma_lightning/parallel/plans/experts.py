@@ -12,19 +12,25 @@ Each layer's ``dispatch`` becomes: send every token choice to the rank owning it
 model's own: each choice's output lands in its own slot, so there is no atomic accumulation and
 results do not depend on arrival order.
 
-Gradients: an expert's gradient on its owner is the sum over every token routed to it from every
-rank of the group, i.e. what one process would get for the summed loss of all their samples. Data
-parallelism averages the other parameters' gradients over ranks, so a strategy that combines the
-two divides the experts' gradients by the ranks that share them.
+Gradients: an expert's gradient on its owner sums over every token routed to it from every rank
+of the group, i.e. over P ranks' losses. The ep ranks are data-parallel ranks, whose losses data
+parallelism averages, so the experts' gradients are scaled by 1 / P on the way in. Their own data
+parallelism (``apply_expert_data_parallel``: FSDP or DDP over the ranks that hold the same
+experts, ``mesh.py``) then averages over the rest, which gives the mean over every rank.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor, nn
 
 from uma_lightning.kernels import expert_feed_forward
 from uma_lightning.models.moe import GroupedExperts, moe_layers
+from uma_lightning.parallel.apply import ParallelConfig, data_parallel_policies
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
 def check_expert_parallel(model: nn.Module, ep: int, world_size: int) -> None:
@@ -39,6 +45,10 @@ def check_expert_parallel(model: nn.Module, ep: int, world_size: int) -> None:
             raise ValueError(f"ep {ep} does not divide the {layer.cfg.n_experts} experts of {name}")
 
 
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    return {getattr(layer.experts, name) for _, layer in moe_layers(model) for name in EXPERT_WEIGHTS}
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> str:
     """Shard every MoE layer's experts over the 1-D ``ep_mesh`` and dispatch its tokens with all-to-all."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -46,12 +56,51 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> str:
     layers = moe_layers(model)
     for _, layer in layers:
         experts = layer.experts
-        for name in ("w1", "w3", "w2"):
+        for name in EXPERT_WEIGHTS:
             whole = getattr(experts, name)
             setattr(experts, name, nn.Parameter(distribute_tensor(whole.detach(), ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad))
+        # Called as a module (not its weights read directly), so FSDP's hooks gather the experts' shards around it.
+        experts.forward = functools.partial(local_experts_forward, experts, 1.0 / ep_mesh.size())
         layer.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep_mesh.size())
     n_experts = layers[0][1].cfg.n_experts if layers else 0
     return f"expert parallel over {ep_mesh.size()} ranks ({n_experts // ep_mesh.size()} of {n_experts} experts per rank in {len(layers)} MoE layers)"
+
+
+def apply_expert_data_parallel(model: nn.Module, mesh, expert_dp_dim: str, sharded: bool, config: ParallelConfig) -> str:
+    """FSDP (``sharded``) or DDP of each MoE layer's experts over ``mesh[expert_dp_dim]``, the ranks
+    that hold the same experts. Done before the blocks are wrapped, which then leave these alone."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    mp_policy, offload = data_parallel_policies(config)
+    expert_mesh = mesh[expert_dp_dim]
+    layers = moe_layers(model)
+    for _, layer in layers:
+        if sharded:
+            fully_shard(layer.experts, mesh=expert_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
+        else:
+            replicate(layer.experts, mesh=expert_mesh, mp_policy=mp_policy)
+    kind = "FSDP" if sharded else "DDP"
+    return f"experts of {len(layers)} MoE layers: {kind} over the {expert_mesh.size()} ranks holding the same experts ({expert_dp_dim})"
+
+
+def local_experts_forward(experts: GroupedExperts, gradient_scale: float, x: Tensor, counts: Tensor) -> Tensor:
+    """``GroupedExperts.forward`` on this rank's experts, their gradients scaled by ``gradient_scale``."""
+    weights = [_ScaledGradient.apply(getattr(experts, name).to_local(), gradient_scale) for name in EXPERT_WEIGHTS]
+    return expert_feed_forward(x, counts, *weights, backend=experts.kernels.experts, swiglu_backend=experts.kernels.swiglu)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale`` (a power of two for ep a power of two: exact)."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
 
 
 class AllToAllDispatch:
@@ -75,10 +124,7 @@ class AllToAllDispatch:
         # Arrived rows are grouped by source rank, then expert; the experts want them by expert.
         expert_of_row = torch.arange(local_experts, device=x.device).repeat(self.size).repeat_interleave(received.flatten())
         by_expert = torch.argsort(expert_of_row, stable=True)
-        out = expert_feed_forward(
-            arrived[by_expert], received.sum(0), experts.w1.to_local(), experts.w3.to_local(), experts.w2.to_local(),
-            backend=experts.kernels.experts, swiglu_backend=experts.kernels.swiglu,
-        )  # fmt: skip
+        out = experts(arrived[by_expert], received.sum(0))
         back = torch.empty_like(out)
         back[by_expert] = out  # a permutation: each row written once
         return all_to_all_single(x.new_empty(x.shape[0], out.shape[1]), back, send_splits, receive_splits, group=self.group)

@@ -1,5 +1,5 @@
 """Parallel plan of the robot backbone family (``RobotBase`` in uma_lightning.models.robot and its
-subclasses): TP -> LoRA layouts -> AC -> compile -> data parallel -> inference methods.
+subclasses): EP -> TP -> LoRA layouts -> AC -> compile -> data parallel -> inference methods.
 
 The plan lays out what every robot model shares, the modality tokenizers and the backbone, and
 asks each of the model's heads (``HeadPlan``, registered per model class) for the rest: which of
@@ -19,6 +19,10 @@ Tensor parallel layout (Megatron style, with sequence parallelism):
 
 Every parameter becomes a DTensor on the tensor-parallel mesh, so gradient clipping, optimizers
 and checkpoints handle one kind of tensor.
+
+Mixture-of-experts layers: their experts are split over the ``ep`` ranks (``plans/experts.py``)
+and laid out over the data-parallel ranks that hold the same experts on their own; the blocks'
+data parallelism covers every other parameter. Tensor parallelism has no layout for them yet.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from uma_lightning.models import RobotBase, RobotTransformer, Transformer
 from uma_lightning.models.lora import LoRALinear
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
 from uma_lightning.parallel.mesh import MeshShape
+from uma_lightning.parallel.plans.experts import apply_expert_data_parallel, apply_expert_parallel, check_expert_parallel, expert_parameters
 from uma_lightning.parallel.plans.registry import HeadPlan, heads_for
 
 # The observation's arguments every robot model's forward starts with: images, state, text ids, text mask.
@@ -45,6 +50,7 @@ BLOCK_ROWWISE = ("attn.wo", "ffn.w2")
 
 
 def check_robot(model: RobotBase, shape: MeshShape, config: ParallelConfig) -> None:
+    check_expert_parallel(model, shape.ep, shape.world_size)
     if shape.tp == 1:
         return
     b = model.cfg.backbone
@@ -202,29 +208,40 @@ def robot_blocks(model: RobotBase) -> list[nn.Module]:
 
 
 def parallelize_robot(model: RobotBase, mesh, config: ParallelConfig) -> list[str]:
-    """Apply the plan in place on ``mesh`` (dims dp_replicate, dp_shard, tp); returns what was applied.
+    """Apply the plan in place on ``mesh`` (dims dp_replicate, dp_shard, tp; ep and the experts' own
+    data-parallel dimension with expert parallelism, see ``mesh.py``); returns what was applied.
 
-    The order matters. TP first: it turns weights into DTensor shards and adds the input and
+    The order matters. EP first: it splits the experts over their ranks, which data parallelism
+    must then leave alone. TP next: it turns weights into DTensor shards and adds the input and
     output redistributions that the later steps must wrap; the LoRA adapters then follow their
     layers' layouts. AC before compile, so the compiled block includes the recompute policy.
     Data parallelism after, so its per-block all-gathers and reduce-scatters wrap whole
-    (checkpointed, compiled) blocks: the backbone's, then each head's. The inference methods last,
-    so their wrappers see the final module.
+    (checkpointed, compiled) blocks: the experts' first (nested in the blocks, over their own
+    ranks), then the backbone's blocks, then each head's. The inference methods last, so their
+    wrappers see the final module.
     """
     heads = heads_for(model)
     blocks = robot_blocks(model)
     tp = mesh["tp"].size() > 1
-    applied = []
+    expert_dp_dim = next((dim for dim in ("expert_shard", "expert_replicate") if dim in (mesh.mesh_dim_names or ())), None)
+    applied, experts = [], set()
+    if expert_dp_dim:
+        applied.append(apply_expert_parallel(model, mesh["ep"]))
+        experts = expert_parameters(model)
     if tp:
         applied.append(apply_tp(model, mesh["tp"], heads))
         applied.append(apply_tp_lora(model, mesh["tp"]))
     applied.append(apply_ac(blocks, config))
     applied.append(apply_compile(blocks, config))
-    if mesh["dp_shard"].size() > 1:
+    sharded = mesh["dp_shard"].size() > 1
+    if expert_dp_dim and mesh[expert_dp_dim].size() > 1:
+        applied.append(apply_expert_data_parallel(model, mesh, expert_dp_dim, sharded, config))
+        experts = set()  # wrapped on their own: the blocks' data parallelism skips them
+    if sharded:
         dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
-        applied.append(apply_fsdp(blocks, model, dp_mesh, config))
+        applied.append(apply_fsdp(blocks, model, dp_mesh, config, ignored=experts))
     elif mesh["dp_replicate"].size() > 1:
-        applied.append(apply_ddp(blocks, model, mesh["dp_replicate"], config))
+        applied.append(apply_ddp(blocks, model, mesh["dp_replicate"], config, ignored=experts))
     applied.append(apply_inference_methods(model, tp))
     return [line for line in applied if line]
 
