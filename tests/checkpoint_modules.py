@@ -13,6 +13,7 @@ from lightning.pytorch import Callback, LightningModule
 
 from suite import RECIPE, TINY
 from uma_lightning.modules import PretrainModule
+from uma_lightning.parallel.pipeline import pipeline_of
 
 MAX_STEPS = 22  # the resume recipe's
 
@@ -55,7 +56,8 @@ class RunsCommand:
 
 
 class RecordSteps(Callback):
-    """Appends ``{"step", "loss", "samples"}`` per optimizer step to ``<dir>/steps-rank<r>.jsonl``."""
+    """Appends ``{"step", "loss", "samples"}`` per optimizer step to ``<dir>/steps-rank<r>.jsonl``, and
+    under pipeline parallelism the step's ``bubble`` (what StepTimeBreakdown logs)."""
 
     def __init__(self, dir: str):
         self.dir = Path(dir)
@@ -63,6 +65,9 @@ class RecordSteps(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.dir.mkdir(parents=True, exist_ok=True)
         record = {"step": trainer.global_step, "loss": outputs["loss"].item(), "samples": batch["sample_id"].tolist()}
+        pipeline = pipeline_of(pl_module)
+        if pipeline is not None:
+            record["bubble"] = pipeline.bubble_fraction
         with open(self.dir / f"steps-rank{trainer.global_rank}.jsonl", "a") as file:
             file.write(json.dumps(record) + "\n")
 

@@ -141,6 +141,9 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
     assert forked_cli.run_as_ranks(_argv(reference, tmp_path / "reference"), tmp_path / "reference.log", tmp_path) == [0, 0]
     log = (tmp_path / "reference.log").read_text()
     assert "pipeline: 2 stages, 1F1B, 2 microbatches; stage 0: tokenizers + layer 0 (" in log and "stage 1: layer 1 + heads (" in log
+    # The bubble: a share of each step, the stages' mean, so the same on both ranks.
+    bubbles = [[r["bubble"] for r in recorded_steps(tmp_path / "reference-record", rank)] for rank in (0, 1)]
+    assert bubbles[0] == bubbles[1] and all(0 < b < 1 for b in bubbles[0])
 
     # The same command, killed (SIGKILL, both ranks) once step 8 is done, then run again.
     recipe = _recipe(tmp_path / "interrupted.yaml", tmp_path / "record", "pp", STEPS)
