@@ -82,13 +82,17 @@ class ImbalanceRecorder(Callback):
             print(f"step {len(self.per_step)}: mean imbalance over the last {len(last)} steps {sum(last) / len(last):.3f}", flush=True)
 
 
-def balance(steps: int, window: int, bias_update_rate: float, bias_update: str, batch_size: int) -> dict:
-    from uma_lightning.cli import UmaCLI
+def tiny_moe_preset() -> dict:
     from uma_lightning.models import load_size
 
     # Empty settings left out: the command line would read a JSON null as the string "null".
-    preset = {key: value for key, value in dataclasses.asdict(load_size("tiny_moe").moe).items() if value is not None}
-    moe = {**preset, "bias_update_rate": bias_update_rate, "bias_update": bias_update}
+    return {key: value for key, value in dataclasses.asdict(load_size("tiny_moe").moe).items() if value is not None}
+
+
+def balance(steps: int, window: int, bias_update_rate: float, bias_update: str, batch_size: int) -> dict:
+    from uma_lightning.cli import UmaCLI
+
+    moe = {**tiny_moe_preset(), "bias_update_rate": bias_update_rate, "bias_update": bias_update}
     size = {"name": "tiny_moe", "moe": moe}
     recorder = ImbalanceRecorder()
     with tempfile.TemporaryDirectory() as root:
@@ -179,8 +183,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--window", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=32, help="the pretrain recipe's")
-    parser.add_argument("--rates", type=float, nargs="+", default=[1e-3, 0.0], help="bias_update_rate of each run (0: no bias balancing)")
-    parser.add_argument("--bias-update", choices=("sign", "proportional"), default="sign", help="moe.bias_update of every run")
+    parser.add_argument("--rates", type=float, nargs="+", help="bias_update_rate of each run (0: no bias balancing); default: the preset's, and 0")
+    parser.add_argument("--bias-update", choices=("sign", "proportional"), help="moe.bias_update of every run; default: the preset's")
     args = parser.parse_args()
     if args.part in ("layer", "both"):
         rows = layer_speed(args.tokens, args.dim, args.hidden, args.experts, args.top_k, args.shared, args.repeats)
@@ -190,7 +194,9 @@ def main() -> None:
             ["variant", "ms (median)", "x grouped"], rows,
         )  # fmt: skip
     if args.part in ("balance", "both"):
-        results = [balance(args.steps, args.window, rate, args.bias_update, args.batch_size) for rate in args.rates]
+        preset = tiny_moe_preset()
+        rates = args.rates or [preset["bias_update_rate"], 0.0]
+        results = [balance(args.steps, args.window, rate, args.bias_update or preset["bias_update"], args.batch_size) for rate in rates]
         print_table(
             f"Load imbalance (max/mean token choices per expert, mean over MoE layers) over the last {args.window} of {args.steps} "
             f"pretraining steps, tiny_moe, batch {args.batch_size}",

@@ -8,9 +8,10 @@ Load balancing is aux-loss-free by default: a per-expert bias, added to the scor
 experts, is nudged after every optimizer step towards the experts that got fewer tokens than the
 mean (``update_bias``, outside autograd; the bias is a persistent buffer, so checkpoints carry it).
 The nudge is a fixed step times sign(mean - load) (``bias_update: sign``, DeepSeek-V3's), or that
-step times (mean - load) / mean (``proportional``), which shrinks as the loads even out: tokens of
-similar hidden states choose alike, so a fixed step that moves one of them moves them all, and
-the load swings from expert to expert instead of settling.
+step times (mean - load) / mean (``proportional``), which shrinks as the loads even out. Measured on
+the tiny_moe pretraining run (``benchmarks/moe.py``, batch 8, imbalance over the last 50 of 300
+steps): sign 1e-3 1.93, sign 1e-2 1.85, proportional 1e-2 1.61, proportional 3e-2 3.03 (too large
+a step swings the load from expert to expert), no balancing 3.72.
 An optional sequence-level auxiliary loss adds ``aux_loss_weight`` times its value to the
 training loss through the layer's output (see ``_AuxiliaryLoss``), so it reaches the router whatever
 wraps the block.
