@@ -185,6 +185,8 @@ def parity_on_two_processes():
         parity_case("recipe", "ddp,fsdp,tp", "--model.network.environment_state_weight", "0.5", activation_checkpointing="ops", ac_every_n_blocks=2),
         parity_case("keypoints", "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5"),
         *(parity_case(f"shape {seed}", "ddp,fsdp,tp", *random_network(seed)) for seed in (0, 1)),
+        # Shapes 0 and 1 cannot be pipelined (an environment-state head; one layer): 2 can.
+        parity_case("shape 2 in stages", "pp", *random_network(2)),
         fault("unreduced_gradient", "ddp"),
         fault("rank_seed", "ddp,fsdp"),
         fault("wrong_dim", "tp"),
@@ -213,7 +215,7 @@ def parity_on_four_processes():
     switches = {"activation_checkpointing": "full", "compile": "blocks", "compile_backend": "aot_eager", "reshard_after_forward": False, "cpu_offload": True}
     cases = [
         parity_case("switches", "hsdp,fsdp_tp", **switches),
-        parity_case("shape 2", "hsdp,fsdp_tp", *random_network(2)),
+        parity_case("shape 2", "hsdp,fsdp_tp,pp_fsdp,pp_fsdp_tp", *random_network(2)),
         parity_case("experts 4", "ep_fsdp", *PARITY_MOE),
         parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
         parity_case("pipeline fsdp", "pp_fsdp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
