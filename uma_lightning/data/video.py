@@ -146,9 +146,10 @@ class VideoReader:
     wrong state and action.
     """
 
-    # Decode forward instead of seeking when the next request is at most this many frames ahead (or
-    # within the longest GOP seen so far, where a seek would land on a keyframe behind the position).
-    FORWARD_FRAMES = 8
+    # A seek costs about as much as decoding this many pixels of frames: measured 0.2 ms per seek
+    # against 0.26 ms per 224x224 frame (H.264 and AV1 alike), so at 64x64 a seek is worth ~8 frames
+    # and at 224x224 less than one.
+    SEEK_PIXELS = 35_000
 
     def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None) -> None:
         self.path = Path(path)
@@ -163,6 +164,10 @@ class VideoReader:
         if threads > 1:
             self._stream.thread_type = "AUTO"
         self.size = tuple(size) if size is not None else (self._stream.height, self._stream.width)
+        # Decode forward instead of seeking when the frames skipped on the way cost no more than a
+        # seek (or lie within the longest GOP seen so far, where a seek would land on a keyframe
+        # behind the position).
+        self._forward_frames = max(1, round(self.SEEK_PIXELS / (self._stream.height * self._stream.width)))
         rate = self._stream.average_rate or self._stream.guessed_rate or 30
         self._frame_s = 1.0 / float(rate)
         self._frames: Any = None  # the decode generator, positioned after the last decoded frame
@@ -216,7 +221,7 @@ class VideoReader:
         ahead = (
             self._last_time is not None
             and self._last_time + tolerance_s < target
-            and self._wasted_frames(target, keep) <= max(self.FORWARD_FRAMES, self._gop_frames)
+            and self._wasted_frames(target, keep) <= max(self._forward_frames, self._gop_frames)
         )
         if not ahead:
             self._seek(target)
