@@ -118,7 +118,7 @@ class FrameDataset(Dataset):
         action_horizon: int = 8,
         state_norm: NormMode = "mean_std",
         action_norm: NormMode = "min_max",
-        decode_cache_mb: float = 256,
+        decode_cache_mb: float = 512,
         tolerance_s: float = 1e-4,
         max_open_files: int = 64,
         window: Window | None = None,

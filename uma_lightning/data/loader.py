@@ -46,7 +46,7 @@ class BatchStream(IterableDataset):
         world_size: int = 1,
         on_bad_data: BadDataPolicy = "error",
         prefetch_batches: int = 2,
-        plan_batches: int = 8,
+        plan_batches: int = 16,
     ) -> None:
         if on_bad_data not in ("error", "skip"):
             raise ValueError(f"on_bad_data must be 'error' or 'skip', got {on_bad_data!r}")
