@@ -110,9 +110,9 @@ class BatchStream(IterableDataset):
         return batch
 
     def _batch_images(self, n_samples: int) -> torch.Tensor:
-        """The batch's image tensor, which samples write their frames into. In a worker it is made in
-        shared memory, so that handing the batch to the training process copies no pixels (a tensor
-        outside it would be copied there whole)."""
+        """The batch's image tensor, which samples write their frames into. In a worker it is moved to
+        shared memory before they do, so that handing the batch to the training process copies no
+        frames again."""
         # numpy's allocation, not torch.empty: numpy asks for transparent huge pages, where first touching
         # a batch's 29 MiB (224x224) in 4 KiB pages took ~7k page faults (440k for 40 batches, 179k now).
         images = torch.from_numpy(np.empty((n_samples, *self.images_shape), dtype=np.uint8))

@@ -180,15 +180,10 @@ class VideoReader:
     def nbytes_per_frame(self) -> int:
         return self.size[0] * self.size[1] * 3
 
-    def frames_at(
-        self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, keep: dict[int, int] | None = None, out: np.ndarray | None = None
-    ) -> np.ndarray:
+    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         """Frames at `timestamps`, uint8 [N, H, W, 3], written into `out` when it is given (a slot of a
         batch: each frame is then copied once, from the decoder's output to the batch). With an `LRU`
-        cache, frames are looked up by (path, microsecond) first, and the frames returned are stored
-        there. `keep` maps frame numbers (time x fps, rounded) to the microsecond keys later requests
-        will use: frames decoded on the way that it names are converted and cached too, so that no
-        frame is decoded twice."""
+        cache, frames are looked up by (path, microsecond) first, and the frames returned are stored there."""
         query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
         if out is None:
             out = np.empty((len(query), *self.size, 3), dtype=np.uint8)
@@ -199,13 +194,15 @@ class VideoReader:
         for k, target in enumerate(targets.tolist()):
             frame = cache.peek((path, int(round(target * 1e6)))) if cache is not None else None
             if frame is None:
-                frame = self._decode_at(target, tolerance_s, cache, keep)
+                frame = self._decode_at(target, tolerance_s, cache, None)
             out[slots == k] = frame
         return out
 
     def cache_frames(self, timestamps: np.ndarray, tolerance_s: float, cache: Any, keep: dict[int, int] | None = None) -> None:
-        """Decode the frames at `timestamps` that the `LRU` cache lacks into it, in time order
-        (`keep` as in `frames_at`), without assembling them: samples read them from the cache."""
+        """Decode the frames at `timestamps` that the `LRU` cache lacks into it, in time order, without
+        assembling them (samples read them from the cache). `keep` maps frame numbers (time x fps,
+        rounded) to the microsecond keys later requests will use: frames decoded on the way that it
+        names are converted and cached too, so that no frame is decoded twice."""
         path = str(self.path)
         for target in np.unique(np.asarray(timestamps, dtype=np.float64)).tolist():
             if cache.peek((path, int(round(target * 1e6)))) is None:
@@ -390,9 +387,7 @@ class CudaVideoReader:
         except (RuntimeError, ValueError, OSError) as error:
             raise VideoError(f"cannot open video {self.path} on the GPU: {error}") from error
 
-    def frames_at(
-        self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, keep: dict[int, int] | None = None, out: np.ndarray | None = None
-    ) -> np.ndarray:
+    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         import torch
 
         query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
