@@ -65,11 +65,14 @@ class EnvRunner:
         self.episode_length = np.zeros(n_envs, np.int64)
         self.discounted = np.zeros(n_envs, np.float64)
 
+    @torch.inference_mode()
     def fill(self, chunk: dict[str, np.ndarray], act: ActFn, heartbeat: Callable[[], None] = lambda: None) -> None:
         """Step ``T`` times, writing every step into ``chunk`` (arrays laid out as ``chunk_layout``).
 
         The envs write observations, terminations and truncations straight into the chunk, converted on
-        the way, and the policy acts on the chunk's own row: no step makes a private copy first."""
+        the way, and the policy acts on the chunk's own row: no step makes a private copy first. The
+        whole chunk runs in inference mode: entered per step, between simulator steps, it cost up to
+        50 us per batch, as much as a layer of the policy."""
         obs_rows, next_rows, steps = chunk["obs"], chunk["next_obs"], chunk["reward"].shape[0]
         terminated, truncated = chunk["terminated"], chunk["truncated"]
         obs_rows[0] = self.obs
@@ -105,11 +108,11 @@ class PolicyActor:
     """Acts with a local copy of the policy: one batched forward pass for all of a worker's envs."""
 
     def __init__(self, policy: torch.nn.Module, version: int = -1):
-        self.policy = policy.eval()
+        # Without gradients it acts outside inference mode too; EnvRunner.fill enters that once per chunk.
+        self.policy = policy.eval().requires_grad_(False)
         self.state = policy.state_dict()  # views of the parameters: copying into them updates the policy
         self.version = version
 
-    @torch.inference_mode()
     def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         action, log_prob, value = sample_actions(self.policy, torch.from_numpy(obs))
         return action.numpy(), log_prob.numpy(), value.numpy(), self.version
