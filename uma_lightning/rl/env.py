@@ -107,8 +107,8 @@ def make_vector_env(env: str, env_kwargs: Optional[dict[str, Any]], n_envs: int)
 class EnvVector:
     """``n_envs`` copies stepped one after another in this process, with the semantics of
     ``make_vector_env`` (same-step autoreset, unseeded resets after the first), writing each result
-    straight into the caller's arrays. Actors use it because gymnasium's vector spends about as much
-    CPU per step as a small policy does, merging info dicts and copying batches nobody reads."""
+    straight into the caller's arrays. Actors use it because gymnasium's vector spends about half as much
+    CPU per step as a 64x64 policy does, merging info dicts and copying batches nobody reads."""
 
     def __init__(self, env: str, env_kwargs: Optional[dict[str, Any]], n_envs: int):
         self.envs = [make_env(env, env_kwargs) for _ in range(n_envs)]
