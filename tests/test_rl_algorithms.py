@@ -171,8 +171,9 @@ def test_fused_act_draws_and_scores_bitwise_as_the_distribution_it_replaces():
 
 
 def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
-    """Observations written straight into the chunk: each row matches a separate vector env replayed
-    with the chunk's actions, episode ends keep their final observation, and chunks join seamlessly."""
+    """The runner's own env stepping, bitwise as gymnasium's vector env: each row matches one replayed
+    with the chunk's actions, terminated and truncated episodes keep their final observation and reset
+    unseeded, and chunks join seamlessly."""
     import numpy as np
 
     from uma_lightning.rl.env import make_vector_env
@@ -180,7 +181,8 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
 
     spec = probe_env("InvertedPendulum-v5")
     torch.manual_seed(0)
-    runner = EnvRunner(spec, None, 4, seed=3, return_discount=0.9)
+    time_limit = {"max_episode_steps": 10}
+    runner = EnvRunner(spec, time_limit, 4, seed=3, return_discount=0.9)
     act = PolicyActor(GaussianMLPPolicy(spec, hidden=(8,), init_log_std=1.0), version=7)
     layout = chunk_layout(spec, 16, 4)
     chunks = []
@@ -190,7 +192,7 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
         chunks.append(chunk)
     runner.close()
     data = {name: np.concatenate([c[name] for c in chunks]) for name in layout}
-    replay = make_vector_env(spec.env, None, 4)
+    replay = make_vector_env(spec.env, time_limit, 4)
     obs, _ = replay.reset(seed=[3 + i for i in range(4)])
     for t in range(32):
         assert np.array_equal(data["obs"][t], obs.astype(np.float32))
@@ -202,4 +204,4 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
         assert np.array_equal(data["reward"][t], reward.astype(np.float32))
         assert np.array_equal(data["terminated"][t], terminated) and np.array_equal(data["truncated"][t], truncated)
     replay.close()
-    assert data["terminated"].any() and (data["version"] == 7).all()
+    assert data["terminated"].any() and data["truncated"].any() and (data["version"] == 7).all()

@@ -118,7 +118,7 @@ class FrameDataset(Dataset):
         action_horizon: int = 8,
         state_norm: NormMode = "mean_std",
         action_norm: NormMode = "min_max",
-        decode_cache_mb: float = 256,
+        decode_cache_mb: float = 512,
         tolerance_s: float = 1e-4,
         max_open_files: int = 64,
         window: Window | None = None,
@@ -146,7 +146,7 @@ class FrameDataset(Dataset):
         self.dataset_index = dataset_index
         # Frames are decoded at `image_size` (scaled in the decoder's colour conversion) when it is given.
         self.decode_size = tuple(image_size) if image_size is not None else None
-        self.image_size = self.decode_size or metadata.image_size
+        self.image_size = tuple(self.decode_size or metadata.image_size)
         self.decoder_threads = decoder_threads
         self.frame_store = frame_store
         self.reader_class = CudaVideoReader if decoder == "cuda" else VideoReader
@@ -180,9 +180,23 @@ class FrameDataset(Dataset):
         episodes = {self.locate(int(row))[0] for row in rows}
         return sorted({path for e in episodes for path in self.metadata.episode_files(e)})
 
+    @property
+    def images_shape(self) -> tuple[int, ...]:
+        """A sample's images: [observation steps, cameras, height, width, 3]."""
+        return (len(self.obs_offsets), len(self.metadata.cameras), *self.image_size, 3)
+
     def __getitem__(self, row: int) -> dict[str, Any]:
+        return self.sample(row)
+
+    def sample(self, row: int, images: torch.Tensor | None = None) -> dict[str, Any]:
+        """Sample `row`; its frames are written into `images` (uint8 `images_shape`, a batch's slot)
+        when it is given, so that collation does not copy them again."""
         if not 0 <= row < len(self):
             raise IndexError(f"sample {row} out of range for {len(self)} samples")
+        if images is None:
+            images = torch.empty(self.images_shape, dtype=torch.uint8)
+        elif tuple(images.shape) != self.images_shape or images.dtype != torch.uint8:
+            raise ValueError(f"{self.metadata.root}: sample images must be uint8 {self.images_shape}, got {images.dtype} {tuple(images.shape)}")
         episode, t = self.locate(row)
         data = self._episode(episode)
         length = len(data.timestamp)
@@ -193,9 +207,11 @@ class FrameDataset(Dataset):
         action_mask = (action_steps >= 0) & (action_steps < length)
         self._check_times(episode, data, t, obs_rows, obs_mask, self.window.observation)
         self._check_times(episode, data, t, action_rows, action_mask, self.window.action)
-        images = np.stack([self._frames(episode, camera, data.timestamp[obs_rows]) for camera in self.metadata.cameras], axis=1)
+        pixels = images.numpy()
+        for c, camera in enumerate(self.metadata.cameras):
+            self._frames(episode, camera, data.timestamp[obs_rows], pixels[:, c])
         sample = {
-            "images": torch.from_numpy(images),
+            "images": images,
             "obs_mask": torch.from_numpy(obs_mask),
             "state": torch.from_numpy(data.state[obs_rows]),
             "actions": torch.from_numpy(data.action[action_rows]),
@@ -253,46 +269,57 @@ class FrameDataset(Dataset):
         in the decoded-frame cache too. Reading the samples afterwards finds their frames there."""
         _, decoded = self._caches()
         keep: dict[str, dict[int, int]] = {}  # video file -> frame number -> cache key, of the later samples' frames
-        for (episode, camera), times in self._requests(later_rows).items():
-            relative, start = self.metadata.episodes[episode].videos[camera]
-            keep.setdefault(relative, {}).update({int(round(t * self.metadata.fps)): int(round(t * 1e6)) for t in (start + times).tolist()})
+        for episode, times in self._requests(later_rows).items():
+            for camera in self.metadata.cameras:
+                relative, start = self.metadata.episodes[episode].videos[camera]
+                in_file = start + times
+                frame_numbers = np.rint(in_file * self.metadata.fps).astype(np.int64).tolist()
+                keep.setdefault(relative, {}).update(zip(frame_numbers, np.rint(in_file * 1e6).astype(np.int64).tolist()))
         wanted = self._requests(rows)
-        for episode, camera in sorted(wanted, key=lambda key: self.metadata.episodes[key[0]].videos[key[1]]):
+        files = [(episode, camera) for episode in wanted for camera in self.metadata.cameras]
+        for episode, camera in sorted(files, key=lambda key: self.metadata.episodes[key[0]].videos[key[1]]):
             relative, start = self.metadata.episodes[episode].videos[camera]
             if self.frame_store is not None and relative in self.frame_store:
                 continue
             try:
-                self._reader(episode, camera).frames_at(start + wanted[episode, camera], self.tolerance_s, cache=decoded, keep=keep.get(relative))
+                self._reader(episode, camera).cache_frames(start + wanted[episode], self.tolerance_s, decoded, keep=keep.get(relative))
             except VideoError as error:
                 raise VideoError(f"episode {episode}: {error}") from error
 
-    def _requests(self, rows: Sequence[int]) -> dict[tuple[int, str], np.ndarray]:
-        """(episode, camera) -> the distinct times (seconds in the episode) that samples `rows` show."""
-        times: dict[tuple[int, str], set[float]] = {}
-        for row in rows:
-            episode, t = self.locate(int(row))
-            timestamps = self._episode(episode).timestamp
-            steps = timestamps[np.clip(t + self.obs_offsets, 0, len(timestamps) - 1)]
-            for camera in self.metadata.cameras:
-                times.setdefault((episode, camera), set()).update(steps.tolist())
-        return {key: np.asarray(sorted(values)) for key, values in times.items()}
+    def _requests(self, rows: Sequence[int]) -> dict[int, np.ndarray]:
+        """episode -> the distinct times (seconds in the episode, sorted) that samples `rows` show, on every camera."""
+        rows = np.asarray(rows, dtype=np.int64)
+        positions = np.searchsorted(self.starts, rows, side="right") - 1
+        frames = rows - self.starts[positions]
+        times = {}
+        for position in np.unique(positions).tolist():
+            timestamps = self._episode(self.episodes[position]).timestamp
+            steps = frames[positions == position][:, None] + self.obs_offsets
+            times[self.episodes[position]] = np.unique(timestamps[np.clip(steps, 0, len(timestamps) - 1)])
+        return times
 
     def _reader(self, episode: int, camera: str) -> VideoReader:
         files, _ = self._caches()
         path = self.metadata.video_path(episode, camera)
         return files.get(("video", str(path)), lambda: self.reader_class(path, self.decoder_threads, self.decode_size))
 
-    def _frames(self, episode: int, camera: str, times: np.ndarray) -> np.ndarray:
+    def _frames(self, episode: int, camera: str, times: np.ndarray, out: np.ndarray) -> None:
+        """Write one camera's frames at `times` into `out` [N, H, W, 3]; frames of another size (a
+        camera smaller than the dataset's largest) are scaled to it first."""
         _, decoded = self._caches()
         relative, start = self.metadata.episodes[episode].videos[camera]
         try:
             if self.frame_store is not None and relative in self.frame_store:
-                frames = self.frame_store.frames(relative, start + times, self.tolerance_s)
+                same_size = tuple(self.frame_store.size) == self.image_size
+                frames = self.frame_store.frames(relative, start + times, self.tolerance_s, out=out if same_size else None)
             else:
-                frames = self._reader(episode, camera).frames_at(start + times, self.tolerance_s, cache=decoded)
+                reader = self._reader(episode, camera)
+                same_size = tuple(reader.size or ()) == self.image_size
+                frames = reader.frames_at(start + times, self.tolerance_s, cache=decoded, out=out if same_size else None)
         except VideoError as error:
             raise VideoError(f"episode {episode}: {error}") from error
-        return resize_frames(frames, self.image_size)
+        if frames is not out:
+            out[...] = resize_frames(frames, self.image_size)
 
     def _check_times(
         self, episode: int, data: EpisodeData, t: int, rows: np.ndarray, inside: np.ndarray, offsets: tuple[float, ...]

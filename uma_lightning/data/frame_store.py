@@ -133,8 +133,9 @@ class FrameStore:
     def nbytes(self) -> int:
         return sum(int(np.prod(shard.shape)) for shard in self._shards.values())
 
-    def frames(self, relative: str, timestamps: np.ndarray, tolerance_s: float) -> np.ndarray:
-        """uint8 [N, H, W, 3] at `timestamps` (seconds in the file); a time without a stored frame is an error."""
+    def frames(self, relative: str, timestamps: np.ndarray, tolerance_s: float, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 [N, H, W, 3] at `timestamps` (seconds in the file), written into `out` when it is given;
+        a time without a stored frame is an error."""
         shard = self._shards[relative]
         # Python scalars rather than numpy calls: a sample asks for a few frames, and per-call
         # overhead, not the copy, would otherwise dominate.
@@ -144,8 +145,15 @@ class FrameStore:
         frames = self._maps[relative]
         first = index[0]
         if index == list(range(first, first + len(index))):
-            return frames[first : first + len(index)].copy()  # a history window: one contiguous copy
-        return frames[index]  # fancy indexing copies: the batch owns its frames
+            window = frames[first : first + len(index)]  # a history window: one contiguous copy
+            if out is None:
+                return window.copy()  # the batch owns its frames
+        else:
+            window = frames[index]  # fancy indexing copies
+            if out is None:
+                return window
+        out[...] = window
+        return out
 
 
 def open_store(directory: Path, metadata: LeRobotMetadata) -> FrameStore | None:

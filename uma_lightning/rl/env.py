@@ -92,11 +92,43 @@ def probe_env(env: str, env_kwargs: Optional[dict[str, Any]] = None) -> EnvSpec:
 
 
 def make_vector_env(env: str, env_kwargs: Optional[dict[str, Any]], n_envs: int):
-    """``n_envs`` copies stepped in this process. An episode's end and the next one's first
-    observation come back from the same ``step`` call; the last observation is in ``info["final_obs"]``."""
+    """gymnasium's own vector of ``n_envs`` copies stepped in this process: the reference ``EnvVector``
+    is tested against, and what raw stepping in the benchmarks runs. An episode's end and the next
+    one's first observation come back from the same ``step`` call; the last observation is in
+    ``info["final_obs"]``."""
     import gymnasium
 
     return gymnasium.vector.SyncVectorEnv(
         [partial(make_env, env, env_kwargs) for _ in range(n_envs)],
         autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP,
     )
+
+
+class EnvVector:
+    """``n_envs`` copies stepped one after another in this process, with the semantics of
+    ``make_vector_env`` (same-step autoreset, unseeded resets after the first), writing each result
+    straight into the caller's arrays. Actors use it because gymnasium's vector spends about half as much
+    CPU per step as a 64x64 policy does, merging info dicts and copying batches nobody reads."""
+
+    def __init__(self, env: str, env_kwargs: Optional[dict[str, Any]], n_envs: int):
+        self.envs = [make_env(env, env_kwargs) for _ in range(n_envs)]
+
+    def reset(self, seeds: list[int], obs_out: np.ndarray) -> None:
+        for i, (instance, seed) in enumerate(zip(self.envs, seeds, strict=True)):
+            obs_out[i] = instance.reset(seed=seed)[0]
+
+    def step(self, actions: np.ndarray, obs_out: np.ndarray, final_obs_out: np.ndarray, reward_out: np.ndarray,
+             terminated_out: np.ndarray, truncated_out: np.ndarray) -> None:
+        """Step env ``i`` with ``actions[i]``. ``final_obs_out[i]`` gets the observation the step returned;
+        ``obs_out[i]`` the one to act on next, the next episode's first where this one ended."""
+        for i, instance in enumerate(self.envs):
+            obs, reward_out[i], terminated, truncated, _ = instance.step(actions[i])
+            terminated_out[i], truncated_out[i] = terminated, truncated
+            final_obs_out[i] = obs
+            if terminated or truncated:
+                obs = instance.reset()[0]
+            obs_out[i] = obs
+
+    def close(self) -> None:
+        for instance in self.envs:
+            instance.close()
