@@ -10,8 +10,8 @@ mean (``update_bias``, outside autograd; the bias is a persistent buffer, so che
 The nudge is a fixed step times sign(mean - load) (``bias_update: sign``, DeepSeek-V3's), or that
 step times (mean - load) / mean (``proportional``), which shrinks as the loads even out. Measured on
 the tiny_moe pretraining run (``benchmarks/moe.py``, batch 8, imbalance over the last 50 of 300
-steps): sign 1e-3 1.93, sign 1e-2 1.85, proportional 1e-2 1.61, proportional 3e-2 3.03 (too large
-a step swings the load from expert to expert), no balancing 3.72.
+steps): sign 1e-3 1.93, sign 1e-2 1.85, proportional 5e-3 1.67, 1e-2 1.61, 1.5e-2 2.16, 3e-2 3.03
+(too large a step swings the load from expert to expert), no balancing 3.72.
 An optional sequence-level auxiliary loss adds ``aux_loss_weight`` times its value to the
 training loss through the layer's output (see ``_AuxiliaryLoss``), so it reaches the router whatever
 wraps the block.
