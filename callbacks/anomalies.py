@@ -327,7 +327,7 @@ class GradientAnomalies(Callback):
 
 
 def _pipeline_stages(pl_module: LightningModule) -> int:
-    mesh = pl_module.device_mesh
+    mesh = getattr(pl_module, "device_mesh", None)  # a strategy without a mesh sets none
     return mesh["pp"].size() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 1
 
 
