@@ -54,8 +54,9 @@ def chunk(size: int, parts: int, index: int) -> int:
 
 
 def _shard_group(param: Param, layout: Layout) -> int:
-    """The ranks FSDP shards ``param`` over: dp_shard, or for expert weights what ep leaves of it."""
-    return layout.dp_shard // layout.ep if param.expert else layout.dp_shard
+    """The ranks FSDP shards ``param`` over: dp_shard, or for expert weights what ep leaves of it
+    (with dp_shard 1, ep is carved out of dp_replicate and nothing is sharded)."""
+    return layout.dp_shard // layout.ep if param.expert and layout.dp_shard > 1 else layout.dp_shard
 
 
 def _model_parallel_shape(param: Param, layout: Layout, tp_rank: int = 0, ep_rank: int = 0) -> list[int]:
