@@ -182,10 +182,16 @@ def test_expert_layer_activations_match_a_real_forward(every_n_layers, n_shared)
 
 @pytest.mark.slow
 def test_predictions_match_a_real_step_of_every_strategy():
-    """One launch of four gloo processes: ddp, fsdp, tp, hsdp and fsdp_tp, each rank's own figures."""
-    from uma_lightning.parallel.planner.check import LAYOUTS, compare
+    """One launch of four gloo processes: ddp, fsdp, tp, hsdp, fsdp_tp, pp 2 with ddp and with fsdp,
+    and on tiny_moe ep and ep_fsdp (ep 2), each rank's own figures (per stage under pp). Under pp the
+    activations are compared on the first stage only (``planner/check.py`` says why)."""
+    import dataclasses
 
-    results = compare(CONFIG, LAYOUTS, global_batch=8)
+    from uma_lightning.parallel.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
+
+    moe = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4}))
+    cases = {name: (CONFIG, layout) for name, layout in LAYOUTS.items()} | {name: (moe, layout) for name, layout in EXPERT_LAYOUTS.items()}
+    results = compare(cases, global_batch=8)
     for name, ranks in results.items():
         for rank, result in enumerate(ranks):
             measured, predicted = result["measured"], result["predicted"]
@@ -195,7 +201,8 @@ def test_predictions_match_a_real_step_of_every_strategy():
             assert sum(predicted["collectives"].values()) == pytest.approx(total, rel=0.05), (name, measured, predicted)
             for kind, size in measured["collectives"].items():
                 assert predicted["collectives"].get(kind, 0) == pytest.approx(size, rel=0.05), (name, kind)
-            assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.2), (name, rank)
+            if predicted["activations"] is not None:
+                assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.2), (name, rank)
 
 
 def test_mfu_is_calibrated_from_the_median_a_run_logged(tmp_path, monkeypatch):
