@@ -43,7 +43,7 @@ def main() -> None:
     for size in args.sizes.split(","):
         cfg = model_config(size)
         layouts = dict(EXPERT_LAYOUTS if cfg.backbone.moe else LAYOUTS)
-        if cfg.backbone.n_heads % LAYOUTS["tp"].tp or cfg.backbone.n_kv_heads % LAYOUTS["tp"].tp:
+        if "tp" in layouts and (cfg.backbone.n_heads % LAYOUTS["tp"].tp or cfg.backbone.n_kv_heads % LAYOUTS["tp"].tp):
             # tiny's 6 heads and 2 key/value heads do not split over 4 ranks: tp 2 in each of 2 replicas.
             layouts["tp"] = Layout(dp_replicate=2, tp=2)
         if args.strategies:
