@@ -1,13 +1,13 @@
 """uma plan's predictions against a real step on four gloo CPU processes, per strategy and model.
 
 For the tiny and small presets on the pretrain recipe's data shapes, under ddp, fsdp, tp, hsdp,
-fsdp_tp, pp 2 with ddp and with fsdp, and for a size with experts (tiny_moe) under ep and ep_fsdp
+fsdp_tp, pp 4, pp 2 with ddp and with fsdp, and for a size with experts (tiny_moe) under ep and ep_fsdp
 (``planner/check.py``): rank 0's parameter, gradient and AdamW bytes (predicted exactly on every
 rank, per stage under pp), the bytes of every collective of one step, and the activations a
 saved-tensors hook sees in the forward. One launch per model.
 
     python benchmarks/planner.py                       # tiny, small and tiny_moe, global batch 8
-    python benchmarks/planner.py --sizes tiny,tiny_moe --strategies pp_ddp,pp_fsdp,ep,ep_fsdp
+    python benchmarks/planner.py --sizes tiny,tiny_moe --strategies pp,pp_ddp,pp_fsdp,ep,ep_fsdp
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_expert_layer_activations_match_a_real_forward(every_n_layers, n_shared)
 
 @pytest.mark.slow
 def test_predictions_match_a_real_step_of_every_strategy():
-    """One launch of four gloo processes: ddp, fsdp, tp, hsdp, fsdp_tp, pp 2 with ddp and with fsdp,
+    """One launch of four gloo processes: ddp, fsdp, tp, hsdp, fsdp_tp, pp 4, pp 2 with ddp and with fsdp,
     and on tiny_moe ep and ep_fsdp (ep 2), each rank's own figures (per stage under pp). Under pp the
     activations are compared on the first stage only (``planner/check.py`` says why)."""
     import dataclasses
@@ -190,7 +190,9 @@ def test_predictions_match_a_real_step_of_every_strategy():
     from uma_lightning.parallel.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
 
     moe = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4}))
-    cases = {name: (CONFIG, layout) for name, layout in LAYOUTS.items()} | {name: (moe, layout) for name, layout in EXPERT_LAYOUTS.items()}
+    four_layers = dataclasses.replace(CONFIG, backbone=dataclasses.replace(CONFIG.backbone, n_layers=4))  # a layer for each of pp 4's stages
+    cases = {name: (four_layers if layout.pp > 2 else CONFIG, layout) for name, layout in LAYOUTS.items()}
+    cases |= {name: (moe, layout) for name, layout in EXPERT_LAYOUTS.items()}
     results = compare(cases, global_batch=8)
     for name, ranks in results.items():
         for rank, result in enumerate(ranks):

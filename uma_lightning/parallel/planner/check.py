@@ -15,7 +15,7 @@ microbatch inside the model's call), after one unmeasured step: a stage's first 
 tensors' shapes, which no later step repeats. Its point-to-point sends and receives both count.
 Its saved-tensors total is every microbatch's, which is the peak the planner predicts for the
 first stage when the microbatches are as many as the stages (1F1B keeps them all alive there);
-the last stage's activations are not predicted and not compared.
+the other stages' activations are not predicted and not compared.
 
 The prediction for the same rank comes from ``memory.py`` and ``comm.py``. Used by the tests
 (tiny model, tiny_moe under ep) and ``benchmarks/planner.py`` (tiny and small).
@@ -44,6 +44,7 @@ LAYOUTS = {
     "tp": Layout(tp=4),
     "hsdp": Layout(dp_replicate=2, dp_shard=2),
     "fsdp_tp": Layout(dp_shard=2, tp=2),
+    "pp": Layout(pp=4, microbatches=4),
     "pp_ddp": Layout(pp=2, dp_replicate=2, microbatches=2),
     "pp_fsdp": Layout(pp=2, dp_shard=2, microbatches=2),
 }

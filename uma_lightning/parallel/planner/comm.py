@@ -111,7 +111,11 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
             out.append(Collective("TP head weights", "all-gather", heads * precision.compute_bytes, m, tp, 1, False))
     if layout.pp > 1:
         boundary = batch * seq // tp * dim * precision.compute_bytes
-        out.append(Collective("pipeline activations and their gradients", "p2p", boundary, 2 * m * layout.virtual_stages, 2, stage_stride(layout), True))
+        # Each of the rank's stage modules sends its output and receives its input's gradient at a
+        # boundary after it, receives its input and sends that gradient at one before it.
+        stages = layout.pipeline_config().stage_indices(layout.pp, stage)
+        boundaries = 2 * len(stages) - (0 in stages) - (layout.pp * layout.virtual_stages - 1 in stages)
+        out.append(Collective("pipeline activations and their gradients", "p2p", boundary, 2 * m * boundaries, 2, stage_stride(layout), True))
         # The step's bubble share, averaged over the stages (``Pipeline.step``): one float64.
         out.append(Collective("pipeline bubble figure", "all-reduce", 8, 1, layout.pp, stage_stride(layout), True))
     if layout.ep > 1:
