@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from uma_lightning.parallel.planner.cluster import Cluster, Link
 from uma_lightning.parallel.planner.layout import Layout
-from uma_lightning.parallel.planner.memory import Precision, stage_params, unit_elements
+from uma_lightning.parallel.planner.memory import Precision, padded_shape, stage_params, unit_elements
 from uma_lightning.parallel.planner.model import ModelFacts
 
 
@@ -75,6 +75,11 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
     root, blocks = unit_elements(facts, layout, stage=stage)
     trained_root, trained_blocks = unit_elements(facts, layout, trainable_only=True, stage=stage)
     trained = trained_root + sum(trained_blocks)
+    block_elements = sum(blocks)
+    if layout.ep > 1 and layout.dp == layout.ep:
+        # Experts split over every data-parallel rank have no copies to gather or gradients to reduce (measured).
+        block_elements -= sum(math.prod(padded_shape(p, layout)) for p in params if p.expert)
+        trained -= sum(math.prod(padded_shape(p, layout)) for p in params if p.expert and p.trainable)
     # A pipeline schedule reduces gradients once, after its last microbatch, and keeps the blocks
     # gathered from the first backward to the last and its root from the first forward (measured);
     # accumulation without a pipeline repeats a whole step per microbatch.
@@ -86,10 +91,10 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
         cb = precision.compute_bytes
         if once_per_step:
             out.append(Collective("FSDP root weights", "all-gather", root * cb, 1, layout.dp_shard, shard_stride, True))
-            out.append(Collective("FSDP block weights, forward", "all-gather", sum(blocks) * cb, m, layout.dp_shard, shard_stride, True))
+            out.append(Collective("FSDP block weights, forward", "all-gather", block_elements * cb, m, layout.dp_shard, shard_stride, True))
         else:
-            out.append(Collective("FSDP weights, forward", "all-gather", (root + sum(blocks)) * cb, m, layout.dp_shard, shard_stride, True))
-        out.append(Collective("FSDP weights, backward", "all-gather", sum(blocks) * cb, syncs, layout.dp_shard, shard_stride, True))
+            out.append(Collective("FSDP weights, forward", "all-gather", (root + block_elements) * cb, m, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP weights, backward", "all-gather", block_elements * cb, syncs, layout.dp_shard, shard_stride, True))
         out.append(Collective("FSDP gradients", "reduce-scatter", trained * precision.reduce_bytes, syncs, layout.dp_shard, shard_stride, True))
         if layout.dp_replicate > 1:
             shards = trained // layout.dp_shard * precision.reduce_bytes
