@@ -1,12 +1,13 @@
 """uma plan's predictions against a real step on four gloo CPU processes, per strategy and model.
 
-For the tiny and small presets on the pretrain recipe's data shapes, under ddp, fsdp, tp, hsdp
-and fsdp_tp (``planner/check.py``): rank 0's parameter, gradient and AdamW bytes (predicted
-exactly), the bytes of every collective of one step, and the activations a saved-tensors hook
-sees in the forward. One launch per model.
+For the tiny and small presets on the pretrain recipe's data shapes, under ddp, fsdp, tp, hsdp,
+fsdp_tp, pp 4, pp 2 with ddp and with fsdp, and for a size with experts (tiny_moe) under ep and ep_fsdp
+(``planner/check.py``): rank 0's parameter, gradient and AdamW bytes (predicted exactly on every
+rank, per stage under pp), the bytes of every collective of one step, and the activations a
+saved-tensors hook sees in the forward. One launch per model.
 
-    python benchmarks/planner.py                       # tiny and small, global batch 8
-    python benchmarks/planner.py --sizes tiny --global-batch 16
+    python benchmarks/planner.py                       # tiny, small and tiny_moe, global batch 8
+    python benchmarks/planner.py --sizes tiny,tiny_moe --strategies pp,pp_ddp,pp_fsdp,ep,ep_fsdp
 """
 
 from __future__ import annotations
@@ -31,20 +32,25 @@ def model_config(size: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="tiny,small")
+    parser.add_argument("--sizes", default="tiny,small,tiny_moe", help="model sizes; those with experts run the ep layouts, the others the dense ones")
+    parser.add_argument("--strategies", help="only these rows (names in planner/check.py's LAYOUTS and EXPERT_LAYOUTS)")
     parser.add_argument("--global-batch", type=int, default=8)
     args = parser.parse_args()
-    from uma_lightning.parallel.planner.check import LAYOUTS, compare
+    from uma_lightning.parallel.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
     from uma_lightning.parallel.planner.layout import Layout
 
     rows = []
     for size in args.sizes.split(","):
         cfg = model_config(size)
-        layouts = dict(LAYOUTS)
-        if cfg.backbone.n_heads % LAYOUTS["tp"].tp or cfg.backbone.n_kv_heads % LAYOUTS["tp"].tp:
+        layouts = dict(EXPERT_LAYOUTS if cfg.backbone.moe else LAYOUTS)
+        if "tp" in layouts and (cfg.backbone.n_heads % LAYOUTS["tp"].tp or cfg.backbone.n_kv_heads % LAYOUTS["tp"].tp):
             # tiny's 6 heads and 2 key/value heads do not split over 4 ranks: tp 2 in each of 2 replicas.
             layouts["tp"] = Layout(dp_replicate=2, tp=2)
-        for name, ranks in compare(cfg, layouts, args.global_batch).items():
+        if args.strategies:
+            layouts = {name: layout for name, layout in layouts.items() if name in args.strategies.split(",")}
+        if not layouts:
+            continue
+        for name, ranks in compare({name: (cfg, layout) for name, layout in layouts.items()}, args.global_batch).items():
             measured, predicted = ranks[0]["measured"], ranks[0]["predicted"]
             comm_m, comm_p = sum(measured["collectives"].values()), sum(predicted["collectives"].values())
             exact = all(r["measured"][k] == r["predicted"][k] for r in ranks for k in ("params", "grads", "optimizer"))

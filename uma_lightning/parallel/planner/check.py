@@ -10,8 +10,15 @@ measures:
 - what autograd saves in the forward (``saved_activation_bytes``: a saved-tensors hook, each
   storage counted once, weights left out).
 
+Under pp the rank runs the pipeline plan and one schedule step (forward and backward of every
+microbatch inside the model's call), after one unmeasured step: a stage's first step exchanges its
+tensors' shapes, which no later step repeats. Its point-to-point sends and receives both count.
+Its saved-tensors total is every microbatch's, which is the peak the planner predicts for the
+first stage when the microbatches are as many as the stages (1F1B keeps them all alive there);
+the other stages' activations are not predicted and not compared.
+
 The prediction for the same rank comes from ``memory.py`` and ``comm.py``. Used by the tests
-(tiny model) and ``benchmarks/planner.py`` (tiny and small).
+(tiny model, tiny_moe under ep) and ``benchmarks/planner.py`` (tiny and small).
 """
 
 from __future__ import annotations
@@ -37,6 +44,14 @@ LAYOUTS = {
     "tp": Layout(tp=4),
     "hsdp": Layout(dp_replicate=2, dp_shard=2),
     "fsdp_tp": Layout(dp_shard=2, tp=2),
+    "pp": Layout(pp=4, microbatches=4),
+    "pp_ddp": Layout(pp=2, dp_replicate=2, microbatches=2),
+    "pp_fsdp": Layout(pp=2, dp_shard=2, microbatches=2),
+}
+# For a model with mixture-of-experts layers: experts split over 2 ranks, replicated (ep) or sharded (ep_fsdp) over the other 2.
+EXPERT_LAYOUTS = {
+    "ep": Layout(dp_replicate=4, ep=2),
+    "ep_fsdp": Layout(dp_shard=4, ep=2),
 }
 WORLD_SIZE = 4
 FP32 = Precision.of("32-true")
@@ -58,6 +73,8 @@ _COLLECTIVES = {
     "c10d._allgather_base_.default": ("all-gather", lambda args: _bytes(args[0])),
     "c10d._reduce_scatter_base_.default": ("reduce-scatter", lambda args: _bytes(args[1])),
     "c10d.alltoall_base_.default": ("all-to-all", lambda args: _bytes(args[1])),
+    "c10d.send.default": ("p2p", lambda args: sum(_bytes(t) for t in args[0])),
+    "c10d.recv_.default": ("p2p", lambda args: sum(_bytes(t) for t in args[0])),
     "_c10d_functional.all_gather_into_tensor.default": ("all-gather", lambda args: _bytes(args[0]) * args[1]),
     "_c10d_functional.reduce_scatter_tensor.default": ("reduce-scatter", lambda args: _bytes(args[0])),
     "_c10d_functional.all_reduce.default": ("all-reduce", lambda args: _bytes(args[0])),
@@ -111,33 +128,43 @@ def random_batch(cfg: RobotModelConfig, batch: int, seed: int):
     return images, state, text_ids, text_mask, ActionBinner(cfg.n_action_bins).encode(actions).flatten(1)
 
 
-def measure_rank(cfg: RobotModelConfig, layouts: dict[str, Layout], global_batch: int, out_dir: str) -> None:
-    """One rank of the group: each layout's step, measured; writes ``<name>-<rank>.json``."""
+def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch: int, out_dir: str) -> None:
+    """One rank of the group: each case's step, measured; writes ``<name>-<rank>.json``."""
     import torch.distributed as dist
 
     from uma_lightning.models import RobotTransformer
     from uma_lightning.parallel.apply import ParallelConfig
     from uma_lightning.parallel.mesh import MeshShape, build_mesh
+    from uma_lightning.parallel.plans.pipeline import pipeline_robot
     from uma_lightning.parallel.plans.robot import parallelize_robot
 
     dist.init_process_group("gloo")
-    for name, layout in layouts.items():
-        mesh = build_mesh(MeshShape(layout.dp_replicate, layout.dp_shard, layout.tp), "cpu")
+    for name, (cfg, layout) in cases.items():
+        mesh = build_mesh(MeshShape(layout.dp_replicate, layout.dp_shard, layout.tp, pp=layout.pp, ep=layout.ep), "cpu")
         torch.manual_seed(0)
         model = RobotTransformer(cfg)
-        parallelize_robot(model, mesh, ParallelConfig(activation_checkpointing=layout.ac))
+        config = ParallelConfig(activation_checkpointing=layout.ac)
+        if layout.pp > 1:
+            pipeline_robot(model, mesh, config, layout.pipeline_config(), torch.device("cpu"))
+        else:
+            parallelize_robot(model, mesh, config)
         optimizer = torch.optim.AdamW(model.parameters())
         dp_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
         inputs = random_batch(cfg, global_batch // layout.dp, seed=dp_rank)
+        if layout.pp > 1:
+            model(*inputs, loss_targets=inputs[-1])  # the stages' shape exchange, left out of the measured step
         counter, saved = CollectiveBytes(), {}
         with counter:
             with saved_activation_bytes(model, saved):
                 loss, _ = model(*inputs, loss_targets=inputs[-1])
-            loss.backward()
+            if layout.pp > 1:
+                model.pipeline.restore_gradients()  # the schedule ran the backward; its gradients wait aside
+            else:
+                loss.backward()
             optimizer.step()
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         record = {
-            "coords": {"tp_rank": mesh["tp"].get_local_rank(), "shard_rank": mesh["dp_shard"].get_local_rank()},
+            "coords": {"stage": mesh["pp"].get_local_rank(), "tp_rank": mesh["tp"].get_local_rank(), "shard_rank": mesh["dp_shard"].get_local_rank()},
             "params": sum(_bytes(_local(p)) for p in model.parameters()),
             "grads": sum(_bytes(_local(p.grad)) for p in model.parameters() if p.grad is not None),
             "optimizer": sum(_bytes(_local(t)) for t in state),
@@ -149,31 +176,31 @@ def measure_rank(cfg: RobotModelConfig, layouts: dict[str, Layout], global_batch
     dist.destroy_process_group()
 
 
-def predict_rank(facts: ModelFacts, layout: Layout, global_batch: int, tp_rank: int, shard_rank: int) -> dict:
-    state = rank_state(facts, layout, FP32, 0, tp_rank, shard_rank)
+def predict_rank(facts: ModelFacts, layout: Layout, global_batch: int, stage: int, tp_rank: int, shard_rank: int) -> dict:
+    state = rank_state(facts, layout, FP32, stage, tp_rank, shard_rank)
     collectives: Counter[str] = Counter()
-    for collective in step_collectives(facts, layout, FP32, global_batch):
+    for collective in step_collectives(facts, layout, FP32, global_batch, stage):
         collectives[collective.kind] += collective.total_bytes
     return {
         "params": state.params,
         "grads": state.grads,
         "optimizer": state.optimizer,
-        "activations": activation_bytes(facts, layout, FP32, global_batch),
+        "activations": activation_bytes(facts, layout, FP32, global_batch) if stage == 0 else None,
         "collectives": dict(collectives),
     }
 
 
-def compare(cfg: RobotModelConfig, layouts: dict[str, Layout], global_batch: int, timeout: float = 600) -> dict[str, list[dict]]:
-    """Per layout, per rank: {"measured": ..., "predicted": ...}, from one launch of ``WORLD_SIZE`` processes."""
+def compare(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch: int, timeout: float = 600) -> dict[str, list[dict]]:
+    """Per case (a model and a layout), per rank: {"measured": ..., "predicted": ...}, from one launch of ``WORLD_SIZE`` processes."""
     import tempfile
 
     from uma_lightning.parallel.launch import run_local_group
 
-    facts = facts_of_config(cfg)
     with tempfile.TemporaryDirectory(prefix="uma-plan-check-") as out_dir:
-        run_local_group(measure_rank, WORLD_SIZE, (cfg, layouts, global_batch, out_dir), timeout)
+        run_local_group(measure_rank, WORLD_SIZE, (cases, global_batch, out_dir), timeout)
         results = {}
-        for name, layout in layouts.items():
+        for name, (cfg, layout) in cases.items():
+            facts = facts_of_config(cfg)
             ranks = [json.loads(Path(out_dir, f"{name}-{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
             results[name] = [{"measured": r, "predicted": predict_rank(facts, layout, global_batch, **r["coords"])} for r in ranks]
     return results

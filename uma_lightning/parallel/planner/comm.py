@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from uma_lightning.parallel.planner.cluster import Cluster, Link
 from uma_lightning.parallel.planner.layout import Layout
-from uma_lightning.parallel.planner.memory import Precision, stage_params, unit_elements
+from uma_lightning.parallel.planner.memory import Precision, padded_shape, stage_params, unit_elements
 from uma_lightning.parallel.planner.model import ModelFacts
 
 
@@ -65,27 +65,42 @@ def seconds(collective: Collective, cluster: Cluster) -> float:
     return collective.calls * (traffic / (link.gb_s * 1e9) + hops * link.latency_us * 1e-6)
 
 
-def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, global_batch: int) -> list[Collective]:
+def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, global_batch: int, stage: int = 0) -> list[Collective]:
+    """The collectives of pipeline rank ``stage`` (every rank without a pipeline)."""
     m, tp = layout.microbatches, layout.tp
     batch = global_batch // layout.dp // m
     dim, seq = facts.cfg.backbone.dim, facts.cfg.seq_len
-    params = stage_params(facts, layout, 0)
+    params = stage_params(facts, layout, stage)
     # Every weight is gathered; only the trainable ones have gradients to reduce.
-    root, blocks = unit_elements(facts, layout)
-    gathered, gathered_blocks = root + sum(blocks), sum(blocks)
-    trained_root, trained_blocks = unit_elements(facts, layout, trainable_only=True)
+    root, blocks = unit_elements(facts, layout, stage=stage)
+    trained_root, trained_blocks = unit_elements(facts, layout, trainable_only=True, stage=stage)
     trained = trained_root + sum(trained_blocks)
+    block_elements = sum(blocks)
+    if layout.ep > 1 and layout.dp == layout.ep:
+        # Experts split over every data-parallel rank have no copies to gather or gradients to reduce (measured).
+        block_elements -= sum(math.prod(padded_shape(p, layout)) for p in params if p.expert)
+        trained -= sum(math.prod(padded_shape(p, layout)) for p in params if p.expert and p.trainable)
+    # A pipeline schedule reduces gradients once, after its last microbatch, and keeps the blocks
+    # gathered from the first backward to the last and its root from the first forward (measured);
+    # accumulation without a pipeline repeats a whole step per microbatch.
+    once_per_step = layout.pp > 1
+    syncs = 1 if once_per_step else m
     out: list[Collective] = []
     shard_stride, replicate_stride = tp, tp * layout.dp_shard
     if layout.dp_shard > 1:
-        out.append(Collective("FSDP weights, forward", "all-gather", gathered * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
-        out.append(Collective("FSDP weights, backward", "all-gather", gathered_blocks * precision.compute_bytes, m, layout.dp_shard, shard_stride, True))
-        out.append(Collective("FSDP gradients", "reduce-scatter", trained * precision.reduce_bytes, m, layout.dp_shard, shard_stride, True))
+        cb = precision.compute_bytes
+        if once_per_step:
+            out.append(Collective("FSDP root weights", "all-gather", root * cb, 1, layout.dp_shard, shard_stride, True))
+            out.append(Collective("FSDP block weights, forward", "all-gather", block_elements * cb, m, layout.dp_shard, shard_stride, True))
+        else:
+            out.append(Collective("FSDP weights, forward", "all-gather", (root + block_elements) * cb, m, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP weights, backward", "all-gather", block_elements * cb, syncs, layout.dp_shard, shard_stride, True))
+        out.append(Collective("FSDP gradients", "reduce-scatter", trained * precision.reduce_bytes, syncs, layout.dp_shard, shard_stride, True))
         if layout.dp_replicate > 1:
             shards = trained // layout.dp_shard * precision.reduce_bytes
-            out.append(Collective("HSDP gradient shards", "all-reduce", shards, m, layout.dp_replicate, replicate_stride, True))
+            out.append(Collective("HSDP gradient shards", "all-reduce", shards, syncs, layout.dp_replicate, replicate_stride, True))
     elif layout.dp_replicate > 1:
-        out.append(Collective("DDP gradients", "all-reduce", trained * precision.reduce_bytes, m, layout.dp_replicate, replicate_stride, True))
+        out.append(Collective("DDP gradients", "all-reduce", trained * precision.reduce_bytes, syncs, layout.dp_replicate, replicate_stride, True))
     if tp > 1:
         activation = batch * seq * dim * precision.compute_bytes
         layers = facts.n_layers // layout.pp
@@ -101,7 +116,13 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
             out.append(Collective("TP head weights", "all-gather", heads * precision.compute_bytes, m, tp, 1, False))
     if layout.pp > 1:
         boundary = batch * seq // tp * dim * precision.compute_bytes
-        out.append(Collective("pipeline activations and their gradients", "p2p", boundary, 2 * m * layout.virtual_stages, 2, stage_stride(layout), True))
+        # Each of the rank's stage modules sends its output and receives its input's gradient at a
+        # boundary after it, receives its input and sends that gradient at one before it.
+        stages = layout.pipeline_config().stage_indices(layout.pp, stage)
+        boundaries = 2 * len(stages) - (0 in stages) - (layout.pp * layout.virtual_stages - 1 in stages)
+        out.append(Collective("pipeline activations and their gradients", "p2p", boundary, 2 * m * boundaries, 2, stage_stride(layout), True))
+        # The step's bubble share, averaged over the stages (``Pipeline.step``): one float64.
+        out.append(Collective("pipeline bubble figure", "all-reduce", 8, 1, layout.pp, stage_stride(layout), True))
     if layout.ep > 1:
         moe = facts.cfg.backbone.moe
         moe_layers = sum(1 for index in range(facts.n_layers) if facts.cfg.backbone.is_moe_layer(index)) // layout.pp

@@ -2,11 +2,16 @@
 
 Ranks are laid out pp x dp_replicate x dp_shard x tp, tp innermost as in ``parallel/mesh.py``
 (pipeline stages outermost, so only their point-to-point traffic crosses the slowest links).
-Expert parallelism splits dp_shard: experts shard over ``ep`` of its ranks and the dense weights over all of it.
+Expert parallelism splits the data-parallel dimension as the mesh does: dp_shard (experts split over
+``ep`` of its ranks, sharded over the rest) or, with dp_shard 1, dp_replicate.
+
+Whether a layout can run is asked of the strategy's own checks (``strategy_refusal``), so the
+planner recommends nothing ``uma fit`` refuses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator
@@ -31,6 +36,16 @@ class Layout:
     ac: ActivationCheckpointing = "none"
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without a pipeline
     virtual_stages: int = 1  # pipeline stages per rank (2: interleaved schedule)
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule: the ones whose bubble and in-flight microbatches the planner models."""
+        return "Interleaved1F1B" if self.virtual_stages > 1 else "1F1B"
+
+    def pipeline_config(self):
+        from uma_lightning.parallel.pipeline import PipelineConfig
+
+        return PipelineConfig(self.schedule, self.microbatches, self.virtual_stages)
 
     @property
     def dp(self) -> int:
@@ -58,51 +73,48 @@ def divisors(n: int) -> list[int]:
 
 def candidates(facts: ModelFacts, world_size: int) -> Iterator[Layout]:
     """Every layout of ``world_size`` ranks, legal or not (``illegal_reason`` says which are not)."""
-    experts = facts.n_experts
     for tp, pp in itertools.product(divisors(world_size), divisors(world_size)):
         if world_size % (tp * pp):
             continue
         dp = world_size // (tp * pp)
         for dp_replicate in divisors(dp):
             dp_shard = dp // dp_replicate
-            for ep in [e for e in divisors(dp_shard) if experts and experts % e == 0] or [1]:
+            # ep is carved out of dp_shard, or of dp_replicate where dp_shard is 1 (mesh.py).
+            for ep in divisors(dp_shard if dp_shard > 1 else dp_replicate) if facts.n_experts else [1]:
                 for ac, m in itertools.product(AC_MODES, MICROBATCHES):
                     for v in VIRTUAL_STAGES if pp > 1 else (1,):
                         yield Layout(dp_replicate, dp_shard, tp, pp, ep, ac, m, v)
 
 
-@functools.lru_cache(maxsize=256)
-def plan_refusal(facts: ModelFacts, tp: int) -> str | None:
-    """What the model's own parallel plan says against splitting it over ``tp`` ranks (shapes that do not divide, layers it has no layout for)."""
-    from uma_lightning.parallel.apply import ParallelConfig
-    from uma_lightning.parallel.mesh import MeshShape
-    from uma_lightning.parallel.plans import plan_for
-
-    try:
-        plan_for(facts.model).check(facts.model, MeshShape(1, 1, tp), ParallelConfig())
-    except ValueError as err:
-        return str(err)
-    return None
-
-
 def illegal_reason(layout: Layout, facts: ModelFacts, cluster: Cluster, global_batch: int) -> str | None:
-    """Why ``layout`` cannot run this model on this cluster, in a few words, or None."""
-    b = facts.cfg.backbone
+    """Why ``layout`` cannot run this model on this cluster, or None."""
     if layout.tp > cluster.gpus_per_node:
         return f"tp {layout.tp} crosses nodes ({cluster.gpus_per_node} GPUs per node)"
-    if refused := plan_refusal(facts, layout.tp):
-        return refused
     if global_batch % layout.dp:
         return f"global batch {global_batch} does not split over dp {layout.dp}"
     per_rank = global_batch // layout.dp
-    if per_rank % layout.microbatches:
-        return f"batch {per_rank} per data-parallel rank does not split into {layout.microbatches} micro-batches"
-    if layout.pp > 1:
-        stages = layout.pp * layout.virtual_stages
-        if b.n_layers % stages:
-            return f"{b.n_layers} layers do not divide into {stages} stages"
-        if layout.microbatches < layout.pp:
-            return f"{layout.microbatches} micro-batches, fewer than the {layout.pp} stages"
-        if layout.virtual_stages > 1 and layout.microbatches % layout.pp:
-            return f"interleaved schedule needs micro-batches ({layout.microbatches}) a multiple of pp {layout.pp}"
+    if layout.pp == 1 and per_rank % layout.microbatches:
+        return f"batch {per_rank} per data-parallel rank does not split into {layout.microbatches} accumulated micro-batches"
+    return strategy_refusal(facts, dataclasses.replace(layout, ac="none"), cluster.gpus_per_node, per_rank)
+
+
+@functools.lru_cache(maxsize=None)
+def strategy_refusal(facts: ModelFacts, layout: Layout, gpus_per_node: int, per_rank_batch: int) -> str | None:
+    """What MeshStrategy's own checks say against ``layout`` (as ``check_module`` runs them when
+    ``uma fit`` starts): the mesh, the model's parallel plan, and under pp the schedule and the stages."""
+    from uma_lightning.parallel.apply import ParallelConfig
+    from uma_lightning.parallel.mesh import resolve_mesh_shape
+    from uma_lightning.parallel.plans import plan_for
+    from uma_lightning.parallel.plans.pipeline import check_pipeline
+
+    sizes = {name: getattr(layout, name) for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep")}
+    try:
+        shape = resolve_mesh_shape(sizes, layout.world_size, gpus_per_node)
+        plan_for(facts.model).check(facts.model, shape, ParallelConfig())
+        if layout.pp > 1:
+            pipeline = layout.pipeline_config()
+            pipeline.check(layout.pp, per_rank_batch)
+            check_pipeline(facts.model, shape, pipeline)
+    except ValueError as err:
+        return str(err)
     return None

@@ -54,8 +54,9 @@ def chunk(size: int, parts: int, index: int) -> int:
 
 
 def _shard_group(param: Param, layout: Layout) -> int:
-    """The ranks FSDP shards ``param`` over: dp_shard, or for expert weights what ep leaves of it."""
-    return layout.dp_shard // layout.ep if param.expert else layout.dp_shard
+    """The ranks FSDP shards ``param`` over: dp_shard, or for expert weights what ep leaves of it
+    (with dp_shard 1, ep is carved out of dp_replicate and nothing is sharded)."""
+    return layout.dp_shard // layout.ep if param.expert and layout.dp_shard > 1 else layout.dp_shard
 
 
 def _model_parallel_shape(param: Param, layout: Layout, tp_rank: int = 0, ep_rank: int = 0) -> list[int]:
@@ -89,18 +90,25 @@ def padded_shape(param: Param, layout: Layout) -> tuple[int, ...]:
 
 
 def stage_params(facts: ModelFacts, layout: Layout, stage: int) -> list[Param]:
-    """The parameters pipeline stage ``stage`` holds (all of them without a pipeline): the tokenizers
-    and embeddings on the first, its share of the layers (its virtual stages' together), the final norm and heads on the last."""
+    """The parameters pipeline rank ``stage`` holds (all of them without a pipeline): the tokenizers
+    and embeddings with the first stage, its stages' layers as the pipeline plan splits them (by
+    FLOPs), the final norm and heads with the last."""
     if layout.pp == 1:
         return list(facts.params)
-    chunks = layout.pp * layout.virtual_stages
-    per_chunk = facts.n_layers // chunks
-    layers = {layer for v in range(layout.virtual_stages) for layer in range((v * layout.pp + stage) * per_chunk, (v * layout.pp + stage + 1) * per_chunk)}
-    if stage == 0:
-        layers.add(-1)
-    if stage == layout.pp - 1:
-        layers.add(facts.n_layers)
+    layers = _stage_layers(facts, layout.pp, layout.virtual_stages, stage)
     return [p for p in facts.params if p.layer in layers]
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_layers(facts: ModelFacts, pp: int, virtual_stages: int, rank: int) -> frozenset[int]:
+    """Backbone layers on pipeline rank ``rank``, with -1 (before the backbone) and n_layers (after it) where it holds those."""
+    from uma_lightning.parallel.plans.pipeline import split_robot
+
+    n_stages = pp * virtual_stages
+    indices = Layout(pp=pp, virtual_stages=virtual_stages).pipeline_config().stage_indices(pp, rank)
+    split = split_robot(facts.model, n_stages, None)
+    layers = {layer for index in indices for layer in split.layers(index)}
+    return frozenset(layers | ({-1} if 0 in indices else set()) | ({facts.n_layers} if n_stages - 1 in indices else set()))
 
 
 @dataclass(frozen=True)
@@ -142,15 +150,15 @@ def _largest_state(facts: ModelFacts, layout: Layout, precision: Precision) -> S
     return max((rank_state(facts, layout, precision, stage) for stage in range(layout.pp)), key=lambda s: s.total)
 
 
-def unit_elements(facts: ModelFacts, layout: Layout, trainable_only: bool = False) -> tuple[int, list[int]]:
-    """Elements FSDP gathers (padded) per unit of the first stage: (the root's, each block's)."""
-    return _unit_elements(facts, mesh_only(layout), trainable_only)
+def unit_elements(facts: ModelFacts, layout: Layout, trainable_only: bool = False, stage: int = 0) -> tuple[int, list[int]]:
+    """Elements FSDP gathers (padded) per unit of pipeline rank ``stage``: (the root's, each block's)."""
+    return _unit_elements(facts, mesh_only(layout), trainable_only, stage)
 
 
 @functools.lru_cache(maxsize=1024)
-def _unit_elements(facts: ModelFacts, layout: Layout, trainable_only: bool) -> tuple[int, list[int]]:
+def _unit_elements(facts: ModelFacts, layout: Layout, trainable_only: bool, stage: int) -> tuple[int, list[int]]:
     units: dict[int, int] = {}
-    for param in stage_params(facts, layout, 0):
+    for param in stage_params(facts, layout, stage):
         if param.trainable or not trainable_only:
             units[param.unit] = units.get(param.unit, 0) + math.prod(padded_shape(param, layout))
     root = units.pop(-1, 0)

@@ -23,13 +23,12 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(cell.rjust(w) if i and cell[:1].isdigit() else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
 
 
-def ranked_table(fits: list[Estimate], top: int, runnable) -> list[str]:
-    rows = [["#", "layout", "GiB/GPU", "step ms", "comm ms", "bubble", "tokens/s", "note"]]
+def ranked_table(fits: list[Estimate], top: int) -> list[str]:
+    rows = [["#", "layout", "GiB/GPU", "step ms", "comm ms", "bubble", "tokens/s"]]
     for index, e in enumerate(fits[:top], start=1):
-        note = "" if runnable(e.layout) else "analytic only: the strategy has no " + ("pp" if e.layout.pp > 1 else "ep") + " yet"
         rows.append([
             str(index), e.layout.describe(), f"{e.peak_bytes / GIB:.1f}", f"{e.step_s * 1e3:.1f}", f"{e.exposed_comm_s * 1e3:.1f}",
-            f"{e.bubble:.0%}", f"{e.tokens_per_s:,.0f}", note,
+            f"{e.bubble:.0%}", f"{e.tokens_per_s:,.0f}",
         ])  # fmt: skip
     legend = "mb: micro-batches per step (a pipeline's, or gradient accumulation); v2: two virtual stages per rank; comm ms: communication compute does not hide"
     return _table(rows) + [legend]
@@ -58,9 +57,11 @@ def rejected_lines(rejected: list[Estimate], top: int) -> list[str]:
 
 
 def _reason_kind(reason: str) -> str:
-    for marker, kind in (("GiB per GPU", "out of memory"), ("crosses nodes", "tp across nodes"), ("does not divide", "shapes tp cannot split"),
-                         ("micro-batches", "micro-batch counts"), ("stages", "pipeline splits"), ("global batch", "batch splits"),
-                         ("mixture-of-experts", "no tp for experts")):  # fmt: skip
+    # The first marker found names the kind: the strategy's own messages (layout.strategy_refusal) start with the option they refuse.
+    for marker, kind in (("GiB per GPU", "out of memory"), ("crosses nodes", "tp across nodes"), ("mixture-of-experts", "no tp for experts"),
+                         ("ep ", "expert layouts"), ("micro-batches", "micro-batch counts"), ("microbatches", "micro-batch counts"),
+                         ("pp_schedule", "pipeline schedules"), ("pp:", "pipeline splits"), ("does not divide", "shapes tp cannot split"),
+                         ("global batch", "batch splits")):  # fmt: skip
         if marker in reason:
             return kind
     return "other"
@@ -88,8 +89,7 @@ def fragment(e: Estimate, cluster: Cluster, settings: Settings, recipe: str) -> 
     layout = e.layout
     init_args = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "activation_checkpointing": layout.ac}
     if layout.pp > 1:
-        schedule = "Interleaved1F1B" if layout.virtual_stages > 1 else "1F1B"  # the schedules whose memory memory.py models
-        init_args.update(pp=layout.pp, pp_schedule=schedule, pp_microbatches=layout.microbatches, pp_virtual_stages=layout.virtual_stages)
+        init_args.update(pp=layout.pp, pp_schedule=layout.schedule, pp_microbatches=layout.microbatches, pp_virtual_stages=layout.virtual_stages)
     if layout.ep > 1:
         init_args["ep"] = layout.ep
     accumulate = layout.microbatches if layout.pp == 1 else 1

@@ -5,14 +5,13 @@
 The recipe and its overrides resolve as in ``uma fit``; the model is built on the meta device.
 Every layout of the cluster's GPUs is estimated (``estimate.py``); those that fit are ranked by
 tokens/s, the others listed with their reason. ``--emit-config`` writes the recommendation as a
-fragment to add after the recipe; layouts the installed strategy cannot run yet (pp, ep) are
-ranked but not recommended.
+fragment to add after the recipe. A layout counts as legal only if the strategy's own checks
+accept it (``layout.strategy_refusal``), so what is recommended is what ``uma fit`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
@@ -77,7 +76,7 @@ def main(argv: list[str]) -> int:
         return 2
     settings = Settings(args.global_batch or batch_size * cluster.world_size, precision, args.mfu)
     fits, rejected = rank(facts, cluster, settings)
-    recommended = next((e for e in fits if strategy_runs(e.layout)), None)
+    recommended = fits[0] if fits else None
     smallest = None if recommended else smallest_cluster(facts, args, precision, batch_size)
     if args.emit_config and recommended:
         Path(args.emit_config).write_text(report.fragment(recommended, cluster, settings, args.config))
@@ -168,16 +167,8 @@ def _host_memory_gib() -> float:
     return psutil.virtual_memory().total / GIB
 
 
-def strategy_runs(layout: Layout) -> bool:
-    """Whether the installed MeshStrategy takes every mesh dimension ``layout`` uses."""
-    from uma_lightning.parallel import MeshStrategy
-
-    accepted = inspect.signature(MeshStrategy.__init__).parameters
-    return all(name in accepted for name in ("pp", "ep") if getattr(layout, name) > 1)
-
-
 def smallest_cluster(facts: ModelFacts, args, precision: Precision, batch_size: int) -> str | None:
-    """The fewest GPUs of the same kind (nodes of 1, 2, 4 or 8) on which some runnable layout fits."""
+    """The fewest GPUs of the same kind (nodes of 1, 2, 4 or 8) on which some layout fits."""
     shapes = sorted(
         ((nodes, per_node) for per_node in GPUS_PER_NODE_TRIED for nodes in range(1, MAX_NODES_TRIED + 1) if nodes == 1 or per_node == max(GPUS_PER_NODE_TRIED)),
         key=lambda shape: (shape[0] * shape[1], shape[0]),
@@ -186,8 +177,8 @@ def smallest_cluster(facts: ModelFacts, args, precision: Precision, batch_size: 
         cluster = build_cluster(args, precision, nodes, per_node)
         settings = Settings(args.global_batch or batch_size * cluster.world_size, precision, args.mfu)
         fits, _ = rank(facts, cluster, settings)
-        best = next((e for e in fits if strategy_runs(e.layout)), None)
-        if best:
+        if fits:
+            best = fits[0]
             return (
                 f"--nodes {nodes} --gpus-per-node {per_node} (global batch {settings.global_batch}): {best.layout.describe()}, "
                 f"{best.peak_bytes / GIB:.1f} GiB per GPU, est. {best.tokens_per_s:,.0f} tokens/s"
@@ -207,7 +198,7 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
     print(f"step: global batch {settings.global_batch}, {settings.precision.name}, compute at {settings.mfu:.1%} of peak ({'measured by ' + args.calibrate_from if args.calibrate_from else '--mfu'})\n")
     if fits:
         print(f"{len(fits)} layouts fit; the {min(args.top, len(fits))} fastest:")
-        print("\n".join(report.ranked_table(fits, args.top, strategy_runs)))
+        print("\n".join(report.ranked_table(fits, args.top)))
         print("the fastest of each strategy:")
         print("\n".join(report.best_per_strategy(fits)))
         print()
