@@ -12,7 +12,9 @@ from suite import RECIPE, TINY
 from uma_lightning.checkpoint import committed, verify
 
 TEMPLATE = Path(RECIPE).parents[1] / "configs" / "launch" / "slurm.sbatch"
-MAX_STEPS = 20
+# Long enough that the signal, sent once step 10 is logged, arrives mid-training: the tiny model trains
+# ~30 steps a second before the preemption, and a 20-step job once finished before its SIGTERM came.
+MAX_STEPS = 40
 CPU_NODE = ["--nodes", "1", "--ntasks-per-node", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--time", "20:00"]
 
 
