@@ -134,13 +134,13 @@ def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch
 
     from uma_lightning.models import RobotTransformer
     from uma_lightning.parallel.apply import ParallelConfig
-    from uma_lightning.parallel.mesh import MeshShape, build_mesh
+    from uma_lightning.parallel.mesh import build_mesh
     from uma_lightning.parallel.plans.pipeline import pipeline_robot
     from uma_lightning.parallel.plans.robot import parallelize_robot
 
     dist.init_process_group("gloo")
     for name, (cfg, layout) in cases.items():
-        mesh = build_mesh(MeshShape(layout.dp_replicate, layout.dp_shard, layout.tp, pp=layout.pp, ep=layout.ep), "cpu")
+        mesh = build_mesh(layout, "cpu")  # a Layout is a MeshShape
         torch.manual_seed(0)
         model = RobotTransformer(cfg)
         config = ParallelConfig(activation_checkpointing=layout.ac)

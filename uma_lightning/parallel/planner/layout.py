@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from uma_lightning.parallel.apply import ActivationCheckpointing
+from uma_lightning.parallel.mesh import MeshShape
 from uma_lightning.parallel.planner.cluster import Cluster
 from uma_lightning.parallel.planner.model import ModelFacts
 
@@ -27,12 +28,12 @@ VIRTUAL_STAGES = (1, 2)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(MeshShape):
+    """A mesh shape (the sizes a strategy takes; every size 1 unless given) and how a step runs on it."""
+
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
-    pp: int = 1
-    ep: int = 1
     ac: ActivationCheckpointing = "none"
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without a pipeline
     virtual_stages: int = 1  # pipeline stages per rank (2: interleaved schedule)
@@ -46,14 +47,6 @@ class Layout:
         from uma_lightning.parallel.pipeline import PipelineConfig
 
         return PipelineConfig(self.schedule, self.microbatches, self.virtual_stages)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
 
     def describe(self) -> str:
         parts = [f"{name} {getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "ep", "tp") if getattr(self, name) > 1]
