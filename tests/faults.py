@@ -7,6 +7,8 @@ the weights around chosen steps and the sample ids each batch arrived with.
 
 import json
 import math
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -103,3 +105,34 @@ class Arrivals(Callback):
 
 def _weights(module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+class HoldUntilSignalled(Callback):
+    """Holds the run at the end of step ``at_step`` until one of ``signals`` arrives (or ``timeout_s``
+    passes), so a test that signals a job once it logs that step meets it mid-training however fast it
+    trains. List it after Preemption: its handler is chained, and Preemption acts at the next step."""
+
+    def __init__(self, at_step: int, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"), timeout_s: float = 120.0):
+        self.at_step = at_step
+        self.signals = [getattr(signal, name) for name in signals]
+        self.timeout_s = timeout_s
+        self._signalled = threading.Event()
+
+    def on_train_start(self, trainer, pl_module):
+        for signum in self.signals:
+            previous = signal.getsignal(signum)
+
+            def chained(signum, frame, previous=previous):
+                self._signalled.set()
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(signum, chained)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step and not self._signalled.is_set():
+            deadline = time.monotonic() + self.timeout_s
+            while not self._signalled.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)  # polled: the handler that sets the event runs on this thread
+            if not self._signalled.is_set():
+                print(f"HoldUntilSignalled: no signal within {self.timeout_s:.0f} s of step {self.at_step}", flush=True)

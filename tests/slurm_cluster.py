@@ -78,9 +78,11 @@ class SlurmCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        """This process's environment, which jobs inherit, with the cluster's config and ``uma`` on PATH."""
+        """This process's environment, which jobs inherit, with the cluster's config and ``uma`` on PATH,
+        less the thread count the test suite sets for itself (a job's threads are the job's to choose)."""
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": path}
+        inherited = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+        return {**inherited, "SLURM_CONF": str(self.conf), "PATH": path}
 
     def run(self, *command: str, check: bool = True) -> str:
         result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60)

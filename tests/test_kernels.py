@@ -233,7 +233,9 @@ def test_sdpa_kernel_that_cannot_run_here_says_so_in_one_line():
 
 
 def test_auto_logs_its_choice_once(caplog, monkeypatch):
-    monkeypatch.setattr(dispatch, "_logged", set())  # forget what earlier tests logged
+    # Forget what earlier tests in this process logged and decided (the choice is cached, and logged when made).
+    monkeypatch.setattr(dispatch, "_logged", set())
+    dispatch._resolve.cache_clear()
     q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
     with caplog.at_level(logging.INFO, logger="uma_lightning.kernels"):
         for _ in range(3):

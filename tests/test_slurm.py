@@ -12,9 +12,9 @@ from suite import RECIPE, TINY
 from uma_lightning.checkpoint import committed, verify
 
 TEMPLATE = Path(RECIPE).parents[1] / "configs" / "launch" / "slurm.sbatch"
-# Long enough that the signal, sent once step 10 is logged, arrives mid-training: the tiny model trains
-# ~30 steps a second before the preemption, and a 20-step job once finished before its SIGTERM came.
+TESTS = Path(__file__).parent  # for the jobs to import faults.HoldUntilSignalled
 MAX_STEPS = 40
+PREEMPT_AT_STEP = 10  # the job holds there until its signal comes: a fast job once finished before it
 CPU_NODE = ["--nodes", "1", "--ntasks-per-node", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--time", "20:00"]
 
 
@@ -47,15 +47,17 @@ def test_preempted_jobs_save_requeue_resume_and_complete(slurm, tmp_path):
         job_dir = tmp_path / name
         job_dir.mkdir()
         args = ["--config", str(recipe), "--data.generation.n_episodes", "6", "--data.batch_size", "16",
-                "--trainer.max_steps", str(MAX_STEPS), "--trainer.default_root_dir", str(job_dir / "run")]
-        job = slurm.run("sbatch", "--parsable", *CPU_NODE, "--chdir", str(job_dir), str(TEMPLATE), *args).strip()
+                "--trainer.max_steps", str(MAX_STEPS), "--trainer.default_root_dir", str(job_dir / "run"),
+                "--trainer.callbacks+=faults.HoldUntilSignalled", f"--trainer.callbacks.at_step={PREEMPT_AT_STEP}"]
+        export = f"--export=ALL,PYTHONPATH={TESTS}"
+        job = slurm.run("sbatch", "--parsable", *CPU_NODE, export, "--chdir", str(job_dir), str(TEMPLATE), *args).strip()
         jobs[name] = (job, job_dir / f"uma-{job}.log", job_dir / "run" / "checkpoints")
 
     waiting = dict(jobs)
     deadline = time.monotonic() + 400
-    while waiting:  # preempt each job once it has trained 10 steps
+    while waiting:  # preempt each job once it has trained PREEMPT_AT_STEP steps
         for name, (job, log, _) in list(waiting.items()):
-            if "step 10/" in (log.read_text() if log.exists() else ""):
+            if f"step {PREEMPT_AT_STEP}/" in (log.read_text() if log.exists() else ""):
                 preempt(slurm, job, name)
                 del waiting[name]
         assert time.monotonic() < deadline, {name: slurm.job(job)["JobState"] for name, (job, _, _) in waiting.items()}
@@ -74,7 +76,7 @@ def test_preempted_jobs_save_requeue_resume_and_complete(slurm, tmp_path):
         status = 138 if name == "SIGUSR1" else 143
         assert text.count(f"received {name}: saving a checkpoint") == 1, text[-3000:]
         (step, checkpoint), = [(s, c) for s, c in committed(checkpoints) if s != MAX_STEPS][-1:]
-        assert 10 <= step < MAX_STEPS and verify(checkpoint) == []
+        assert PREEMPT_AT_STEP <= step < MAX_STEPS and verify(checkpoint) == []
         saved = text.index(f"{name}: checkpoint of step {step} committed, exiting with status {status}")
         assert f"srun: error: {slurm.node}: task 0: Exited with exit code {status}" in text
         # One log, appended to: the first run, then the requeued one resuming where it stopped.
@@ -82,5 +84,7 @@ def test_preempted_jobs_save_requeue_resume_and_complete(slurm, tmp_path):
         assert saved < text.index(f"resumed from {checkpoint}: step {step}") < text.index(f"trained {MAX_STEPS - step} steps")
         assert committed(checkpoints)[-1][0] == MAX_STEPS
         assert "Traceback" not in text, text
+        # Each attempt runs one thread on its one CPU: two jobs sharing a node ran 30 times slower with one per core.
+        assert text.count("CPU threads: 1 per process (SLURM_CPUS_PER_TASK=1;") == 2, text
         if name == "SIGUSR1":
             assert f"requeued Slurm job {job}" in text

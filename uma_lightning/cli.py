@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import re
 import sys
 import warnings
@@ -185,6 +186,19 @@ def _default_precision() -> str:
     return choice
 
 
+def _threads_for_slurm_task() -> None:
+    """One CPU thread per core Slurm gave the task. Slurm need not bind a task to its cores, and torch
+    then starts a thread per core of the node: two 1-CPU jobs on a 2-core node ran 30 times slower
+    than one. Lightning sets threads only for processes it launches itself; OMP_NUM_THREADS wins."""
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    if cpus is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, min(int(cpus), len(os.sched_getaffinity(0))))
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the loader's workers and any process this one starts
+    log.info("CPU threads: %d per process (SLURM_CPUS_PER_TASK=%s; set OMP_NUM_THREADS to override)", threads, cpus)
+
+
 def expand_includes(args: list[str]) -> list[str]:
     """Replace each ``--config R`` by ``--config F1 ... --config Fn --config R`` for R's fragments."""
     expanded: list[str] = []
@@ -259,6 +273,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args and args[0] in TOOLS:
         module, function = TOOLS[args[0]].split(":")
         raise SystemExit(getattr(importlib.import_module(module), function)(args[1:]))
+    _threads_for_slurm_task()
     try:
         UmaCLI(args)
     except (ConfigError, CheckpointError) as err:  # each names the file, key or value at fault
