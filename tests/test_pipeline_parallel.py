@@ -145,9 +145,11 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
     bubbles = [[r["bubble"] for r in recorded_steps(tmp_path / "reference-record", rank)] for rank in (0, 1)]
     assert bubbles[0] == bubbles[1] and all(0 < b < 1 for b in bubbles[0])
 
-    # The same command, killed (SIGKILL, both ranks) once step 8 is done, then run again.
+    # The same command, killed (SIGKILL, both ranks) once step 8 is done, then run again. The killed
+    # attempt stalls after step 8, so that it cannot finish before the kill however fast it trains.
     recipe = _recipe(tmp_path / "interrupted.yaml", tmp_path / "record", "pp", STEPS)
-    ranks = forked_cli.start_ranks(_argv(recipe, tmp_path / "interrupted"), tmp_path / "interrupted.log", tmp_path)
+    stall = ["--trainer.callbacks+=checkpoint_modules.StallAfter", "--trainer.callbacks.step=8", "--trainer.callbacks.seconds=300"]
+    ranks = forked_cli.start_ranks(_argv(recipe, tmp_path / "interrupted", *stall), tmp_path / "interrupted.log", tmp_path)
     deadline = time.monotonic() + 300
     while not any(r["step"] >= 8 for r in recorded_steps(tmp_path / "record", 0)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -160,7 +162,7 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
         expected = {r["step"]: r for r in recorded_steps(tmp_path / "reference-record", rank)}
         seen = recorded_steps(tmp_path / "record", rank)
         assert seen[-1]["step"] == STEPS and len(seen) > STEPS  # steps after the last checkpoint ran twice
-        assert sorted({r["step"] for r in seen}) == list(range(1, STEPS + 1)) and killed_after >= 8
+        assert sorted({r["step"] for r in seen}) == list(range(1, STEPS + 1)) and killed_after == 8
         for record in seen:  # every step, the repeated ones too, saw the same samples and loss as uninterrupted
             assert (record["samples"], record["loss"]) == (expected[record["step"]]["samples"], expected[record["step"]]["loss"]), (rank, record["step"])
     final = f"checkpoints/step-{STEPS:09d}"
