@@ -17,9 +17,9 @@ scales and reduces exactly their gradients) but not the model, whose parameter n
 otherwise prefix. Between stages travel only the hidden states [microbatch, seq_len, dim]; the
 text mask, from which each stage rebuilds the attention mask, is given to every stage with the batch.
 
-Each stage is laid out as the robot plan lays out the whole model, in the same order (TP -> AC ->
-compile -> data parallel), but around the stage modules, since the schedule calls those, never the
-model: data parallelism (FSDP, DDP) wraps each stage module as its root and each of its blocks.
+Each stage is laid out by the robot plan's ``lay_out``, as the whole model is (TP -> AC -> compile
+-> data parallel), but around the stage modules, since the schedule calls those, never the model:
+data parallelism (FSDP, DDP) wraps each stage module as its root and each of its blocks.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from torch import nn
 from uma_lightning.models import RobotFlowTransformer, RobotTransformer
 from uma_lightning.models.flops import training_flops_per_unit
 from uma_lightning.models.moe import MoEFeedForward, combined_stats, moe_layers
-from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
+from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.plans.robot import action_embedding_layout, action_head_layout, apply_sequence_parallel_blocks, apply_tp_tokenizers
+from uma_lightning.parallel.plans.robot import action_embedding_layout, action_head_layout, apply_sequence_parallel_blocks, apply_tp_tokenizers, lay_out
 from uma_lightning.parallel.pipeline import ZERO_BUBBLE, Pipeline, PipelineConfig
 
 log = logging.getLogger("uma_lightning")
@@ -255,15 +255,7 @@ def pipeline_robot(model: RobotTransformer, mesh, config: ParallelConfig, pipeli
     modules = {i: RobotStage(model, i, n_stages, split.layers(i)) for i in indices}
     applied = []
     for stage in modules.values():
-        blocks = list(stage.layers)
-        if mesh["tp"].size() > 1:
-            applied.append(apply_stage_tp(model, stage, mesh["tp"]))
-        applied += [apply_ac(blocks, config), apply_compile(blocks, config)]
-        if mesh["dp_shard"].size() > 1:
-            dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
-            applied.append(apply_fsdp(blocks, stage, dp_mesh, config))
-        elif mesh["dp_replicate"].size() > 1:
-            applied.append(apply_ddp(blocks, stage, mesh["dp_replicate"], config))
+        applied += lay_out(stage, list(stage.layers), mesh, config, lambda stage=stage: [apply_stage_tp(model, stage, mesh["tp"])])
     runtime = Pipeline(modules, n_stages, pipeline, pp_mesh, device, microbatch_loss, every_moe_layer)
 
     def forward(images, state, text_ids, text_mask, action_tokens, *, loss_targets=None, with_environment_state=False):
