@@ -139,6 +139,13 @@ def assert_loaded(weights: dict[str, torch.Tensor], checkpoint) -> None:
         assert torch.equal(weights[name], value.double()), name
 
 
+def assert_optimizer_steps(checkpoint, steps: int) -> None:
+    """Every parameter's AdamW step count in ``checkpoint`` (the experts' included) is ``steps``:
+    the optimizer state came along with the weights across strategies (a fresh one would count 1)."""
+    counts = {k: float(v) for k, v in checkpoint_tensors(checkpoint).items() if k.startswith("optimizer/") and k.endswith("/step")}
+    assert any(".experts.w1" in key for key in counts) and set(counts.values()) == {steps}, counts
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_under_fsdp_and_one_process(tmp_path):
@@ -187,9 +194,12 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
     # The pipeline's checkpoint (each stage saved its own parameters, under the unwrapped model's names)
     # loads whole under FSDP on two processes and into one process; theirs load back into the pipeline.
     pipelined = tmp_path / "reference" / final
+    assert checkpoint_tensors(pipelined)["model/model.backbone.layers.1.ffn.experts.w1"].shape == (4, 32, 32)  # whole, under its plain name
     assert_loaded(_continue_from(pipelined, tmp_path, "fsdp-from-pp", "fsdp"), pipelined)
     assert_loaded(_continue_from(pipelined, tmp_path, "one-from-pp", "auto", devices=1), pipelined)
     next_step = f"checkpoints/step-{STEPS + 1:09d}"
     for source in ("fsdp-from-pp", "one-from-pp"):
         checkpoint = tmp_path / source / next_step
+        assert_optimizer_steps(checkpoint, STEPS + 1)
         assert_loaded(_continue_from(checkpoint, tmp_path, f"pp-from-{source.split('-')[0]}", "pp"), checkpoint)
+        assert_optimizer_steps(tmp_path / f"pp-from-{source.split('-')[0]}" / f"checkpoints/step-{STEPS + 2:09d}", STEPS + 2)
