@@ -344,9 +344,9 @@ def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parit
 
 @pytest.mark.slow
 def test_pipeline_schedules_match_one_process(parity_on_two_processes, parity_on_four_processes):
-    """1F1B, Interleaved1F1B (two stages per rank) alone and under FSDP, ZBVZeroBubble under TP: within tolerance, by a wide margin."""
+    """1F1B (with a MoE layer in each stage), Interleaved1F1B (two stages per rank) alone and under FSDP, ZBVZeroBubble under TP: within tolerance, by a wide margin."""
     results = {**parity_on_two_processes, **parity_on_four_processes}
-    for case, strategy in (("pipeline", "pp"), ("interleaved", "pp"), ("pipeline fsdp", "pp_fsdp"), ("pipeline tp", "pp_fsdp_tp")):
+    for case, strategy in (("experts", "pp"), ("interleaved", "pp"), ("pipeline fsdp", "pp_fsdp"), ("pipeline tp", "pp_fsdp_tp")):
         result = results[case][strategy]
         assert result["ok"], (case, result["parts_ways_at"])
         assert result["margin"] > 100, case
