@@ -193,11 +193,13 @@ def test_fused_act_draws_and_scores_bitwise_as_the_distribution_it_replaces():
 def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
     """The runner's own env stepping, bitwise as gymnasium's vector env: each row matches one replayed
     with the chunk's actions, terminated and truncated episodes keep their final observation and reset
-    unseeded, and chunks join seamlessly."""
+    unseeded, the running returns and lengths add up the replayed float64 rewards, and chunks join
+    seamlessly. The actions, log-probabilities and values are the distribution objects' for the same
+    random draws."""
     import numpy as np
 
     from uma_lightning.rl.env import make_vector_env
-    from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout
+    from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout, sample_from_distribution
 
     spec = probe_env("InvertedPendulum-v5")
     torch.manual_seed(0)
@@ -205,15 +207,22 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
     runner = EnvRunner(spec, time_limit, 4, seed=3, return_discount=0.9)
     act = PolicyActor(GaussianMLPPolicy(spec, hidden=(8,), init_log_std=1.0), version=7)
     layout = chunk_layout(spec, 16, 4)
-    chunks = []
+    chunks, rng_before_filling = [], torch.get_rng_state()
     for _ in range(2):
         chunk = {name: np.zeros(shape, torch.empty((), dtype=dtype).numpy().dtype) for name, (shape, dtype) in layout.items()}
         runner.fill(chunk, act)
         chunks.append(chunk)
     runner.close()
     data = {name: np.concatenate([c[name] for c in chunks]) for name in layout}
+    torch.set_rng_state(rng_before_filling)
+    with torch.no_grad():
+        for t in range(32):
+            reference = sample_from_distribution(act.policy, torch.from_numpy(data["obs"][t]))
+            for name, expected in zip(("action", "log_prob", "value"), reference):
+                assert torch.equal(torch.from_numpy(data[name][t]), expected), (name, t)
     replay = make_vector_env(spec.env, time_limit, 4)
     obs, _ = replay.reset(seed=[3 + i for i in range(4)])
+    discounted, episode_return, episode_length = np.zeros(4), np.zeros(4), np.zeros(4, np.int64)
     for t in range(32):
         assert np.array_equal(data["obs"][t], obs.astype(np.float32))
         obs, reward, terminated, truncated, info = replay.step(np.clip(data["action"][t], spec.action_low, spec.action_high))
@@ -223,5 +232,11 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
         assert np.array_equal(data["next_obs"][t], final.astype(np.float32))
         assert np.array_equal(data["reward"][t], reward.astype(np.float32))
         assert np.array_equal(data["terminated"][t], terminated) and np.array_equal(data["truncated"][t], truncated)
+        discounted, episode_return, episode_length = 0.9 * discounted + reward, episode_return + reward, episode_length + 1
+        assert np.array_equal(data["discounted_return"][t], discounted.astype(np.float32))
+        assert np.array_equal(data["episode_return"][t], episode_return.astype(np.float32))
+        assert np.array_equal(data["episode_length"][t], episode_length)
+        for running in (discounted, episode_return, episode_length):
+            running[terminated | truncated] = 0
     replay.close()
     assert data["terminated"].any() and data["truncated"].any() and (data["version"] == 7).all()
