@@ -28,7 +28,14 @@ def train(job: dict, strategy, out: Path, micro_batches: int = 1, activations: b
     ``job["trajectory"]`` if given; rank 0 saves the record to ``out`` and returns it."""
     recorder = Recorder(out, micro_batches, job.get("trajectory"), activations)
     module = copy.deepcopy(job["module"])  # every run starts from the unconfigured module
-    trainer = fit_on_batches(module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"])
+    # One thread in every run, references and ranks alike: a product split over threads sums in
+    # another order, and a DDP rank must match its accumulating reference bit for bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = fit_on_batches(module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"])
+    finally:
+        torch.set_num_threads(threads)
     return torch.load(out, weights_only=True) if trainer.is_global_zero else {}
 
 
