@@ -78,6 +78,7 @@ _COLLECTIVES = {
     "_c10d_functional.all_gather_into_tensor.default": ("all-gather", lambda args: _bytes(args[0]) * args[1]),
     "_c10d_functional.reduce_scatter_tensor.default": ("reduce-scatter", lambda args: _bytes(args[0])),
     "_c10d_functional.all_reduce.default": ("all-reduce", lambda args: _bytes(args[0])),
+    "_c10d_functional.all_to_all_single.default": ("all-to-all", lambda args: _bytes(args[0])),
 }
 
 
