@@ -179,15 +179,15 @@ def test_bias_balancing_evens_a_skewed_routers_load_and_needs_the_selection_nois
     assert balanced < 1.3 and unbalanced > 3.0 and swinging > 1.8, (balanced, unbalanced, swinging)
 
 
-def test_selection_noise_is_off_outside_training():
-    layer = moe_layer(top_k=2, selection_noise=1.0).eval()
-    x = torch.randn(1, 64, DIM)
-    layer(x)
-    first = layer.stats["routed"].clone()
-    layer(x)
-    assert torch.equal(layer.stats["routed"], first)
-    exact = layer.scores(x.view(64, DIM)).topk(2, dim=-1).indices.flatten()
-    assert torch.equal(first, torch.bincount(exact, minlength=4))
+def test_selection_noise_chooses_alike_in_any_batch_and_is_off_outside_training():
+    layer = moe_layer(top_k=2, selection_noise=1.0)
+    tokens = torch.randn(64, DIM)
+    exact = layer.scores(tokens).topk(2, dim=-1).indices
+    noisy = layer.route(layer.scores(tokens)).chosen
+    assert not torch.equal(noisy, exact)
+    # a function of each token's scores: the same choices in a slice of the batch (a rank's, a recompute's)
+    assert torch.equal(layer.route(layer.scores(tokens[40:])).chosen, noisy[40:])
+    assert torch.equal(layer.eval().route(layer.scores(tokens)).chosen, exact)
 
 
 def test_capacity_drops_the_overflow_in_token_order_and_counts_it():

@@ -10,11 +10,12 @@ mean (``update_bias``, outside autograd; the bias is a persistent buffer, so che
 The nudge is a fixed step times sign(mean - load) (``bias_update: sign``, DeepSeek-V3's), or that
 step times (mean - load) / mean (``proportional``), which shrinks as the loads even out.
 A bias moves every token's choice by the same amount, so tokens that are nearly alike (a camera
-frame's flat background, instruction padding: about half the tokens of a tiny_moe pretraining batch) choose alike
-and change expert all together: the bias cannot settle between two experts, and each step one of
-them carries the whole block. ``selection_noise``, Gaussian noise on the biased scores when
-choosing (training only), breaks those near-ties, so the bias splits such a block between experts
-in the proportion that balances them; the combine weights stay the noise-free scores.
+frame's flat background, instruction padding: about half the tokens of a tiny_moe pretraining batch)
+choose alike and change expert all together: the bias cannot settle between two experts, and each
+step one of them carries the whole block. ``selection_noise``, noise on the biased scores when
+choosing (training only; a function of each score, see ``selection_noise``), breaks those near-ties,
+so the bias splits such a block between experts in the proportion that balances them; the combine
+weights stay the noise-free scores.
 An optional sequence-level auxiliary loss adds ``aux_loss_weight`` times its value to the
 training loss through the layer's output (see ``_AuxiliaryLoss``), so it reaches the router whatever
 wraps the block.
@@ -56,7 +57,7 @@ class MoEConfig:
     ``expert_dim``: each expert's hidden size (empty: the backbone's ffn_dim);
     ``bias_update_rate``: step of the balancing bias per optimizer step (0: no bias balancing);
     ``bias_update``: ``sign`` (the step times sign(mean - load)) or ``proportional`` (times (mean - load) / mean);
-    ``selection_noise``: std of the Gaussian noise added, in training only, to the biased scores that choose experts (0: none).
+    ``selection_noise``: std of the noise added, in training only, to the biased scores that choose experts (0: none).
     """
 
     n_experts: int = 8
@@ -162,7 +163,7 @@ class MoEFeedForward(nn.Module):
             # Near-identical tokens (a frame's flat background, padding) would all choose alike, so the bias
             # could only move them between experts as one block and the loads would swing step to step;
             # the noise breaks their near-ties, so the bias splits such a block in proportion.
-            selection = selection + self.cfg.selection_noise * torch.randn_like(selection)
+            selection = selection + self.cfg.selection_noise * selection_noise(scores.detach())
         chosen = selection.topk(top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True)
@@ -214,6 +215,14 @@ class MoEFeedForward(nn.Module):
                 self.expert_bias += self.cfg.bias_update_rate * torch.sign(mean - routed)
             elif mean > 0:
                 self.expert_bias += self.cfg.bias_update_rate * (mean - routed) / mean
+
+
+def selection_noise(scores: Tensor) -> Tensor:
+    """Zero-mean, unit-variance noise, uniform, that is a function of each score alone: the fractional part
+    of a large multiple of it, so tokens whose scores differ by a thousandth get unrelated values. Unlike
+    a random generator's draws it is the same whichever rank, batch slice or activation-checkpointing
+    recompute routes the token, so every parallel layout chooses the same experts."""
+    return (torch.remainder(scores * 4099.0, 1.0) - 0.5) * math.sqrt(12.0)
 
 
 def sequence_balance_loss(scores: Tensor, routing: Routing, cfg: MoEConfig) -> Tensor:
