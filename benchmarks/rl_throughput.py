@@ -3,6 +3,7 @@ stepping of the same environments in the same number of processes, measured in o
 
     python benchmarks/rl_throughput.py [--env Humanoid-v5] [--seconds 60] [--repeats 2]
     python benchmarks/rl_throughput.py --cpu-time [--seconds 20] [--repeats 5] [--json FILE] [--envs-per-worker 16]
+    python benchmarks/rl_throughput.py --breakdown [--repeats 16] [--envs-per-worker 16]
 
 raw:       N processes, each stepping a gymnasium SyncVectorEnv of M environments with random actions.
 pipeline:  the default recipe (recipes/rl.yaml: PPO, N workers x M envs, asynchronous) trained by the
@@ -18,6 +19,10 @@ ratio on cores of one's own.
 (local inference, a learner that only takes chunks and publishes a version per iteration) against
 raw stepping's, alternating the two. It counts process CPU time, not wall time, so a busy machine
 changes little; ``--json FILE`` writes the medians and ``actor_cpu_per_step_vs_raw``.
+
+``--breakdown`` shows where that CPU goes, in one process that fills chunks as an actor does, times
+acting and env stepping apart, and steps raw and replays the same actions through ``EnvVector``
+between chunks, so that all see the same load (``--repeats`` chunks).
 """
 
 from __future__ import annotations
@@ -141,6 +146,78 @@ def cpu_time_main(args, recipe: dict) -> None:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
+def breakdown_main(args, recipe: dict) -> None:
+    """Where an actor's CPU goes, in this one process: chunks filled by an ``EnvRunner`` with a
+    ``PolicyActor`` (the recipe's policy, its acting and env stepping timed apart), each followed by as
+    many steps of raw stepping and by the same clipped actions replayed through an ``EnvVector``, so
+    that all three see the same load. Thread CPU time, medians over chunks."""
+    import numpy as np
+    import torch
+
+    from uma_lightning.rl.env import EnvVector, make_vector_env, probe_env
+    from uma_lightning.rl.policy import GaussianMLPPolicy
+    from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout
+
+    torch.set_num_threads(1)
+    n_envs, steps = args.envs_per_worker or recipe["data"]["init_args"]["envs_per_worker"], 128
+    spec = probe_env(args.env)
+    runner = EnvRunner(spec, None, n_envs, seed=0, return_discount=0.99)
+    actor = PolicyActor(GaussianMLPPolicy(spec, tuple(recipe["model"]["init_args"].get("hidden", [64, 64]))), version=0)
+    spent = {"policy": 0, "env": 0}
+
+    def timed(name: str, fn):
+        def call(*fn_args):
+            start = time.thread_time_ns()
+            result = fn(*fn_args)
+            spent[name] += time.thread_time_ns() - start
+            return result
+        return call
+
+    runner.envs.step = timed("env", runner.envs.step)
+    act = timed("policy", actor)
+    raw = make_vector_env(args.env, None, n_envs)
+    raw.reset(seed=0)
+    raw.action_space.seed(0)
+    replay = EnvVector(args.env, None, n_envs)
+    replay_obs = np.empty((n_envs, spec.obs_dim), np.float32)
+    replay_out = (replay_obs.copy(), np.empty(n_envs), np.empty(n_envs, bool), np.empty(n_envs, bool))
+    replay.reset(list(range(n_envs)), replay_obs)
+    chunk = {name: torch.empty(shape, dtype=dtype).numpy() for name, (shape, dtype) in chunk_layout(spec, steps, n_envs).items()}
+    rows = {name: [] for name in ("raw", "actor", "policy", "env", "rest", "replay")}
+    for index in range(args.repeats + 1):  # the first is a warm-up
+        spent.update(policy=0, env=0)
+        start = time.thread_time_ns()
+        runner.fill(chunk, act)
+        actor_ns = time.thread_time_ns() - start
+        start = time.thread_time_ns()
+        for _ in range(steps):
+            raw.step(raw.action_space.sample())
+        raw_ns = time.thread_time_ns() - start
+        actions = np.clip(chunk["action"], runner.low, runner.high)
+        start = time.thread_time_ns()
+        for t in range(steps):
+            replay.step(actions[t], replay_obs, *replay_out)
+        replay_ns = time.thread_time_ns() - start
+        if index:
+            for name, ns in (("raw", raw_ns), ("actor", actor_ns), ("policy", spent["policy"]), ("env", spent["env"]),
+                             ("rest", actor_ns - spent["policy"] - spent["env"]), ("replay", replay_ns)):
+                rows[name].append(ns / steps / 1000)
+    raw_us = median(rows["raw"])
+    print_table(
+        f"{args.env}: one process, {n_envs} envs, {args.repeats} chunks of {steps} steps each way, interleaved",
+        ["part", "CPU us / batch step", "ratio to raw"],
+        [["raw vectorised stepping (SyncVectorEnv, random actions)", raw_us, 1.0],
+         ["actor: EnvRunner.fill", median(rows["actor"]), median(a / r for a, r in zip(rows["actor"], rows["raw"]))],
+         ["  of which acting (PolicyActor)", median(rows["policy"]), median(rows["policy"]) / raw_us],
+         ["  of which env steps (EnvVector)", median(rows["env"]), median(rows["env"]) / raw_us],
+         ["  of which the rest (clipping, chunk bookkeeping)", median(rows["rest"]), median(rows["rest"]) / raw_us],
+         ["EnvVector, the actor's actions replayed", median(rows["replay"]), median(rows["replay"]) / raw_us]],
+    )
+    runner.close()
+    raw.close()
+    replay.close()
+
+
 def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int = 3,
                   accelerator: str = "cpu") -> tuple[float, float, float]:
     """(trained env steps/s, received env steps/s, CPU seconds per 1000 trained env steps) of the
@@ -182,11 +259,15 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true", help="actor CPU per env step against raw stepping's")
     parser.add_argument("--envs-per-worker", type=int, help="with --cpu-time: envs per worker instead of the recipe's")
     parser.add_argument("--json", help="with --cpu-time: write the medians and actor_cpu_per_step_vs_raw to this file")
+    parser.add_argument("--breakdown", action="store_true", help="where an actor's CPU goes, in one process (--repeats chunks)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     recipe = yaml.safe_load(Path(args.recipe).read_text())
     if args.cpu_time:
         cpu_time_main(args, recipe)
+        return
+    if args.breakdown:
+        breakdown_main(args, recipe)
         return
     n_workers, n_envs = recipe["data"]["init_args"]["n_workers"], recipe["data"]["init_args"]["envs_per_worker"]
 

@@ -1,15 +1,16 @@
 """How a mixture-of-experts model spreads its tokens: per MoE layer, per training step, to the loggers.
 
 For each MoE layer (named by its place in the model, e.g. ``backbone.layers.1``), summed over every
-rank's tokens of the step's last micro-batch:
+rank's tokens of the step's last micro-batch (under pipeline parallelism: over every microbatch of
+the schedule's step, from whichever stage holds the layer):
 
 - ``moe/<layer>/tokens/expert<i>``: token choices each expert got (before any capacity drop);
 - ``moe/<layer>/imbalance``: the busiest expert's choices over the mean (1 is perfect balance,
   n_experts / top_k the worst: one expert takes everything it can);
 - ``moe/<layer>/router_entropy``: mean entropy of the router's normalised scores, in nats (log
-  n_experts: undecided; 0: certain);
+  n_experts: undecided; 0: certain), over the ranks;
 - ``moe/<layer>/dropped``: choices dropped by a capacity factor (0 when dropless);
-- ``moe/<layer>/aux_loss``: the sequence-level balance loss, where one is configured.
+- ``moe/<layer>/aux_loss``: the sequence-level balance loss, where one is configured (the ranks' mean).
 
 An expert that gets no tokens for ``dead_after_steps`` steps in a row is named in a warning (once
 per such stretch): it no longer learns, and its parameters are wasted. Models without MoE layers
@@ -24,8 +25,20 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from uma_lightning.models.moe import moe_layers
+from uma_lightning.parallel.moe_stats import sum_per_moe_layer
 
 log = logging.getLogger("uma_lightning")
+
+
+# After each layer's counts: dropped, entropy, 1 (summed: the ranks that added an entropy), aux loss, 1 where there is one.
+EXTRA_COLUMNS = 5
+
+
+def _row(stats: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A layer's statistics as one row: its counts, then the EXTRA_COLUMNS."""
+    aux_loss = [float(stats["aux_loss"]), 1.0] if "aux_loss" in stats else [0.0, 0.0]
+    extra = torch.tensor([float(stats["dropped"]), float(stats["entropy"]), 1.0, *aux_loss], dtype=torch.float64)
+    return torch.cat((stats["routed"].double().cpu(), extra))
 
 
 class ExpertLoad(Callback):
@@ -42,24 +55,28 @@ class ExpertLoad(Callback):
         self._idle_steps: dict[str, torch.Tensor] = {}  # per layer: steps in a row each expert got nothing
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        layers = [(name.removesuffix(".ffn"), layer) for name, layer in moe_layers(pl_module) if "routed" in layer.stats]
-        if not layers:
-            return
-        local = torch.stack([torch.cat((layer.stats["routed"].float(), layer.stats["dropped"].float().view(1))) for _, layer in layers])
-        summed = trainer.strategy.reduce(local, reduce_op="sum").cpu()  # one collective for every layer
-        entropy = trainer.strategy.reduce(torch.stack([layer.stats["entropy"] for _, layer in layers]), reduce_op="mean").cpu()
+        metrics = self.step_metrics(trainer, pl_module)
+        if metrics and trainer.global_step % self.every_n_steps == 0:
+            pl_module.log_dict(metrics, batch_size=1)
+
+    def step_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """The step's metrics of every MoE layer, on every rank (a collective), counting idle experts."""
+        rows = {name: _row(layer.stats) for name, layer in moe_layers(pl_module) if "routed" in layer.stats}
+        summed = sum_per_moe_layer(rows, pl_module, trainer.strategy, extra_columns=EXTRA_COLUMNS)  # one collective for every layer, every stage's
         metrics = {}
-        for (name, layer), row, layer_entropy in zip(layers, summed, entropy):
-            routed, dropped = row[:-1], row[-1]
+        for name, row in summed.items():
+            name = name.removesuffix(".ffn")
+            routed, (dropped, entropy, ranks, aux_loss, ranks_with_aux_loss) = row[:-EXTRA_COLUMNS], row[-EXTRA_COLUMNS:].tolist()
+            if not ranks:
+                continue  # no rank ran the layer in this step
             self._count_idle(trainer, name, routed)
             metrics[f"moe/{name}/imbalance"] = (routed.max() / routed.mean().clamp_min(1e-9)).item()
-            metrics[f"moe/{name}/router_entropy"] = layer_entropy.item()
-            metrics[f"moe/{name}/dropped"] = dropped.item()
+            metrics[f"moe/{name}/router_entropy"] = entropy / ranks
+            metrics[f"moe/{name}/dropped"] = dropped
             metrics.update({f"moe/{name}/tokens/expert{index}": count for index, count in enumerate(routed.tolist())})
-            if "aux_loss" in layer.stats:
-                metrics[f"moe/{name}/aux_loss"] = layer.stats["aux_loss"].item()
-        if trainer.global_step % self.every_n_steps == 0:
-            pl_module.log_dict(metrics, batch_size=1)
+            if ranks_with_aux_loss:
+                metrics[f"moe/{name}/aux_loss"] = aux_loss / ranks_with_aux_loss
+        return metrics
 
     def _count_idle(self, trainer: Trainer, name: str, routed: torch.Tensor) -> None:
         idle = self._idle_steps.get(name, torch.zeros_like(routed, dtype=torch.long))

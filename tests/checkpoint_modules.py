@@ -12,6 +12,7 @@ import yaml
 from lightning.pytorch import Callback, LightningModule
 
 from suite import RECIPE, TINY
+from uma_lightning.callbacks import ExpertLoad
 from uma_lightning.modules import PretrainModule
 from uma_lightning.parallel.pipeline import pipeline_of
 
@@ -70,6 +71,21 @@ class RecordSteps(Callback):
             record["bubble"] = pipeline.bubble_fraction
         with open(self.dir / f"steps-rank{trainer.global_rank}.jsonl", "a") as file:
             file.write(json.dumps(record) + "\n")
+
+
+class RecordExpertMetrics(ExpertLoad):
+    """Rank 0 appends ``{"step", "metrics"}`` per step, the metrics ExpertLoad logs, to ``<dir>/moe.jsonl``."""
+
+    def __init__(self, dir: str):
+        super().__init__()
+        self.dir = Path(dir)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = self.step_metrics(trainer, pl_module)
+        if trainer.is_global_zero:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dir / "moe.jsonl", "a") as file:
+                file.write(json.dumps({"step": trainer.global_step, "metrics": metrics}) + "\n")
 
 
 def recorded_steps(dir: Path, rank: int = 0) -> list[dict]:
@@ -150,15 +166,15 @@ def crash_at(step: int) -> dict:
 
 
 class SaveWeightsAtStart(Callback):
-    """Rank 0 saves every parameter, whole (gathered from shards and pipeline stages), to ``path``
-    when training starts: after a checkpoint has been restored, before the first step."""
+    """Rank 0 saves every parameter and MoE balancing bias, whole (gathered from shards and pipeline
+    stages), to ``path`` when training starts: after a checkpoint has been restored, before the first step."""
 
     def __init__(self, path: str):
         self.path = path
 
     def on_train_start(self, trainer, pl_module):
-        from uma_lightning.parallel.recorded_runs import full_parameters
+        from uma_lightning.parallel.recorded_runs import full_expert_biases, full_parameters
 
-        weights = full_parameters(pl_module)
+        weights = {**full_parameters(pl_module), **full_expert_biases(pl_module)}
         if trainer.is_global_zero:
             torch.save(weights, self.path)

@@ -170,8 +170,8 @@ def parity_on_two_processes():
     """Results (case label -> strategy -> result) of one launch of two processes: the small model
     with every second block checkpointed and the environment-state head; the FiLM keypoint
     tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
-    model shapes drawn at random; the pipeline, with 1F1B and with two interleaved stages per rank;
-    a mixture of experts under ep; and one injected bug per case."""
+    model shapes drawn at random; the pipeline with two interleaved stages per rank; a mixture of
+    experts under ep and in 1F1B pipeline stages; and one injected bug per case."""
     from suite import PARITY_MOE, PARITY_SIZE, parity_case, recipe
     from uma_lightning.parallel.parity import check_parity, random_network
 
@@ -185,17 +185,17 @@ def parity_on_two_processes():
         parity_case("recipe", "ddp,fsdp,tp", "--model.network.environment_state_weight", "0.5", activation_checkpointing="ops", ac_every_n_blocks=2),
         parity_case("keypoints", "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5"),
         *(parity_case(f"shape {seed}", "ddp,fsdp,tp", *random_network(seed)) for seed in (0, 1)),
-        # Shapes 0 and 1 cannot be pipelined (an environment-state head; one layer): 2 can.
+        # Shapes 0 and 1 cannot be pipelined (an environment-state head; one layer): 2 can. The small
+        # model's 1F1B pipeline runs in the experts case (a MoE layer in each stage).
         parity_case("shape 2 in stages", "pp", *random_network(2)),
         fault("unreduced_gradient", "ddp"),
         fault("rank_seed", "ddp,fsdp"),
         fault("wrong_dim", "tp"),
         fault("unreduced_norm", "tp"),
-        parity_case("pipeline", "pp"),
         parity_case("interleaved", "pp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
                     pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),
         fault("unscaled_microbatches", "pp"),
-        parity_case("experts", "ep", *PARITY_MOE),
+        parity_case("experts", "ep,pp", *PARITY_MOE),
         fault("wrong_rank", "ep", *PARITY_MOE),
     ]
     return check_parity(cases)
@@ -207,7 +207,7 @@ def parity_on_four_processes():
     keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
     runs the compiled graph like inductor, without generating kernels, which takes minutes on a
     CPU); a model shape drawn at random; a mixture of experts under ep_fsdp (experts over 2 ranks,
-    each rank's experts FSDP-sharded over 2); gradients averaged over the wrong group; pipeline
+    each rank's experts FSDP-sharded over 2) and pp_fsdp; gradients averaged over the wrong group; pipeline
     stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
     from suite import PARITY_MOE, PARITY_SIZE, parity_case
     from uma_lightning.parallel.parity import check_parity, random_network
@@ -216,7 +216,7 @@ def parity_on_four_processes():
     cases = [
         parity_case("switches", "hsdp,fsdp_tp", **switches),
         parity_case("shape 2", "hsdp,fsdp_tp,pp_fsdp,pp_fsdp_tp", *random_network(2)),
-        parity_case("experts 4", "ep_fsdp", *PARITY_MOE),
+        parity_case("experts 4", "ep_fsdp,pp_fsdp", *PARITY_MOE),
         parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
         parity_case("pipeline fsdp", "pp_fsdp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
                     pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),

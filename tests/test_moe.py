@@ -23,7 +23,7 @@ from uma_lightning.models import (
     moe_layers,
     training_flops_per_sample,
 )
-from uma_lightning.models.moe import ExpertBalancing, sequence_balance_loss
+from uma_lightning.models.moe import ExpertBalancing, combined_stats, sequence_balance_loss
 from uma_lightning.models.transformer import TransformerConfig, build_feed_forward
 
 DIM, HIDDEN = 16, 32
@@ -144,13 +144,31 @@ def test_biases_move_once_per_optimizer_step_from_every_micro_batch():
         model(*random_inputs(model))
         balancing.record(model)
     layer.expert_bias.zero_()
-    routed = balancing.routed[0].float()
+    routed = balancing.routed["backbone.layers.0.ffn"].float()
     assert routed[0] > routed.mean() and routed[3] > routed.mean()
     reduced = []
     balancing.update(model, lambda t: reduced.append(t) or t)
     assert len(reduced) == 1  # one collective for every layer
     torch.testing.assert_close(layer.expert_bias, 0.5 * torch.sign(routed.mean() - routed))
-    assert balancing.routed is None
+    assert balancing.routed == {}
+
+
+def test_microbatches_statistics_combine_to_the_whole_batchs():
+    """What a pipeline stage leaves on its MoE layers after a step: from each microbatch's forward,
+    the statistics of one forward over the whole batch (counts exactly; means of equal parts)."""
+    layer = moe_layer(aux_loss_weight=0.1)
+    x = torch.randn(4, 6, DIM)
+    parts = []
+    for microbatch in x.chunk(2):
+        layer(microbatch)
+        parts.append(layer.stats)
+    layer(x)
+    combined = combined_stats(parts)
+    assert combined.keys() == layer.stats.keys()
+    assert torch.equal(combined["routed"], layer.stats["routed"]) and combined["routed"].sum() == 4 * 6 * 2
+    assert combined["dropped"] == layer.stats["dropped"] == 0
+    torch.testing.assert_close(combined["entropy"], layer.stats["entropy"])
+    torch.testing.assert_close(combined["aux_loss"], layer.stats["aux_loss"])
 
 
 def per_step_imbalance_under_balancing(steps: int = 300, window: int = 50, **moe) -> float:
@@ -280,7 +298,7 @@ def test_state_dict_holds_whole_stacked_experts_and_the_bias_under_plain_names()
 
 
 def expert_load_step(callback, model, step, logged):
-    trainer = SimpleNamespace(strategy=SimpleNamespace(reduce=lambda t, reduce_op: t), global_step=step, is_global_zero=True)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(reduce=lambda t, reduce_op: t, root_device=torch.device("cpu")), global_step=step, is_global_zero=True)
     module = SimpleNamespace(named_modules=model.named_modules, log_dict=lambda metrics, batch_size: logged.append(metrics))
     callback.on_train_batch_end(trainer, module, None, None, 0)
 

@@ -269,11 +269,14 @@ def test_model_shapes_drawn_at_random_raise_no_false_alarm(parity_on_two_process
 
 
 @pytest.mark.slow
-def test_expert_parallel_strategies_match_one_process_with_its_routing(parity_on_two_processes, parity_on_four_processes):
+def test_experts_match_one_process_with_its_routing_under_ep_and_in_pipeline_stages(parity_on_two_processes, parity_on_four_processes):
     """ep on 2 processes (experts split over both, the rest DDP) and ep_fsdp on 4 (experts split over
     2 and FSDP-sharded over 2, the rest FSDP over 4), the recipe's gradient clipping across both
-    meshes: within tolerance, and every step sends as many tokens to each expert as one process."""
-    for name, result in (("ep", parity_on_two_processes["experts"]["ep"]), ("ep_fsdp", parity_on_four_processes["experts 4"]["ep_fsdp"])):
+    meshes; pp (a MoE layer on each of 2 stages) and pp_fsdp (each stage FSDP over 2), whose
+    microbatches each add their sequence loss and counts: within tolerance, and every step sends as
+    many tokens to each expert of every layer as one process, and leaves the same balancing biases."""
+    two, four = parity_on_two_processes["experts"], parity_on_four_processes["experts 4"]
+    for name, result in (("ep", two["ep"]), ("ep_fsdp", four["ep_fsdp"]), ("pp", two["pp"]), ("pp_fsdp", four["pp_fsdp"])):
         assert_within_tolerance(name, result)
         assert result["routing_difference"] is None
         assert result["margin"] > 100, (name, result["margin"])  # measured: 1.1e4 for both
@@ -292,11 +295,17 @@ def test_tokens_sent_to_the_wrong_expert_parallel_rank_diverge_in_their_layer(pa
 
 
 def test_a_routing_difference_names_the_step_and_layer():
-    counts = [torch.tensor([[3, 5], [4, 4]]), torch.tensor([[2, 6], [4, 4]])]
-    reference = {"routing": counts, "moe_layers": ["backbone.layers.0.ffn", "backbone.layers.1.ffn"]}
+    layers = ["backbone.layers.0.ffn", "backbone.layers.1.ffn"]
+    counts = [dict(zip(layers, torch.tensor([[3, 5], [4, 4]]))), dict(zip(layers, torch.tensor([[2, 6], [4, 4]])))]
+    biases = [{f"{layer}.expert_bias": torch.zeros(2) for layer in layers}] * 2
+    reference = {"routing": counts, "expert_biases": biases}
     assert first_routing_difference(reference, reference) is None
-    moved = {**reference, "routing": [counts[0], torch.tensor([[2, 6], [5, 3]])]}
-    assert first_routing_difference(reference, moved) == {"step": 2, "layer": "backbone.layers.1.ffn", "expected": [4, 4], "got": [5, 3]}
+    moved = {**reference, "routing": [counts[0], {**counts[1], layers[1]: torch.tensor([5, 3])}]}
+    assert first_routing_difference(reference, moved) == {"step": 2, "layer": layers[1], "what": "tokens per expert", "expected": [4, 4], "got": [5, 3]}
+    # A layer the run did not report on (a pipeline stage's, lost on its way to rank 0) differs too.
+    assert first_routing_difference(reference, {**reference, "routing": [{layers[0]: counts[0][layers[0]]}, counts[1]]})["got"] is None
+    nudged = {**reference, "expert_biases": [biases[0], {**biases[1], f"{layers[0]}.expert_bias": torch.tensor([0.5, -0.5])}]}
+    assert first_routing_difference(reference, nudged) == {"step": 2, "layer": f"{layers[0]}.expert_bias", "what": "balancing bias", "expected": [0.0, 0.0], "got": [0.5, -0.5]}
 
 
 @pytest.mark.slow
@@ -335,9 +344,9 @@ def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parit
 
 @pytest.mark.slow
 def test_pipeline_schedules_match_one_process(parity_on_two_processes, parity_on_four_processes):
-    """1F1B, Interleaved1F1B (two stages per rank) alone and under FSDP, ZBVZeroBubble under TP: within tolerance, by a wide margin."""
+    """1F1B (with a MoE layer in each stage), Interleaved1F1B (two stages per rank) alone and under FSDP, ZBVZeroBubble under TP: within tolerance, by a wide margin."""
     results = {**parity_on_two_processes, **parity_on_four_processes}
-    for case, strategy in (("pipeline", "pp"), ("interleaved", "pp"), ("pipeline fsdp", "pp_fsdp"), ("pipeline tp", "pp_fsdp_tp")):
+    for case, strategy in (("experts", "pp"), ("interleaved", "pp"), ("pipeline fsdp", "pp_fsdp"), ("pipeline tp", "pp_fsdp_tp")):
         result = results[case][strategy]
         assert result["ok"], (case, result["parts_ways_at"])
         assert result["margin"] > 100, case

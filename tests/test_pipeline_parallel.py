@@ -21,6 +21,10 @@ from uma_lightning.parallel.plans.pipeline import balanced_starts, check_pipelin
 
 # Two layers: the fewest two stages take.
 TWO_LAYERS = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
+# The same with experts in layer 1 only: the second stage's, so the first stage (rank 0, which
+# logs) holds no MoE layer. A proportional bias step and a sequence loss, so both take part.
+MOE_IN_LAYER_1 = {**TWO_LAYERS, "moe": {"n_experts": 4, "top_k": 2, "n_shared": 1, "every_n_layers": 2, "expert_dim": 32,
+                                        "bias_update": "proportional", "bias_update_rate": 0.01, "aux_loss_weight": 0.01}}  # fmt: skip
 
 
 def meta_robot(n_layers: int, vision: VisionConfig = VisionConfig()) -> RobotTransformer:
@@ -100,12 +104,13 @@ STEPS = 12
 
 
 def _argv(recipe: str, run_dir, *extra: str) -> list[str]:
-    return ["fit", "--config", recipe, *DATA, "--model.network.size", json.dumps(TWO_LAYERS), "--trainer.default_root_dir", str(run_dir), *extra]
+    return ["fit", "--config", recipe, *DATA, "--model.network.size", json.dumps(MOE_IN_LAYER_1), "--trainer.default_root_dir", str(run_dir), *extra]
 
 
 def _recipe(path, record, strategy: str, max_steps: int, callbacks=()) -> str:
     trainer = {"strategy": strategy, "accelerator": "cpu", "devices": 2, "max_steps": max_steps, "val_check_interval": 5, "limit_val_batches": 1}
-    return resume_recipe(path, record, list(callbacks), every_n_steps=3, trainer=trainer)
+    expert_metrics = {"class_path": "checkpoint_modules.RecordExpertMetrics", "init_args": {"dir": str(record)}}
+    return resume_recipe(path, record, [expert_metrics, *callbacks], every_n_steps=3, trainer=trainer)
 
 
 def _weights_at_start(path) -> dict:
@@ -126,16 +131,26 @@ def _continue_from(checkpoint, tmp_path, name: str, strategy: str, devices: int 
 
 
 def assert_loaded(weights: dict[str, torch.Tensor], checkpoint) -> None:
-    """The weights a run started from are the checkpoint's, every one, bit for bit (float32 widens exactly to float64)."""
+    """The weights a run started from (MoE balancing biases included) are the checkpoint's, every
+    one, bit for bit (float32 widens exactly to float64)."""
     saved = {k.removeprefix("model/"): v for k, v in checkpoint_tensors(checkpoint).items() if k.startswith("model/")}
     assert weights.keys() == saved.keys()
     for name, value in saved.items():
         assert torch.equal(weights[name], value.double()), name
 
 
+def assert_optimizer_steps(checkpoint, steps: int) -> None:
+    """Every parameter's AdamW step count in ``checkpoint`` (the experts' included) is ``steps``:
+    the optimizer state came along with the weights across strategies (a fresh one would count 1)."""
+    counts = {k: float(v) for k, v in checkpoint_tensors(checkpoint).items() if k.startswith("optimizer/") and k.endswith("/step")}
+    assert any(".experts.w1" in key for key in counts) and set(counts.values()) == {steps}, counts
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_under_fsdp_and_one_process(tmp_path):
+    """A model with experts in its second stage's layer; the uninterrupted run logs (rank 0, which
+    holds the first stage) that layer's expert metrics at every step."""
     # The uninterrupted run.
     reference = _recipe(tmp_path / "reference.yaml", tmp_path / "reference-record", "pp", STEPS)
     assert forked_cli.run_as_ranks(_argv(reference, tmp_path / "reference"), tmp_path / "reference.log", tmp_path) == [0, 0]
@@ -144,10 +159,22 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
     # The bubble: a share of each step, the stages' mean, so the same on both ranks.
     bubbles = [[r["bubble"] for r in recorded_steps(tmp_path / "reference-record", rank)] for rank in (0, 1)]
     assert bubbles[0] == bubbles[1] and all(0 < b < 1 for b in bubbles[0])
+    # Rank 0 has stage 1's expert metrics, of both microbatches: 8 samples of 120 tokens (the
+    # recipe's prefix and action tokens), each token choosing 2 experts.
+    expert_metrics = [json.loads(line) for line in (tmp_path / "reference-record" / "moe.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in expert_metrics] == list(range(1, STEPS + 1))
+    layer = "moe/model.backbone.layers.1"
+    names = {f"{layer}/{name}" for name in ("imbalance", "router_entropy", "dropped", "aux_loss", *(f"tokens/expert{i}" for i in range(4)))}
+    for record in expert_metrics:
+        assert record["metrics"].keys() == names
+        assert sum(record["metrics"][f"{layer}/tokens/expert{i}"] for i in range(4)) == 8 * 120 * 2
+        assert record["metrics"][f"{layer}/aux_loss"] > 0 and record["metrics"][f"{layer}/dropped"] == 0
 
-    # The same command, killed (SIGKILL, both ranks) once step 8 is done, then run again.
+    # The same command, killed (SIGKILL, both ranks) once step 8 is done, then run again. The killed
+    # attempt stalls after step 8, so that it cannot finish before the kill however fast it trains.
     recipe = _recipe(tmp_path / "interrupted.yaml", tmp_path / "record", "pp", STEPS)
-    ranks = forked_cli.start_ranks(_argv(recipe, tmp_path / "interrupted"), tmp_path / "interrupted.log", tmp_path)
+    stall = ["--trainer.callbacks+=checkpoint_modules.StallAfter", "--trainer.callbacks.step=8", "--trainer.callbacks.seconds=300"]
+    ranks = forked_cli.start_ranks(_argv(recipe, tmp_path / "interrupted", *stall), tmp_path / "interrupted.log", tmp_path)
     deadline = time.monotonic() + 300
     while not any(r["step"] >= 8 for r in recorded_steps(tmp_path / "record", 0)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -160,7 +187,7 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
         expected = {r["step"]: r for r in recorded_steps(tmp_path / "reference-record", rank)}
         seen = recorded_steps(tmp_path / "record", rank)
         assert seen[-1]["step"] == STEPS and len(seen) > STEPS  # steps after the last checkpoint ran twice
-        assert sorted({r["step"] for r in seen}) == list(range(1, STEPS + 1)) and killed_after >= 8
+        assert sorted({r["step"] for r in seen}) == list(range(1, STEPS + 1)) and killed_after == 8
         for record in seen:  # every step, the repeated ones too, saw the same samples and loss as uninterrupted
             assert (record["samples"], record["loss"]) == (expected[record["step"]]["samples"], expected[record["step"]]["loss"]), (rank, record["step"])
     final = f"checkpoints/step-{STEPS:09d}"
@@ -169,9 +196,12 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
     # The pipeline's checkpoint (each stage saved its own parameters, under the unwrapped model's names)
     # loads whole under FSDP on two processes and into one process; theirs load back into the pipeline.
     pipelined = tmp_path / "reference" / final
+    assert checkpoint_tensors(pipelined)["model/model.backbone.layers.1.ffn.experts.w1"].shape == (4, 32, 32)  # whole, under its plain name
     assert_loaded(_continue_from(pipelined, tmp_path, "fsdp-from-pp", "fsdp"), pipelined)
     assert_loaded(_continue_from(pipelined, tmp_path, "one-from-pp", "auto", devices=1), pipelined)
     next_step = f"checkpoints/step-{STEPS + 1:09d}"
     for source in ("fsdp-from-pp", "one-from-pp"):
         checkpoint = tmp_path / source / next_step
+        assert_optimizer_steps(checkpoint, STEPS + 1)
         assert_loaded(_continue_from(checkpoint, tmp_path, f"pp-from-{source.split('-')[0]}", "pp"), checkpoint)
+        assert_optimizer_steps(tmp_path / f"pp-from-{source.split('-')[0]}" / f"checkpoints/step-{STEPS + 2:09d}", STEPS + 2)

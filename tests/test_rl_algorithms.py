@@ -136,48 +136,70 @@ class _ForwardChanged(GaussianMLPPolicy):
         return super().forward(obs * 2)
 
 
+def acted_into_chunk_rows(actor, obs):
+    """(action, log_prob, value) of a ``PolicyActor``, written into the middle rows of larger arrays,
+    as actors write into a chunk."""
+    import numpy as np
+
+    batch, action_dim = obs.shape[0], actor.policy.log_std.shape[0]
+    rows = (np.zeros((3, batch, action_dim), np.float32), np.zeros((3, batch), np.float32), np.zeros((3, batch), np.float32))
+    actor(obs.numpy(), *(array[1] for array in rows))
+    return tuple(torch.from_numpy(array[1]) for array in rows)
+
+
 def test_fused_act_draws_and_scores_bitwise_as_the_distribution_it_replaces():
-    from uma_lightning.rl.rollout import sample_actions, sample_from_distribution
+    """``act`` and ``numpy_act`` (numpy element-wise parts, through a ``PolicyActor`` as actors use it)
+    against the distribution objects: the same values, the same draws, the generator left in the same
+    state, also after new weights are copied in."""
+    from uma_lightning.rl.rollout import PolicyActor, sample_actions, sample_from_distribution
 
     spec = EnvSpec("test", obs_dim=11, action_dim=5, action_low=(-1.0,) * 5, action_high=(1.0,) * 5)
     g = torch.Generator().manual_seed(0)
     for normalize_obs in (True, False):
-        policy = GaussianMLPPolicy(spec, hidden=(16, 16), normalize_obs=normalize_obs).eval()
+        policy = GaussianMLPPolicy(spec, hidden=(16, 16), normalize_obs=normalize_obs)
+        actor = PolicyActor(policy, version=0)
+        samplers = (sample_from_distribution, sample_actions, lambda _, obs: acted_into_chunk_rows(actor, obs))
         with torch.no_grad():  # weights, log-std and statistics away from their initial values
             for tensor in policy.state_dict().values():
                 if tensor.is_floating_point():
                     tensor.copy_(torch.rand(tensor.shape, generator=g, dtype=tensor.dtype) + 0.5)
         for batch in (1, 8, 33):  # torch's normal sampler takes another path from 16 values on
-            obs = torch.randn(batch, spec.obs_dim, generator=g) * 30  # some beyond the clip of the normalisation
-            results = []
-            for sample in (sample_from_distribution, sample_actions):
-                torch.manual_seed(batch)
-                with torch.inference_mode():
-                    results.append((*sample(policy, obs), torch.rand(3)))  # the last: the generator moved alike
-            for reference, fused in zip(*results):
-                assert torch.equal(reference, fused), (normalize_obs, batch)
-            with torch.no_grad():  # new weights copied in, as actors load them: act must not keep the old ones
-                for tensor in policy.state_dict().values():
-                    if tensor.is_floating_point():
-                        tensor.mul_(1.5)
-    # Only the class whose forward act mirrors gets the fused path.
-    assert fused_act(policy) is not None and fused_act(TanhGaussianMLPPolicy(spec)) is None
-    changed = _ForwardChanged(spec, hidden=(16, 16))
-    assert fused_act(changed) is None
+            for _ in range(2):  # the second time with new weights, for the same batch size
+                obs = torch.randn(batch, spec.obs_dim, generator=g) * 30  # some beyond the clip of the normalisation
+                results = []
+                for sample in samplers:
+                    torch.manual_seed(batch)
+                    with torch.inference_mode():
+                        results.append((*sample(policy, obs), torch.rand(3)))  # the last: the generator moved alike
+                for reference, *fused in zip(*results):
+                    assert all(torch.equal(reference, other) for other in fused), (normalize_obs, batch)
+                with torch.no_grad():  # new weights copied in, as actors load them: acting must not keep the old ones
+                    for tensor in policy.state_dict().values():
+                        if tensor.is_floating_point():
+                            tensor.mul_(1.5)
+                actor.version += 1
+    # Only the class whose forward act mirrors gets the fused paths.
+    for method in ("act", "numpy_act"):
+        assert fused_act(policy, method) is not None and fused_act(TanhGaussianMLPPolicy(spec), method) is None
+    changed = PolicyActor(_ForwardChanged(spec, hidden=(16, 16)))
+    assert fused_act(changed.policy) is None and changed.numpy_act is None
     torch.manual_seed(0)
-    reference = sample_from_distribution(changed, obs)
-    torch.manual_seed(0)
-    assert all(torch.equal(a, b) for a, b in zip(reference, sample_actions(changed, obs)))
+    reference = sample_from_distribution(changed.policy, obs)
+    for sample in (lambda obs: sample_actions(changed.policy, obs), lambda obs: acted_into_chunk_rows(changed, obs)):
+        torch.manual_seed(0)
+        assert all(torch.equal(a, b) for a, b in zip(reference, sample(obs)))
 
 
 def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
     """The runner's own env stepping, bitwise as gymnasium's vector env: each row matches one replayed
     with the chunk's actions, terminated and truncated episodes keep their final observation and reset
-    unseeded, and chunks join seamlessly."""
+    unseeded, the running returns and lengths add up the replayed float64 rewards, and chunks join
+    seamlessly. The actions, log-probabilities and values are the distribution objects' for the same
+    random draws."""
     import numpy as np
 
     from uma_lightning.rl.env import make_vector_env
-    from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout
+    from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout, sample_from_distribution
 
     spec = probe_env("InvertedPendulum-v5")
     torch.manual_seed(0)
@@ -185,15 +207,22 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
     runner = EnvRunner(spec, time_limit, 4, seed=3, return_discount=0.9)
     act = PolicyActor(GaussianMLPPolicy(spec, hidden=(8,), init_log_std=1.0), version=7)
     layout = chunk_layout(spec, 16, 4)
-    chunks = []
+    chunks, rng_before_filling = [], torch.get_rng_state()
     for _ in range(2):
         chunk = {name: np.zeros(shape, torch.empty((), dtype=dtype).numpy().dtype) for name, (shape, dtype) in layout.items()}
         runner.fill(chunk, act)
         chunks.append(chunk)
     runner.close()
     data = {name: np.concatenate([c[name] for c in chunks]) for name in layout}
+    torch.set_rng_state(rng_before_filling)
+    with torch.no_grad():
+        for t in range(32):
+            reference = sample_from_distribution(act.policy, torch.from_numpy(data["obs"][t]))
+            for name, expected in zip(("action", "log_prob", "value"), reference):
+                assert torch.equal(torch.from_numpy(data[name][t]), expected), (name, t)
     replay = make_vector_env(spec.env, time_limit, 4)
     obs, _ = replay.reset(seed=[3 + i for i in range(4)])
+    discounted, episode_return, episode_length = np.zeros(4), np.zeros(4), np.zeros(4, np.int64)
     for t in range(32):
         assert np.array_equal(data["obs"][t], obs.astype(np.float32))
         obs, reward, terminated, truncated, info = replay.step(np.clip(data["action"][t], spec.action_low, spec.action_high))
@@ -203,5 +232,11 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
         assert np.array_equal(data["next_obs"][t], final.astype(np.float32))
         assert np.array_equal(data["reward"][t], reward.astype(np.float32))
         assert np.array_equal(data["terminated"][t], terminated) and np.array_equal(data["truncated"][t], truncated)
+        discounted, episode_return, episode_length = 0.9 * discounted + reward, episode_return + reward, episode_length + 1
+        assert np.array_equal(data["discounted_return"][t], discounted.astype(np.float32))
+        assert np.array_equal(data["episode_return"][t], episode_return.astype(np.float32))
+        assert np.array_equal(data["episode_length"][t], episode_length)
+        for running in (discounted, episode_return, episode_length):
+            running[terminated | truncated] = 0
     replay.close()
     assert data["terminated"].any() and data["truncated"].any() and (data["version"] == 7).all()

@@ -253,23 +253,34 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoEFeedForward)]
 
 
+def combined_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The ``stats`` one forward over equal-sized micro-batches would have left, from each one's:
+    counts summed, means (entropy, the sequence loss) averaged."""
+    combined = {key: torch.stack([part[key] for part in parts]).sum(0) for key in ("routed", "dropped")}
+    for key in ("entropy", "aux_loss"):
+        if key in parts[0]:
+            combined[key] = torch.stack([part[key] for part in parts]).mean(0)
+    return combined
+
+
 class ExpertBalancing:
     """The aux-loss-free balancing of a model's MoE layers over training steps: ``record`` after each
     micro-batch's backward (after it, so an activation-checkpointing recompute, which routes the same
     tokens again, is not counted twice), ``update`` after each optimizer step with the function that
-    sums a tensor over every rank (so every rank moves its replicated biases the same way)."""
+    sums each layer's counts over the ranks that hold the layer (so they all move its bias the same way)."""
 
     def __init__(self) -> None:
-        self.routed: Tensor | None = None  # [n MoE layers, n_experts] choices since the last update
+        self.routed: dict[str, Tensor] = {}  # per MoE layer name: choices per expert since the last update
 
     def record(self, model: nn.Module) -> None:
-        layers = [layer for _, layer in moe_layers(model) if "routed" in layer.stats]
-        if layers:
-            routed = torch.stack([layer.stats["routed"] for layer in layers])
-            self.routed = routed if self.routed is None else self.routed + routed
+        for name, layer in moe_layers(model):
+            if "routed" in layer.stats:
+                self.routed[name] = layer.stats["routed"] + self.routed[name] if name in self.routed else layer.stats["routed"]
 
-    def update(self, model: nn.Module, sum_over_ranks: Callable[[Tensor], Tensor]) -> None:
-        if self.routed is not None:
-            for (_, layer), counts in zip(moe_layers(model), sum_over_ranks(self.routed)):
-                layer.update_bias(counts)
-            self.routed = None
+    def update(self, model: nn.Module, sum_over_ranks: Callable[[dict[str, Tensor]], dict[str, Tensor]]) -> None:
+        """``sum_over_ranks`` runs on every rank, also one whose layers (none, on some pipeline stages) recorded nothing."""
+        summed = sum_over_ranks(self.routed)
+        for name, layer in moe_layers(model):
+            if name in summed:
+                layer.update_bias(summed[name])
+        self.routed = {}

@@ -57,6 +57,7 @@ from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, grouped_settings, network_of, use_kernels
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.parallel.grad_norm import clip_grad_norm
+from uma_lightning.parallel.moe_stats import sum_per_moe_layer
 from uma_lightning.parallel.pipeline import pipeline_of
 from uma_lightning.policy import Policy
 
@@ -268,11 +269,11 @@ class StageModule(L.LightningModule):
         return out["loss"]
 
     def on_after_backward(self) -> None:
-        self.expert_balancing.record(self.model)
+        self.expert_balancing.record(self)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
-        self.expert_balancing.update(self.model, lambda routed: self.trainer.strategy.reduce(routed, reduce_op="sum"))
+        self.expert_balancing.update(self, lambda routed: sum_per_moe_layer(routed, self, self.trainer.strategy))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, "val")

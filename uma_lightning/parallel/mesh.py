@@ -24,7 +24,7 @@ The mesh is built with those finer dimensions and dp_shard (or dp_replicate) fla
 so every dimension is a sub-mesh of one root mesh, which FSDP needs to combine the experts' ep
 layout with their data-parallel sharding. ep inside HSDP (both data-parallel sizes above one) is
 refused, as are ep with tp (``plans/robot.py``: the tensor-parallel layout has no MoE plan) and ep
-with pp (the pipeline plan lays out dense stages only).
+with pp (evaluation would desynchronise the experts' all-to-alls: MoE models train under pp without ep).
 """
 
 from __future__ import annotations
@@ -112,7 +112,14 @@ def _check_ep(shape: MeshShape, ep: int) -> int:
     if ep == 1:
         return ep
     if shape.pp > 1:
-        raise ValueError(f"mesh {shape}: ep {ep} with pipeline stages is not supported yet (the pipeline plan lays its stages out for dense data parallelism only); use ep or ep_fsdp without pp")
+        # Training runs (uma parity matches one process), but evaluation does not: the ep ranks of a
+        # stage get batches of different sizes, which the schedule cuts into different numbers of
+        # microbatches, while each MoE layer's all-to-all needs every one of those ranks.
+        raise ValueError(
+            f"mesh {shape}: ep {ep} with pipeline stages is not supported yet (evaluation batches of different sizes on the ranks that split a stage's experts "
+            "would run different numbers of all-to-alls); MoE models train under pp and pp_fsdp without ep (each stage's experts whole, FSDP-sharded under pp_fsdp), "
+            "or under ep and ep_fsdp without pp"
+        )
     if shape.dp_replicate > 1 and shape.dp_shard > 1:
         raise ValueError(f"mesh {shape}: ep {ep} inside HSDP (dp_replicate and dp_shard both above 1) is not supported; use dp_replicate 1 (ep_fsdp) or dp_shard 1 (ep)")
     data = "dp_shard" if shape.dp_shard > 1 else "dp_replicate"

@@ -388,13 +388,17 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
 
 def first_routing_difference(reference: dict, run: dict) -> dict | None:
     """The first step and mixture-of-experts layer where the run sent other numbers of tokens to
-    the experts than the reference (counts summed over ranks), with both counts; None if none."""
-    for step, (expected, counts) in enumerate(zip(reference["routing"], run["routing"]), start=1):
-        for layer, want, got in zip(reference["moe_layers"], expected, counts):
-            if not torch.equal(want, got):
-                return {"step": step, "layer": layer, "expected": want.tolist(), "got": got.tolist()}
+    the experts than the reference (counts summed over ranks), or left another balancing bias after
+    the step, with both values; None if none. A layer the run did not report on differs too."""
+    steps = zip(reference["routing"], run["routing"], reference["expert_biases"], run["expert_biases"])
+    for step, (expected, counts, expected_biases, biases) in enumerate(steps, start=1):
+        for what, values, wanted in (("tokens per expert", counts, expected), ("balancing bias", biases, expected_biases)):
+            for layer, want in wanted.items():
+                got = values.get(layer)
+                if got is None or not torch.equal(want, got):
+                    return {"step": step, "layer": layer, "what": what, "expected": want.tolist(), "got": None if got is None else got.tolist()}
     if len(reference["routing"]) != len(run["routing"]):
-        return {"step": min(len(reference["routing"]), len(run["routing"])) + 1, "layer": None, "expected": None, "got": None}
+        return {"step": min(len(reference["routing"]), len(run["routing"])) + 1, "layer": None, "what": "steps", "expected": None, "got": None}
     return None
 
 
@@ -507,7 +511,7 @@ def explain_failure(name: str, r: dict) -> str:
         return f"{name}: the initial weights already differ from the reference's, first in {d['parameter']} (by {d['max_abs_diff']:.3g}): the plan changed the weights"
     if r["routing_difference"] and not r["first_divergence"]:
         d = r["routing_difference"]
-        return f"{name}: at step {d['step']}, {d['layer']} routes tokens per expert {d['got']} where one process routes {d['expected']}"
+        return f"{name}: at step {d['step']}, {d['layer']} has {d['what']} {d['got']} where one process has {d['expected']}"
     if r["replica_difference"]:
         d = r["replica_difference"]
         return f"{name}: the ranks start from different copies of {d['parameter']} (apart by {d['max_abs_diff']:.3g}): a rank was initialised differently"

@@ -99,10 +99,15 @@ class Pipeline:
 
     A schedule's stages fix their microbatches' shapes at the first step, so each batch size
     (evaluation's may differ from training's) gets stages and a schedule of its own, made when first met.
+
+    ``moe_layers``: every mixture-of-experts layer of the whole model (name in the model -> experts),
+    whichever stage holds it: the stages report their routing statistics on all of them together
+    (``moe_stats.py``).
     """
 
-    def __init__(self, modules: dict[int, nn.Module], n_stages: int, config: PipelineConfig, pp_mesh, device: torch.device, loss_fn: Callable):
+    def __init__(self, modules: dict[int, nn.Module], n_stages: int, config: PipelineConfig, pp_mesh, device: torch.device, loss_fn: Callable, moe_layers: dict[str, int]):
         self.modules, self.n_stages, self.config, self.device, self.loss_fn = modules, n_stages, config, device, loss_fn
+        self.moe_layers = moe_layers
         self.pp_group = pp_mesh.get_group()
         self.pp = pp_mesh.size()
         self.microbatches = config.n_microbatches(self.pp)
@@ -111,6 +116,7 @@ class Pipeline:
         # The rank of the pp group that holds the last stage (the loss): the last rank in a loop, rank 0 in a V.
         self.last_rank = next(rank for rank in range(self.pp) if n_stages - 1 in config.stage_indices(self.pp, rank))
         self.bubble_fraction = 0.0
+        self.step_microbatches = self.microbatches  # those of the last step (evaluation's may be fewer)
         self.parameters = [p for module in modules.values() for p in module.parameters()]
         self._set_aside: list[torch.Tensor | None] = [None] * len(self.parameters)
         self._schedules: dict[tuple[bool, int], tuple[object, int]] = {}  # (training, batch size) -> (schedule, microbatches)
@@ -139,6 +145,7 @@ class Pipeline:
 
         training = torch.is_grad_enabled()
         schedule, microbatches = self._schedule(training, len(target))
+        self.step_microbatches = microbatches
         args = first_inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": []} if self.holds_last else {}
         # The schedule accumulates into .grad: it starts from none, and what was there (the previous

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import Callback
 
 from uma_lightning.models.moe import moe_layers
+from uma_lightning.parallel.moe_stats import sum_per_moe_layer
 from uma_lightning.parallel.fixed_batches import fit_on_batches
 
 COMPARE_DTYPE = torch.float64  # what every record holds, whatever the run's precision
@@ -27,7 +28,14 @@ def train(job: dict, strategy, out: Path, micro_batches: int = 1, activations: b
     ``job["trajectory"]`` if given; rank 0 saves the record to ``out`` and returns it."""
     recorder = Recorder(out, micro_batches, job.get("trajectory"), activations)
     module = copy.deepcopy(job["module"])  # every run starts from the unconfigured module
-    trainer = fit_on_batches(module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"])
+    # One thread in every run, references and ranks alike: a product split over threads sums in
+    # another order, and a DDP rank must match its accumulating reference bit for bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = fit_on_batches(module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"])
+    finally:
+        torch.set_num_threads(threads)
     return torch.load(out, weights_only=True) if trainer.is_global_zero else {}
 
 
@@ -46,7 +54,8 @@ def worker(runs_file: str) -> None:
 class Recorder(Callback):
     """What a run did, saved by rank 0: per step the global loss, the full gradients and the full
     weights after the step (``params[0]``: the initial ones), and the tokens each expert of each
-    mixture-of-experts layer got, summed over ranks; how far the ranks' copies of each weight are
+    mixture-of-experts layer got, summed over ranks (every stage's layers), with the layer's balancing
+    bias after the step; how far the ranks' copies of each weight are
     apart at the start; and, if asked, rank 0's output of every layer in every step.
 
     With a ``trajectory`` (a reference's ``params``), each step starts from the reference's weights.
@@ -57,7 +66,8 @@ class Recorder(Callback):
         self.batch_losses: list[torch.Tensor] = []
         self.grads: list[dict[str, torch.Tensor]] = []
         self.params: list[dict[str, torch.Tensor]] = []
-        self.routing: list[torch.Tensor] = []  # per step: [MoE layers, experts]
+        self.routing: list[dict[str, torch.Tensor]] = []  # per step: MoE layer -> tokens per expert
+        self.expert_biases: list[dict[str, torch.Tensor]] = []  # per step: each MoE layer's balancing bias after it
         self.replica_spread: dict[str, float] = {}
         self.record_activations = activations
         self.activations: list[dict[str, torch.Tensor]] = []
@@ -82,9 +92,9 @@ class Recorder(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads.append(_from_every_stage({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None}, pl_module))
         # The step's choices per expert (all its micro-batches), before the balancing bias consumes them.
-        routed = getattr(getattr(pl_module, "expert_balancing", None), "routed", None)
-        if routed is not None:
-            self.routing.append(trainer.strategy.reduce(routed.clone(), reduce_op="sum").cpu())
+        balancing = getattr(pl_module, "expert_balancing", None)
+        if balancing is not None:
+            self.routing.append(sum_per_moe_layer(balancing.routed, pl_module, trainer.strategy))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # The mean over all ranks is the global batch's loss: every data-parallel slice has the
@@ -93,13 +103,13 @@ class Recorder(Callback):
         self.batch_losses.append(trainer.strategy.reduce(outputs["loss"].detach().double(), reduce_op="mean"))
         if (batch_idx + 1) % self.micro_batches == 0:
             self.params.append(full_parameters(pl_module))
+            self.expert_biases.append(full_expert_biases(pl_module))
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
             n = self.micro_batches
             losses = [float(sum(self.batch_losses[i : i + n])) for i in range(0, len(self.batch_losses), n)]
-            moe = [name for name, _ in moe_layers(pl_module)]
-            record = {"losses": losses, "grads": self.grads, "params": self.params, "replica_spread": self.replica_spread, "routing": self.routing, "moe_layers": moe}
+            record = {"losses": losses, "grads": self.grads, "params": self.params, "replica_spread": self.replica_spread, "routing": self.routing, "expert_biases": self.expert_biases}
             if self.record_activations:
                 record.update(activations=self.activations, layer_order=self.layer_order)
             torch.save(record, self.out)
@@ -134,6 +144,11 @@ def _first_tensor(output):
 def full_parameters(module) -> dict[str, torch.Tensor]:
     """Every parameter of ``module`` whole, as float64 on the CPU, on every rank (collectives: call on all ranks)."""
     return _from_every_stage({name: _full(p) for name, p in module.named_parameters()}, module)
+
+
+def full_expert_biases(module) -> dict[str, torch.Tensor]:
+    """Every MoE layer's balancing bias (a buffer, which ``full_parameters`` leaves out), as it does the parameters."""
+    return _from_every_stage({f"{name}.expert_bias": _full(layer.expert_bias) for name, layer in moe_layers(module)}, module)
 
 
 def _from_every_stage(tensors: dict[str, torch.Tensor], module) -> dict[str, torch.Tensor]:

@@ -60,14 +60,14 @@ def make_links(ctx, n_workers: int, n_envs: int, obs_dim: int, action_dim: int) 
 
 
 class ServerClient:
-    """The worker side: ``act(obs)`` with the same signature as a local ``PolicyActor``."""
+    """The worker side: ``act(obs, action, log_prob, value)`` with the same signature as a local ``PolicyActor``."""
 
     def __init__(self, link: ServerLink, incarnation: int, heartbeat):
         self.link, self.heartbeat = link, heartbeat
         self.tag = incarnation << 32
         self.generation = link.generation.numpy()
 
-    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def __call__(self, obs: np.ndarray, action: np.ndarray, log_prob: np.ndarray, value: np.ndarray) -> int:
         link = self.link
         link.request.arrays["obs"][:] = obs
         self.tag += 1
@@ -86,7 +86,8 @@ class ServerClient:
                 generation = int(self.generation[0])
                 send_message(link.request_writer, self.tag)
         response = link.response.arrays
-        return response["action"].copy(), response["log_prob"].copy(), response["value"].copy(), int(response["version"][0])
+        action[...], log_prob[...], value[...] = response["action"], response["log_prob"], response["value"]
+        return int(response["version"][0])
 
 
 def serve(policy: torch.nn.Module, weights: WeightStore, links: list[ServerLink], heartbeat,

@@ -178,10 +178,11 @@ class _ServerClient:
     def __init__(self, server):
         self.server = server
 
-    def __call__(self, obs: np.ndarray):
+    def __call__(self, obs: np.ndarray, action: np.ndarray, log_prob: np.ndarray, value: np.ndarray) -> int:
         import ray
 
-        return ray.get(self.server.act.remote(obs))
+        action[...], log_prob[...], value[...], version = ray.get(self.server.act.remote(obs))
+        return version
 
 
 class RayInferenceServer:

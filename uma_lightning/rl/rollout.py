@@ -29,8 +29,9 @@ import torch
 from uma_lightning.rl.env import EnvSpec, EnvVector
 from uma_lightning.rl.policy import PolicyOutput, fused_act
 
-# act(obs [N, obs_dim] float32) -> (action [N, A], log_prob [N], value [N], version)
-ActFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, int]]
+# act(obs [N, obs_dim], action [N, A], log_prob [N], value [N]) -> version: acts on float32 observations,
+# writing into the three float32 arrays given (the chunk's rows); returns the policy version that acted.
+ActFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]
 
 
 def chunk_layout(spec: EnvSpec, steps: int, n_envs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -60,7 +61,6 @@ class EnvRunner:
         self.envs.reset([seed + i for i in range(n_envs)], self.obs)
         self.low, self.high = np.array(spec.action_low, np.float32), np.array(spec.action_high, np.float32)
         self.return_discount = return_discount
-        self.reward = np.empty(n_envs, np.float64)  # the running sums add rewards before rounding to float32
         self.episode_return = np.zeros(n_envs, np.float64)
         self.episode_length = np.zeros(n_envs, np.int64)
         self.discounted = np.zeros(n_envs, np.float64)
@@ -70,52 +70,71 @@ class EnvRunner:
         """Step ``T`` times, writing every step into ``chunk`` (arrays laid out as ``chunk_layout``).
 
         The envs write observations, terminations and truncations straight into the chunk, converted on
-        the way, and the policy acts on the chunk's own row: no step makes a private copy first. The
-        whole chunk runs in inference mode: entered per step, between simulator steps, it cost up to
-        50 us per batch, as much as a layer of the policy."""
+        the way, and the policy acts on the chunk's own row and writes its actions, log-probabilities
+        and values into the chunk's rows: no step makes a private copy first. The whole chunk runs in
+        inference mode: entered per step, between simulator steps, it cost up to 50 us per batch, as
+        much as a layer of the policy. For the same reason the running returns and lengths are
+        added up after the last step, when the same numpy ops cost a fraction of what they cost
+        between simulator steps, with the caches cold."""
         obs_rows, next_rows, steps = chunk["obs"], chunk["next_obs"], chunk["reward"].shape[0]
+        actions, log_probs, values, versions = chunk["action"], chunk["log_prob"], chunk["value"], chunk["version"]
         terminated, truncated = chunk["terminated"], chunk["truncated"]
+        rewards = np.empty(chunk["reward"].shape, np.float64)  # the running sums add rewards before rounding to float32
+        clipped = np.empty_like(actions[0])
         obs_rows[0] = self.obs
         for t in range(steps):
-            action, log_prob, value, version = act(obs_rows[t])
+            versions[t] = act(obs_rows[t], actions[t], log_probs[t], values[t])
             # The next step acts on the next episode's first observation; next_obs keeps the last one.
             next_obs = obs_rows[t + 1] if t + 1 < steps else self.obs
-            self.envs.step(np.clip(action, self.low, self.high), next_obs, next_rows[t], self.reward, terminated[t], truncated[t])
-            chunk["action"][t] = action
-            chunk["log_prob"][t] = log_prob
-            chunk["value"][t] = value
-            chunk["reward"][t] = self.reward
-            chunk["version"][t] = version
+            np.clip(actions[t], self.low, self.high, out=clipped)
+            self.envs.step(clipped, next_obs, next_rows[t], rewards[t], terminated[t], truncated[t])
+            heartbeat()
+        self._add_up_returns(chunk, rewards)
+
+    def _add_up_returns(self, chunk: dict[str, np.ndarray], rewards: np.ndarray) -> None:
+        """The chunk's rewards, running discounted returns, and episode returns and lengths, step by step
+        from where the last chunk left them."""
+        chunk["reward"][:] = rewards
+        done = chunk["terminated"] | chunk["truncated"]
+        for t, reward in enumerate(rewards):
             self.discounted *= self.return_discount
-            self.discounted += self.reward
+            self.discounted += reward
             chunk["discounted_return"][t] = self.discounted
-            self.episode_return += self.reward
+            self.episode_return += reward
             self.episode_length += 1
             chunk["episode_return"][t] = self.episode_return
             chunk["episode_length"][t] = self.episode_length
-            done = terminated[t] | truncated[t]
-            if done.any():
-                self.episode_return[done] = 0.0
-                self.episode_length[done] = 0
-                self.discounted[done] = 0.0
-            heartbeat()
+            if done[t].any():
+                self.episode_return[done[t]] = 0.0
+                self.episode_length[done[t]] = 0
+                self.discounted[done[t]] = 0.0
 
     def close(self) -> None:
         self.envs.close()
 
 
 class PolicyActor:
-    """Acts with a local copy of the policy: one batched forward pass for all of a worker's envs."""
+    """Acts with a local copy of the policy: one batched forward pass for all of a worker's envs,
+    through the policy's ``numpy_act`` where it has one. Copy new weights into ``state`` and set
+    ``version`` with them: that binding is redone when the version or the batch size changes."""
 
     def __init__(self, policy: torch.nn.Module, version: int = -1):
         # Without gradients it acts outside inference mode too; EnvRunner.fill enters that once per chunk.
         self.policy = policy.eval().requires_grad_(False)
         self.state = policy.state_dict()  # views of the parameters: copying into them updates the policy
         self.version = version
+        self.numpy_act = fused_act(self.policy, "numpy_act")
+        self.bound: Optional[tuple[int, int, Callable]] = None  # (version, batch size, numpy_act's binding)
 
-    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        action, log_prob, value = sample_actions(self.policy, torch.from_numpy(obs))
-        return action.numpy(), log_prob.numpy(), value.numpy(), self.version
+    def __call__(self, obs: np.ndarray, action: np.ndarray, log_prob: np.ndarray, value: np.ndarray) -> int:
+        if self.numpy_act is None:
+            for out, result in zip((action, log_prob, value), sample_actions(self.policy, torch.from_numpy(obs))):
+                out[...] = result.numpy()
+            return self.version
+        if self.bound is None or self.bound[:2] != (self.version, len(obs)):
+            self.bound = (self.version, len(obs), self.numpy_act(len(obs)))
+        self.bound[2](obs, action, log_prob, value)
+        return self.version
 
 
 def sample_actions(policy: torch.nn.Module, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -111,7 +111,7 @@ class AllToAllDispatch:
 
     def __call__(self, experts: GroupedExperts, x: Tensor, counts: Tensor) -> Tensor:
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_to_all_single
+        from torch.distributed._functional_collectives import all_to_all_single  # differentiable
 
         local_experts = counts.numel() // self.size
         # How many choices each rank sends for each of this rank's experts: [source rank, local expert].
@@ -120,11 +120,11 @@ class AllToAllDispatch:
         received = received.view(self.size, local_experts)
         send_splits = counts.view(self.size, local_experts).sum(1).tolist()
         receive_splits = received.sum(1).tolist()
-        arrived = all_to_all_single(x.new_empty(sum(receive_splits), x.shape[1]), x, receive_splits, send_splits, group=self.group)
+        arrived = all_to_all_single(x, receive_splits, send_splits, self.group)
         # Arrived rows are grouped by source rank, then expert; the experts want them by expert.
         expert_of_row = torch.arange(local_experts, device=x.device).repeat(self.size).repeat_interleave(received.flatten())
         by_expert = torch.argsort(expert_of_row, stable=True)
         out = experts(arrived[by_expert], received.sum(0))
         back = torch.empty_like(out)
         back[by_expert] = out  # a permutation: each row written once
-        return all_to_all_single(x.new_empty(x.shape[0], out.shape[1]), back, send_splits, receive_splits, group=self.group)
+        return all_to_all_single(back, send_splits, receive_splits, self.group)

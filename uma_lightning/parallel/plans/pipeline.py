@@ -17,9 +17,9 @@ scales and reduces exactly their gradients) but not the model, whose parameter n
 otherwise prefix. Between stages travel only the hidden states [microbatch, seq_len, dim]; the
 text mask, from which each stage rebuilds the attention mask, is given to every stage with the batch.
 
-Each stage is laid out as the robot plan lays out the whole model, in the same order (TP -> AC ->
-compile -> data parallel), but around the stage modules, since the schedule calls those, never the
-model: data parallelism (FSDP, DDP) wraps each stage module as its root and each of its blocks.
+Each stage is laid out by the robot plan's ``lay_out``, as the whole model is (TP -> AC -> compile
+-> data parallel), but around the stage modules, since the schedule calls those, never the model:
+data parallelism (FSDP, DDP) wraps each stage module as its root and each of its blocks.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from torch import nn
 
 from uma_lightning.models import RobotFlowTransformer, RobotTransformer
 from uma_lightning.models.flops import training_flops_per_unit
-from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
+from uma_lightning.models.moe import MoEFeedForward, combined_stats, moe_layers
+from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.plans.robot import action_embedding_layout, action_head_layout, apply_sequence_parallel_blocks, apply_tp_tokenizers
+from uma_lightning.parallel.plans.robot import action_embedding_layout, action_head_layout, apply_sequence_parallel_blocks, apply_tp_tokenizers, lay_out
 from uma_lightning.parallel.pipeline import ZERO_BUBBLE, Pipeline, PipelineConfig
 
 log = logging.getLogger("uma_lightning")
@@ -148,12 +149,21 @@ def check_pipeline(model: nn.Module, shape: MeshShape, config: PipelineConfig) -
 
 
 class RobotStage(nn.Module):
-    """Stage ``index`` of ``n_stages`` of a robot transformer: embeddings on the first, its blocks, the loss on the last."""
+    """Stage ``index`` of ``n_stages`` of a robot transformer: embeddings on the first, its blocks, the loss on the last.
+
+    Its mixture-of-experts layers' routing statistics (``stats``) are kept from each microbatch's
+    forward and combined after the schedule's step (``combine_moe_stats``), so they describe the
+    whole batch as without pp: the balancing bias moves on every microbatch's tokens, and the
+    logged metrics are those of the batch.
+    """
 
     def __init__(self, model: RobotTransformer, index: int, n_stages: int, layers: range):
         super().__init__()
         self.first, self.last = index == 0, index == n_stages - 1
         self.layers = nn.ModuleList(model.backbone.layers[i] for i in layers)
+        # In a list: not submodules (the blocks hold them), and the stage's forward, unlike the
+        # blocks', is not run again by an activation-checkpointing recompute.
+        self._moe_stats: list[tuple[MoEFeedForward, list[dict]]] = [(layer, []) for _, layer in moe_layers(self.layers)]
         if self.first:
             self.embeddings = nn.ModuleList(model.get_submodule(name) for name in FIRST_STAGE_MODULES if getattr(model, name) is not None)
         if self.last:
@@ -167,10 +177,19 @@ class RobotStage(nn.Module):
         cos, sin = model.backbone.rope_cos, model.backbone.rope_sin
         for block in self.layers:
             h = block(h, cos, sin, prefix_len=model.cfg.prefix_len, key_padding_mask=mask)
+        for layer, microbatches in self._moe_stats:
+            microbatches.append(layer.stats)
         if not self.last:
             return h
         loss, predicted = model.action_loss_of(model.action_states(model.backbone.norm(h)), loss_targets)
         return loss.reshape(1), predicted  # [1]: the schedule merges microbatches' outputs along dim 0
+
+    def combine_moe_stats(self, microbatches: int) -> None:
+        """Leave on each MoE layer the statistics of the step's ``microbatches`` together: its last
+        forwards (a schedule's first step also runs each stage once before, to learn the shapes)."""
+        for layer, forwards in self._moe_stats:
+            layer.stats = combined_stats(forwards[-microbatches:])
+            forwards.clear()
 
 
 def microbatch_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
@@ -230,21 +249,14 @@ def pipeline_robot(model: RobotTransformer, mesh, config: ParallelConfig, pipeli
     shape = MeshShape(*(mesh[name].size() for name in ("dp_replicate", "dp_shard", "tp")), pp=pp_mesh.size())
     split = check_pipeline(model, shape, pipeline)
     n_stages = len(split.shares)
+    every_moe_layer = {name: layer.cfg.n_experts for name, layer in moe_layers(model)}  # before this rank drops other stages' layers
     indices = pipeline.stage_indices(pp_mesh.size(), pp_mesh.get_local_rank())
     drop_other_stages(model, [split.layers(i) for i in indices], first=0 in indices, last=n_stages - 1 in indices)
     modules = {i: RobotStage(model, i, n_stages, split.layers(i)) for i in indices}
     applied = []
     for stage in modules.values():
-        blocks = list(stage.layers)
-        if mesh["tp"].size() > 1:
-            applied.append(apply_stage_tp(model, stage, mesh["tp"]))
-        applied += [apply_ac(blocks, config), apply_compile(blocks, config)]
-        if mesh["dp_shard"].size() > 1:
-            dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
-            applied.append(apply_fsdp(blocks, stage, dp_mesh, config))
-        elif mesh["dp_replicate"].size() > 1:
-            applied.append(apply_ddp(blocks, stage, mesh["dp_replicate"], config))
-    runtime = Pipeline(modules, n_stages, pipeline, pp_mesh, device, microbatch_loss)
+        applied += lay_out(stage, list(stage.layers), mesh, config, lambda stage=stage: [apply_stage_tp(model, stage, mesh["tp"])])
+    runtime = Pipeline(modules, n_stages, pipeline, pp_mesh, device, microbatch_loss, every_moe_layer)
 
     def forward(images, state, text_ids, text_mask, action_tokens, *, loss_targets=None, with_environment_state=False):
         if loss_targets is None or with_environment_state:
@@ -252,6 +264,8 @@ def pipeline_robot(model: RobotTransformer, mesh, config: ParallelConfig, pipeli
         loss_dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # as the loss kernel's
         like = lambda microbatches: (torch.empty(microbatches, dtype=loss_dtype), torch.empty_like(loss_targets))  # noqa: E731
         losses, predicted = runtime.step((images, state, text_ids, action_tokens), {"text_mask": text_mask, "loss_targets": loss_targets}, loss_targets, like)
+        for stage in modules.values():
+            stage.combine_moe_stats(runtime.step_microbatches)
         return losses.mean(), predicted
 
     model.forward = forward

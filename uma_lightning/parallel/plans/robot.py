@@ -28,6 +28,7 @@ data parallelism covers every other parameter. Tensor parallelism has no layout 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from torch import nn
 
@@ -211,39 +212,46 @@ def parallelize_robot(model: RobotBase, mesh, config: ParallelConfig) -> list[st
     """Apply the plan in place on ``mesh`` (dims dp_replicate, dp_shard, tp; ep and the experts' own
     data-parallel dimension with expert parallelism, see ``mesh.py``); returns what was applied.
 
+    The layout (``lay_out``), then the inference methods, so their wrappers see the final module.
+    """
+    heads = heads_for(model)
+    tp = mesh["tp"].size() > 1
+    applied = lay_out(model, robot_blocks(model), mesh, config, lambda: [apply_tp(model, mesh["tp"], heads), apply_tp_lora(model, mesh["tp"])])
+    applied.append(apply_inference_methods(model, tp))
+    return [line for line in applied if line]
+
+
+def lay_out(root: nn.Module, blocks: list[nn.Module], mesh, config: ParallelConfig, tensor_parallel: Callable[[], list[str]]) -> list[str]:
+    """Lay out ``root`` (a model, or a pipeline stage) and its ``blocks`` on ``mesh``, in place;
+    ``tensor_parallel`` lays out its tensor-parallel part. Returns what was applied.
+
     The order matters. EP first: it splits the experts over their ranks, which data parallelism
     must then leave alone. TP next: it turns weights into DTensor shards and adds the input and
     output redistributions that the later steps must wrap; the LoRA adapters then follow their
     layers' layouts. AC before compile, so the compiled block includes the recompute policy.
     Data parallelism after, so its per-block all-gathers and reduce-scatters wrap whole
     (checkpointed, compiled) blocks: the experts' first (nested in the blocks, over their own
-    ranks), then the backbone's blocks, then each head's. The inference methods last, so their
-    wrappers see the final module.
+    ranks), then the blocks, then the root.
     """
-    heads = heads_for(model)
-    blocks = robot_blocks(model)
-    tp = mesh["tp"].size() > 1
     expert_dp_dim = next((dim for dim in ("expert_shard", "expert_replicate") if dim in (mesh.mesh_dim_names or ())), None)
     applied, experts = [], set()
     if expert_dp_dim:
-        applied.append(apply_expert_parallel(model, mesh["ep"]))
-        experts = expert_parameters(model)
-    if tp:
-        applied.append(apply_tp(model, mesh["tp"], heads))
-        applied.append(apply_tp_lora(model, mesh["tp"]))
+        applied.append(apply_expert_parallel(root, mesh["ep"]))
+        experts = expert_parameters(root)
+    if mesh["tp"].size() > 1:
+        applied += tensor_parallel()
     applied.append(apply_ac(blocks, config))
     applied.append(apply_compile(blocks, config))
     sharded = mesh["dp_shard"].size() > 1
     if expert_dp_dim and mesh[expert_dp_dim].size() > 1:
-        applied.append(apply_expert_data_parallel(model, mesh, expert_dp_dim, sharded, config))
+        applied.append(apply_expert_data_parallel(root, mesh, expert_dp_dim, sharded, config))
         experts = set()  # wrapped on their own: the blocks' data parallelism skips them
     if sharded:
         dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh["dp_replicate", "dp_shard"]
-        applied.append(apply_fsdp(blocks, model, dp_mesh, config, ignored=experts))
+        applied.append(apply_fsdp(blocks, root, dp_mesh, config, ignored=experts))
     elif mesh["dp_replicate"].size() > 1:
-        applied.append(apply_ddp(blocks, model, mesh["dp_replicate"], config, ignored=experts))
-    applied.append(apply_inference_methods(model, tp))
-    return [line for line in applied if line]
+        applied.append(apply_ddp(blocks, root, mesh["dp_replicate"], config, ignored=experts))
+    return applied
 
 
 # ---- the heads of the built-in robot models --------------------------------------------------------
