@@ -67,15 +67,18 @@ def layer_speed(tokens: int, dim: int, hidden: int, n_experts: int, top_k: int, 
 
 
 class ImbalanceRecorder(Callback):
-    """Each training step's imbalance, averaged over the MoE layers."""
+    """Each training step's imbalance, averaged over the MoE layers, and how many tokens a layer routed."""
 
     def __init__(self):
         self.per_step: list[float] = []
+        self.tokens_per_step = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         from uma_lightning.models.moe import moe_layers
 
-        ratios = [(layer.stats["routed"].max() / layer.stats["routed"].float().mean()).item() for _, layer in moe_layers(pl_module)]
+        layers = [layer for _, layer in moe_layers(pl_module)]
+        ratios = [(layer.stats["routed"].max() / layer.stats["routed"].float().mean()).item() for layer in layers]
+        self.tokens_per_step = int(layers[0].stats["routed"].sum()) // layers[0].cfg.top_k
         self.per_step.append(sum(ratios) / len(ratios))
         if len(self.per_step) % 25 == 0:  # a long run on a busy machine: say how far it is
             last = self.per_step[-50:]
@@ -107,7 +110,21 @@ def balance(steps: int, window: int, bias_update_rate: float, bias_update: str, 
         cli.trainer.callbacks.append(recorder)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     last = recorder.per_step[-window:]
-    return {"bias_update_rate": bias_update_rate, "bias_update": bias_update, "steps": len(recorder.per_step), "imbalance_last": sum(last) / len(last), "worst_step": max(last)}
+    return {
+        "bias_update_rate": bias_update_rate, "bias_update": bias_update, "steps": len(recorder.per_step),
+        "imbalance_last": sum(last) / len(last), "worst_step": max(last), "tokens_per_step": recorder.tokens_per_step,
+    }  # fmt: skip
+
+
+def sampling_floor(tokens: int, n_experts: int, top_k: int, draws: int = 500) -> float:
+    """The mean imbalance of routing that is balanced in expectation: each of ``tokens`` tokens picks its
+    ``top_k`` experts uniformly at random, so only the sampling spreads the loads."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    chosen = torch.rand(draws, tokens, n_experts, generator=generator).topk(top_k, dim=-1).indices.flatten(1)
+    counts = torch.zeros(draws, n_experts).scatter_add_(1, chosen, torch.ones(chosen.shape))
+    return (counts.max(1).values / counts.mean(1)).mean().item()
 
 
 def expert_parallel_rank(out: str, tokens: int, repeats: int) -> None:
@@ -197,9 +214,11 @@ def main() -> None:
         preset = tiny_moe_preset()
         rates = args.rates or [preset["bias_update_rate"], 0.0]
         results = [balance(args.steps, args.window, rate, args.bias_update or preset["bias_update"], args.batch_size) for rate in rates]
+        tokens = results[0]["tokens_per_step"]
         print_table(
             f"Load imbalance (max/mean token choices per expert, mean over MoE layers) over the last {args.window} of {args.steps} "
-            f"pretraining steps, tiny_moe, batch {args.batch_size}",
+            f"pretraining steps, tiny_moe, batch {args.batch_size} ({tokens} tokens per step and layer; the sampling floor, "
+            f"each token's {preset['top_k']} of {preset['n_experts']} experts drawn uniformly: {sampling_floor(tokens, preset['n_experts'], preset['top_k']):.3f})",
             ["bias_update_rate", "bias_update", "steps", f"mean imbalance, last {args.window}", "worst step"],
             [[r["bias_update_rate"], r["bias_update"], r["steps"], r["imbalance_last"], r["worst_step"]] for r in results],
         )  # fmt: skip

@@ -1,5 +1,6 @@
 """Mixture-of-experts feed-forward: the grouped experts equal the per-expert loop, routing picks top-k
-with the bias steering only the choice, balancing moves the bias the right way, capacity drops are
+with the bias steering only the choice, balancing moves the bias the right way and evens a skewed
+router's load (selection noise splitting a block of near-identical tokens), capacity drops are
 counted, parameters and FLOPs are counted total vs active, and checkpoints keep plain [E, ...] names."""
 
 import dataclasses
@@ -168,6 +169,43 @@ def test_microbatches_statistics_combine_to_the_whole_batchs():
     assert combined["dropped"] == layer.stats["dropped"] == 0
     torch.testing.assert_close(combined["entropy"], layer.stats["entropy"])
     torch.testing.assert_close(combined["aux_loss"], layer.stats["aux_loss"])
+
+
+def per_step_imbalance_under_balancing(steps: int = 300, window: int = 50, **moe) -> float:
+    """A skewed router (every token leans one way) over batches of 360 varied tokens and 240 near-copies
+    of one background token; the busiest expert's choices over the mean, per step, over the last steps."""
+    layer = moe_layer(n_experts=8, top_k=2, **moe)
+    generator = torch.Generator().manual_seed(1)
+    skew, background = torch.randn(2, DIM, generator=generator)
+    imbalances = []
+    for _ in range(steps):
+        varied = torch.randn(360, DIM, generator=generator)
+        block = background + 0.01 * torch.randn(240, DIM, generator=generator)
+        layer(torch.cat((varied, block)).add(skew).unsqueeze(0))
+        routed = layer.stats["routed"].float()
+        layer.update_bias(routed)
+        imbalances.append((routed.max() / routed.mean()).item())
+    return sum(imbalances[-window:]) / window
+
+
+@pytest.mark.parametrize("bias_update, rate", [("sign", 0.003), ("proportional", 0.01)])
+def test_bias_balancing_evens_a_skewed_routers_load_and_needs_the_selection_noise_for_a_block_of_like_tokens(bias_update, rate):
+    balanced = per_step_imbalance_under_balancing(bias_update=bias_update, bias_update_rate=rate)
+    unbalanced = per_step_imbalance_under_balancing(bias_update=bias_update, bias_update_rate=0.0)
+    # Without the noise the near-copies choose alike, so the bias moves them between experts as one block.
+    swinging = per_step_imbalance_under_balancing(bias_update=bias_update, bias_update_rate=rate, selection_noise=0.0)
+    assert balanced < 1.3 and unbalanced > 3.0 and swinging > 1.8, (balanced, unbalanced, swinging)
+
+
+def test_selection_noise_chooses_alike_in_any_batch_and_is_off_outside_training():
+    layer = moe_layer(top_k=2, selection_noise=1.0)
+    tokens = torch.randn(64, DIM)
+    exact = layer.scores(tokens).topk(2, dim=-1).indices
+    noisy = layer.route(layer.scores(tokens)).chosen
+    assert not torch.equal(noisy, exact)
+    # a function of each token's scores: the same choices in a slice of the batch (a rank's, a recompute's)
+    assert torch.equal(layer.route(layer.scores(tokens[40:])).chosen, noisy[40:])
+    assert torch.equal(layer.eval().route(layer.scores(tokens)).chosen, exact)
 
 
 def test_capacity_drops_the_overflow_in_token_order_and_counts_it():

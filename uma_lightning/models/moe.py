@@ -8,10 +8,14 @@ Load balancing is aux-loss-free by default: a per-expert bias, added to the scor
 experts, is nudged after every optimizer step towards the experts that got fewer tokens than the
 mean (``update_bias``, outside autograd; the bias is a persistent buffer, so checkpoints carry it).
 The nudge is a fixed step times sign(mean - load) (``bias_update: sign``, DeepSeek-V3's), or that
-step times (mean - load) / mean (``proportional``), which shrinks as the loads even out. Measured on
-the tiny_moe pretraining run (``benchmarks/moe.py``, batch 8, imbalance over the last 50 of 300
-steps): sign 1e-3 1.93, sign 1e-2 1.85, proportional 5e-3 1.67, 1e-2 1.61, 1.5e-2 2.16, 3e-2 3.03
-(too large a step swings the load from expert to expert), no balancing 3.72.
+step times (mean - load) / mean (``proportional``), which shrinks as the loads even out.
+A bias moves every token's choice by the same amount, so tokens that are nearly alike (a camera
+frame's flat background, instruction padding: about half the tokens of a tiny_moe pretraining batch)
+choose alike and change expert all together: the bias cannot settle between two experts, and each
+step one of them carries the whole block. ``selection_noise``, noise on the biased scores when
+choosing (training only; a function of each score, see ``selection_noise``), breaks those near-ties,
+so the bias splits such a block between experts in the proportion that balances them; the combine
+weights stay the noise-free scores.
 An optional sequence-level auxiliary loss adds ``aux_loss_weight`` times its value to the
 training loss through the layer's output (see ``_AuxiliaryLoss``), so it reaches the router whatever
 wraps the block.
@@ -52,7 +56,8 @@ class MoEConfig:
     ``every_n_layers``: layers i with (i + 1) % every_n_layers == 0 are MoE layers (1: all of them);
     ``expert_dim``: each expert's hidden size (empty: the backbone's ffn_dim);
     ``bias_update_rate``: step of the balancing bias per optimizer step (0: no bias balancing);
-    ``bias_update``: ``sign`` (the step times sign(mean - load)) or ``proportional`` (times (mean - load) / mean).
+    ``bias_update``: ``sign`` (the step times sign(mean - load)) or ``proportional`` (times (mean - load) / mean);
+    ``selection_noise``: std of the noise added, in training only, to the biased scores that choose experts (0: none).
     """
 
     n_experts: int = 8
@@ -63,6 +68,7 @@ class MoEConfig:
     score: str = "softmax"
     bias_update_rate: float = 1e-3
     bias_update: str = "sign"
+    selection_noise: float = 0.01
     aux_loss_weight: float = 0.0
     capacity_factor: Optional[float] = None
 
@@ -77,8 +83,11 @@ class MoEConfig:
             raise ValueError(f"moe.score must be one of {', '.join(ROUTER_SCORES)}, got {self.score!r}")
         if self.bias_update not in BIAS_UPDATES:
             raise ValueError(f"moe.bias_update must be one of {', '.join(BIAS_UPDATES)}, got {self.bias_update!r}")
-        if self.bias_update_rate < 0 or self.aux_loss_weight < 0:
-            raise ValueError(f"moe.bias_update_rate and moe.aux_loss_weight must be >= 0, got {self.bias_update_rate} and {self.aux_loss_weight}")
+        if min(self.bias_update_rate, self.selection_noise, self.aux_loss_weight) < 0:
+            raise ValueError(
+                "moe.bias_update_rate, moe.selection_noise and moe.aux_loss_weight must be >= 0, "
+                f"got {self.bias_update_rate}, {self.selection_noise} and {self.aux_loss_weight}"
+            )
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"moe.capacity_factor must be > 0 (or empty: dropless), got {self.capacity_factor}")
 
@@ -149,7 +158,13 @@ class MoEFeedForward(nn.Module):
     def route(self, scores: Tensor) -> Routing:
         top_k, n_experts = self.cfg.top_k, self.cfg.n_experts
         # The bias steers the choice only; the combine weights are the router's own scores.
-        chosen = (scores.detach() + self.expert_bias).topk(top_k, dim=-1).indices  # [T, k]
+        selection = scores.detach() + self.expert_bias
+        if self.training and self.cfg.selection_noise:
+            # Near-identical tokens (a frame's flat background, padding) would all choose alike, so the bias
+            # could only move them between experts as one block and the loads would swing step to step;
+            # the noise breaks their near-ties, so the bias splits such a block in proportion.
+            selection = selection + self.cfg.selection_noise * selection_noise(scores.detach())
+        chosen = selection.topk(top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True)
         flat = chosen.flatten()
@@ -200,6 +215,14 @@ class MoEFeedForward(nn.Module):
                 self.expert_bias += self.cfg.bias_update_rate * torch.sign(mean - routed)
             elif mean > 0:
                 self.expert_bias += self.cfg.bias_update_rate * (mean - routed) / mean
+
+
+def selection_noise(scores: Tensor) -> Tensor:
+    """Zero-mean, unit-variance noise, uniform, that is a function of each score alone: the fractional part
+    of a large multiple of it, so tokens whose scores differ by a thousandth get unrelated values. Unlike
+    a random generator's draws it is the same whichever rank, batch slice or activation-checkpointing
+    recompute routes the token, so every parallel layout chooses the same experts."""
+    return (torch.remainder(scores * 4099.0, 1.0) - 0.5) * math.sqrt(12.0)
 
 
 def sequence_balance_loss(scores: Tensor, routing: Routing, cfg: MoEConfig) -> Tensor:
