@@ -171,8 +171,8 @@ def parity_on_two_processes():
     with every second block checkpointed and the environment-state head; the FiLM keypoint
     tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
     model shapes drawn at random; the pipeline with two interleaved stages per rank; a mixture of
-    experts under ep and in 1F1B pipeline stages; and one injected bug per case."""
-    from suite import PARITY_MOE, PARITY_SIZE, parity_case, recipe
+    experts under ep, in 1F1B pipeline stages and under tp; and one injected bug per case."""
+    from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case, recipe
     from uma_lightning.parallel.parity import check_parity, random_network
 
     def fault(name, strategies, *overrides):
@@ -197,6 +197,8 @@ def parity_on_two_processes():
         fault("unscaled_microbatches", "pp"),
         parity_case("experts", "ep,pp", *PARITY_MOE),
         fault("wrong_rank", "ep", *PARITY_MOE),
+        parity_case("experts tp", "tp", *PARITY_MOE_TP),
+        fault("unsummed_experts", "tp", *PARITY_MOE_TP),
     ]
     return check_parity(cases)
 
@@ -207,9 +209,9 @@ def parity_on_four_processes():
     keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
     runs the compiled graph like inductor, without generating kernels, which takes minutes on a
     CPU); a model shape drawn at random; a mixture of experts under ep_fsdp (experts over 2 ranks,
-    each rank's experts FSDP-sharded over 2) and pp_fsdp; gradients averaged over the wrong group; pipeline
+    each rank's experts FSDP-sharded over 2), pp_fsdp, fsdp_tp and pp_fsdp_tp; gradients averaged over the wrong group; pipeline
     stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
-    from suite import PARITY_MOE, PARITY_SIZE, parity_case
+    from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case
     from uma_lightning.parallel.parity import check_parity, random_network
 
     switches = {"activation_checkpointing": "full", "compile": "blocks", "compile_backend": "aot_eager", "reshard_after_forward": False, "cpu_offload": True}
@@ -217,6 +219,7 @@ def parity_on_four_processes():
         parity_case("switches", "hsdp,fsdp_tp", **switches),
         parity_case("shape 2", "hsdp,fsdp_tp,pp_fsdp,pp_fsdp_tp", *random_network(2)),
         parity_case("experts 4", "ep_fsdp,pp_fsdp", *PARITY_MOE),
+        parity_case("experts tp 4", "fsdp_tp,pp_fsdp_tp", *PARITY_MOE_TP),
         parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
         parity_case("pipeline fsdp", "pp_fsdp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
                     pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),

@@ -1,5 +1,7 @@
 """Modules with parallelism bugs, to check that `uma parity` catches and locates each."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -7,6 +9,7 @@ from uma_lightning.models import RobotTransformer
 from uma_lightning.modules import PretrainModule
 from uma_lightning.parallel import register_plan
 from uma_lightning.parallel.pipeline import pipeline_of
+from uma_lightning.parallel.plans.experts import local_experts_forward
 from uma_lightning.parallel.plans.robot import check_robot, parallelize_robot
 
 
@@ -48,7 +51,9 @@ class InjectedFault(PretrainModule):
     - ``unscaled_microbatches``: (pipeline) gradients are summed over the microbatches, not averaged
       (the schedule's division by their number left out);
     - ``wrong_rank``: (plan) block 0's mixture-of-experts layer sends the tokens meant for each ep
-      rank's experts to the next rank, whose experts at the same local index compute them.
+      rank's experts to the next rank, whose experts at the same local index compute them;
+    - ``unsummed_experts``: (plan) under tp, block 0's mixture-of-experts layer leaves its experts'
+      gradients each rank's own (from its slice of the tokens), not summed over the tp ranks.
     """
 
     UNREDUCED = "model.backbone.layers.0.ffn.w2.weight"
@@ -146,6 +151,8 @@ def _parallelize_with_fault(model: FaultyRobot, mesh, config):
         norm.forward = local_norm
     if model.fault == "wrong_rank":
         block.ffn.dispatch = _ToNextRank(block.ffn.dispatch)
+    if model.fault == "unsummed_experts":
+        block.ffn.experts.forward = functools.partial(local_experts_forward, block.ffn.experts, lambda param: param.to_local())
     return applied
 
 

@@ -107,8 +107,10 @@ def counted_training_flops(model: RobotTransformer) -> int:
 PARITY_SIZE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
 # The same with 4 experts (top-2, one shared) in both layers, for the expert-parallel strategies and
 # pipeline stages; with a sequence loss and proportional bias steps, which move with every count.
-PARITY_MOE = ["--model.network.size", json.dumps({**PARITY_SIZE, "moe": {"n_experts": 4, "top_k": 2, "n_shared": 1, "expert_dim": 32, "aux_loss_weight": 0.01,
-                                                                         "bias_update": "proportional", "bias_update_rate": 0.05}})]  # fmt: skip
+PARITY_EXPERTS = {"n_experts": 4, "top_k": 2, "n_shared": 1, "expert_dim": 32, "bias_update": "proportional", "bias_update_rate": 0.05}
+PARITY_MOE = ["--model.network.size", json.dumps({**PARITY_SIZE, "moe": {**PARITY_EXPERTS, "aux_loss_weight": 0.01}})]
+# Without the sequence-level loss, which needs whole sequences: tensor parallelism splits them.
+PARITY_MOE_TP = ["--model.network.size", json.dumps({**PARITY_SIZE, "moe": PARITY_EXPERTS})]
 PARITY_DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0", "--data.batch_size", "8"]
 
 

@@ -358,12 +358,14 @@ def test_gradient_anomalies_watch_the_router_and_the_experts(tmp_path):
         step()
 
 
-def test_tensor_parallelism_of_experts_is_refused_before_any_work():
+def test_experts_under_tensor_parallelism_are_checked_before_any_work():
     from uma_lightning.parallel.apply import ParallelConfig
     from uma_lightning.parallel.mesh import MeshShape
     from uma_lightning.parallel.plans.robot import check_robot
 
-    model = RobotTransformer(moe_model_config())
-    with pytest.raises(ValueError, match="^tp 2: the tensor-parallel layout has no plan for mixture-of-experts layers yet"):
-        check_robot(model, MeshShape(dp_replicate=1, dp_shard=1, tp=2), ParallelConfig())
-    check_robot(model, MeshShape(dp_replicate=1, dp_shard=2, tp=1), ParallelConfig())  # data parallel: fine
+    model = RobotTransformer(moe_model_config())  # tp alone trains it (tests/test_parallel.py's experts parity)
+    with pytest.raises(ValueError, match="^tp 2 with ep 2: experts are either split over ep ranks or computed whole on each tp rank, not both$"):
+        check_robot(model, MeshShape(dp_replicate=1, dp_shard=2, tp=2, ep=2), ParallelConfig())
+    model = RobotTransformer(moe_model_config(aux_loss_weight=0.01))
+    with pytest.raises(ValueError, match="^tp 2: moe.aux_loss_weight needs each sequence's tokens on one rank"):
+        check_robot(model, MeshShape(dp_replicate=1, dp_shard=2, tp=2), ParallelConfig())

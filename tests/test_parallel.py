@@ -269,14 +269,17 @@ def test_model_shapes_drawn_at_random_raise_no_false_alarm(parity_on_two_process
 
 
 @pytest.mark.slow
-def test_experts_match_one_process_with_its_routing_under_ep_and_in_pipeline_stages(parity_on_two_processes, parity_on_four_processes):
+def test_experts_match_one_process_with_its_routing_under_ep_tp_and_in_pipeline_stages(parity_on_two_processes, parity_on_four_processes):
     """ep on 2 processes (experts split over both, the rest DDP) and ep_fsdp on 4 (experts split over
     2 and FSDP-sharded over 2, the rest FSDP over 4), the recipe's gradient clipping across both
     meshes; pp (a MoE layer on each of 2 stages) and pp_fsdp (each stage FSDP over 2), whose
-    microbatches each add their sequence loss and counts: within tolerance, and every step sends as
+    microbatches each add their sequence loss and counts; tp, fsdp_tp and pp_fsdp_tp (each tp rank
+    routes its slice of the sequence through whole experts): within tolerance, and every step sends as
     many tokens to each expert of every layer as one process, and leaves the same balancing biases."""
     two, four = parity_on_two_processes["experts"], parity_on_four_processes["experts 4"]
-    for name, result in (("ep", two["ep"]), ("ep_fsdp", four["ep_fsdp"]), ("pp", two["pp"]), ("pp_fsdp", four["pp_fsdp"])):
+    tp, tp_four = parity_on_two_processes["experts tp"]["tp"], parity_on_four_processes["experts tp 4"]
+    for name, result in (("ep", two["ep"]), ("ep_fsdp", four["ep_fsdp"]), ("pp", two["pp"]), ("pp_fsdp", four["pp_fsdp"]),
+                         ("tp", tp), ("fsdp_tp", tp_four["fsdp_tp"]), ("pp_fsdp_tp", tp_four["pp_fsdp_tp"])):
         assert_within_tolerance(name, result)
         assert result["routing_difference"] is None
         assert result["margin"] > 100, (name, result["margin"])  # measured: 1.1e4 for both
@@ -324,6 +327,8 @@ def test_a_routing_difference_names_the_step_and_layer():
         ("unscaled_microbatches", "pp", "model.text_embed.weight", "gradient"),
         # A forward bug: every gradient upstream of block 0's MoE layer differs (largest: test below).
         ("wrong_rank", "ep", "model.text_embed.weight", "gradient"),
+        # Each tp rank keeps its own tokens' share of the experts' gradients: those gradients differ first.
+        ("unsummed_experts", "tp", "model.backbone.layers.0.ffn.experts.w1", "gradient"),
     ],
 )
 def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parity_on_four_processes, fault, strategy, parameter, where):

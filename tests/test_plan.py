@@ -129,7 +129,7 @@ def test_pipeline_and_expert_layouts_are_those_uma_fit_accepts(tmp_path, capsys)
     settings = Settings(batch_size * cluster.world_size, bf16, 0.4)
     fits, rejected = rank(facts_of_stage(stage), cluster, settings)
     reasons = [e.rejected for e in rejected]
-    for refused in ("with pipeline stages is not supported", "inside HSDP", "the tensor-parallel layout has no plan for mixture-of-experts"):
+    for refused in ("with pipeline stages is not supported", "inside HSDP", "experts are either split over ep ranks or computed whole on each tp rank"):
         assert any(refused in reason for reason in reasons), refused
     assert not any(e.layout.ep > 1 and (e.layout.pp > 1 or e.layout.tp > 1 or min(e.layout.dp_replicate, e.layout.dp_shard) > 1) for e in fits)
     for kind in (lambda layout: layout.pp > 1, lambda layout: layout.ep > 1 and layout.dp_shard == 1, lambda layout: layout.ep > 1 and layout.dp_shard > 1):
@@ -195,14 +195,18 @@ def test_predictions_match_a_real_step_of_every_strategy():
     cases |= {name: (moe, layout) for name, layout in EXPERT_LAYOUTS.items()}
     results = compare(cases, global_batch=8)
     for name, ranks in results.items():
+        # The outputs a rank's experts send back are the tokens routed to them, as many as the ranks send
+        # on average only: the all-to-all bytes are compared over all ranks, the rest rank by rank.
+        exchanged = [sum(r[side]["collectives"].get("all-to-all", 0) for r in ranks) for side in ("measured", "predicted")]
+        assert exchanged[1] == pytest.approx(exchanged[0], rel=0.05), (name, exchanged)
         for rank, result in enumerate(ranks):
-            measured, predicted = result["measured"], result["predicted"]
+            measured, predicted = ({k: v for k, v in r["collectives"].items() if k != "all-to-all"} for r in (result["measured"], result["predicted"]))
             for part in ("params", "grads", "optimizer"):
-                assert measured[part] == predicted[part], (name, rank, part, measured[part], predicted[part])
-            total = sum(measured["collectives"].values())
-            assert sum(predicted["collectives"].values()) == pytest.approx(total, rel=0.05), (name, measured, predicted)
-            for kind, size in measured["collectives"].items():
-                assert predicted["collectives"].get(kind, 0) == pytest.approx(size, rel=0.05), (name, kind)
+                assert result["measured"][part] == result["predicted"][part], (name, rank, part, result["measured"][part], result["predicted"][part])
+            assert sum(predicted.values()) == pytest.approx(sum(measured.values()), rel=0.05), (name, measured, predicted)
+            for kind, size in measured.items():
+                assert predicted.get(kind, 0) == pytest.approx(size, rel=0.05), (name, kind)
+            measured, predicted = result["measured"], result["predicted"]
             if predicted["activations"] is not None:
                 assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.2), (name, rank)
 

@@ -23,7 +23,7 @@ innermost ranks of the data-parallel dimension that is larger than one, for the 
 The mesh is built with those finer dimensions and dp_shard (or dp_replicate) flattened from them,
 so every dimension is a sub-mesh of one root mesh, which FSDP needs to combine the experts' ep
 layout with their data-parallel sharding. ep inside HSDP (both data-parallel sizes above one) is
-refused, as are ep with tp (``plans/robot.py``: the tensor-parallel layout has no MoE plan) and ep
+refused, as are ep with tp (``plans/robot.py``: experts split over ep or computed whole on each tp rank) and ep
 with pp (evaluation would desynchronise the experts' all-to-alls: MoE models train under pp without ep).
 """
 

@@ -52,6 +52,7 @@ LAYOUTS = {
 EXPERT_LAYOUTS = {
     "ep": Layout(dp_replicate=4, ep=2),
     "ep_fsdp": Layout(dp_shard=4, ep=2),
+    "moe fsdp_tp": Layout(dp_shard=2, tp=2),  # each tp rank routes its slice through whole experts
 }
 WORLD_SIZE = 4
 FP32 = Precision.of("32-true")

@@ -104,8 +104,14 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
     if tp > 1:
         activation = batch * seq * dim * precision.compute_bytes
         layers = facts.n_layers // layout.pp
-        out.append(Collective("TP activations", "all-gather", activation, m * (4 * layers + 2), tp, 1, False))
-        out.append(Collective("TP activations", "reduce-scatter", activation, m * 4 * layers, tp, 1, False))
+        # A MoE layer routes each rank's own slice of the sequence: no gather and scatter around it
+        # (forward and backward), but its whole weights' gradients are summed over tp.
+        moe_layers = _moe_layers(facts) // layout.pp
+        out.append(Collective("TP activations", "all-gather", activation, m * (4 * layers - 2 * moe_layers + 2), tp, 1, False))
+        out.append(Collective("TP activations", "reduce-scatter", activation, m * (4 * layers - 2 * moe_layers), tp, 1, False))
+        moe_weights = sum(math.prod(p.shape) for p in params if ".ffn." in p.name and p.layer in _moe_layer_indices(facts) and p.trainable)
+        if moe_weights:
+            out.append(Collective("TP MoE layer gradients", "all-reduce", moe_weights * precision.compute_bytes, m, tp, 1, False))
         if layout.dp_shard > 1:
             # Measured: with FSDP over the tensor-parallel weights, the sequence-parallel norms' partial
             # gradients are all-reduced over tp (without FSDP they are not).
@@ -125,10 +131,19 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
         out.append(Collective("pipeline bubble figure", "all-reduce", 8, 1, layout.pp, stage_stride(layout), True))
     if layout.ep > 1:
         moe = facts.cfg.backbone.moe
-        moe_layers = sum(1 for index in range(facts.n_layers) if facts.cfg.backbone.is_moe_layer(index)) // layout.pp
+        moe_layers = _moe_layers(facts) // layout.pp
         routed = batch * seq * moe.top_k * dim * precision.compute_bytes
         out.append(Collective("expert dispatch and combine", "all-to-all", routed, 4 * m * moe_layers, layout.ep, tp, False))
     return out
+
+
+def _moe_layer_indices(facts: ModelFacts) -> set[int]:
+    backbone = facts.cfg.backbone
+    return {index for index in range(facts.n_layers) if backbone.moe is not None and backbone.is_moe_layer(index)}
+
+
+def _moe_layers(facts: ModelFacts) -> int:
+    return len(_moe_layer_indices(facts))
 
 
 def stage_stride(layout: Layout) -> int:

@@ -173,16 +173,18 @@ def block_activations(facts: ModelFacts, batch: int, layout: Layout) -> int:
     norm: its input, output and 1/rms (sequence-parallel: S/tp tokens) and the matmuls' input
     (gathered: all S tokens); attention: q, k, v, output, log-sum-exp and the out projection's input
     (heads split over tp) and the float mask of the prefix-causal pattern [S, S]; feed-forward:
-    the SwiGLU gate's two inputs, its output and the down projection's input (split over tp)."""
+    the SwiGLU gate's two inputs, its output and the down projection's input (split over tp; a
+    MoE layer's on this rank's S/tp tokens, top_k times)."""
     b, seq, tp = facts.cfg.backbone, facts.cfg.seq_len, layout.tp
     tokens, local_tokens = batch * seq, batch * seq // tp
-    norms = 2 * (2 * local_tokens * b.dim + local_tokens + tokens * b.dim)
+    ffn_tokens = tokens if b.moe is None else local_tokens  # a MoE layer takes this rank's slice, not gathered
+    norms = 2 * (2 * local_tokens * b.dim + local_tokens) + (tokens + ffn_tokens) * b.dim
     heads, kv_heads = b.n_heads // tp, max(1, b.n_kv_heads // tp)
     attention = tokens * b.head_dim * (3 * heads + 2 * kv_heads) + batch * heads * seq + batch * seq * seq
     if b.moe is not None:
         moe = b.moe
-        routed = tokens * moe.top_k
-        feed_forward = 4 * routed * moe.hidden(b.ffn_dim) + 4 * tokens * moe.n_shared * moe.hidden(b.ffn_dim) + tokens * moe.n_experts + 2 * routed * b.dim
+        routed = ffn_tokens * moe.top_k
+        feed_forward = 4 * routed * moe.hidden(b.ffn_dim) + 4 * ffn_tokens * moe.n_shared * moe.hidden(b.ffn_dim) + ffn_tokens * moe.n_experts + 2 * routed * b.dim
     else:
         feed_forward = 4 * tokens * b.ffn_dim // tp
     return norms + attention + feed_forward

@@ -22,12 +22,14 @@ experts, ``mesh.py``) then averages over the rest, which gives the mean over eve
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from uma_lightning.kernels import expert_feed_forward
-from uma_lightning.models.moe import GroupedExperts, moe_layers
+from uma_lightning.models.moe import GroupedExperts, MoEFeedForward, moe_layers
 from uma_lightning.parallel.apply import ParallelConfig, data_parallel_policies
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -53,6 +55,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> str:
     """Shard every MoE layer's experts over the 1-D ``ep_mesh`` and dispatch its tokens with all-to-all."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    def local(param: Tensor) -> Tensor:
+        return _ScaledGradient.apply(param.to_local(), 1.0 / ep_mesh.size())
+
     layers = moe_layers(model)
     for _, layer in layers:
         experts = layer.experts
@@ -60,7 +65,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> str:
             whole = getattr(experts, name)
             setattr(experts, name, nn.Parameter(distribute_tensor(whole.detach(), ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad))
         # Called as a module (not its weights read directly), so FSDP's hooks gather the experts' shards around it.
-        experts.forward = functools.partial(local_experts_forward, experts, 1.0 / ep_mesh.size())
+        experts.forward = functools.partial(local_experts_forward, experts, local)
         layer.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep_mesh.size())
     n_experts = layers[0][1].cfg.n_experts if layers else 0
     return f"expert parallel over {ep_mesh.size()} ranks ({n_experts // ep_mesh.size()} of {n_experts} experts per rank in {len(layers)} MoE layers)"
@@ -84,10 +89,52 @@ def apply_expert_data_parallel(model: nn.Module, mesh, expert_dp_dim: str, shard
     return f"experts of {len(layers)} MoE layers: {kind} over the {expert_mesh.size()} ranks holding the same experts ({expert_dp_dim})"
 
 
-def local_experts_forward(experts: GroupedExperts, gradient_scale: float, x: Tensor, counts: Tensor) -> Tensor:
-    """``GroupedExperts.forward`` on this rank's experts, their gradients scaled by ``gradient_scale``."""
-    weights = [_ScaledGradient.apply(getattr(experts, name).to_local(), gradient_scale) for name in EXPERT_WEIGHTS]
+def local_experts_forward(experts: GroupedExperts, local: Callable[[Tensor], Tensor], x: Tensor, counts: Tensor) -> Tensor:
+    """``GroupedExperts.forward`` on this rank's values of the experts' weights (``local`` of each DTensor)."""
+    weights = [local(getattr(experts, name)) for name in EXPERT_WEIGHTS]
     return expert_feed_forward(x, counts, *weights, backend=experts.kernels.experts, swiglu_backend=experts.kernels.swiglu)
+
+
+def apply_moe_tensor_parallel(layer: MoEFeedForward, tp_mesh) -> None:
+    """A MoE layer in a sequence-parallel block: each tp rank routes its own slice of the tokens
+    through the whole router, experts and shared expert (a token's route depends on that token
+    alone). Their weights become replicated DTensors on the tp mesh, as every other parameter; the
+    layer computes with their local values, whose gradients, each from this rank's tokens only,
+    the tp ranks sum in backward."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    group = tp_mesh.get_group()
+    for module in layer.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
+
+    def local(param: Tensor) -> Tensor:
+        return _SummedGradient.apply(param.to_local(), group)
+
+    for linear in (m for m in layer.modules() if isinstance(m, nn.Linear)):  # the router, the shared expert
+        linear.forward = functools.partial(_local_linear, linear, local)
+    layer.experts.forward = functools.partial(local_experts_forward, layer.experts, local)
+
+
+def _local_linear(linear: nn.Linear, local: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    return F.linear(x, local(linear.weight), None if linear.bias is None else local(linear.bias))
+
+
+class _SummedGradient(torch.autograd.Function):
+    """Identity whose backward sums the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, group) -> Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _ScaledGradient(torch.autograd.Function):

@@ -22,7 +22,8 @@ and checkpoints handle one kind of tensor.
 
 Mixture-of-experts layers: their experts are split over the ``ep`` ranks (``plans/experts.py``)
 and laid out over the data-parallel ranks that hold the same experts on their own; the blocks'
-data parallelism covers every other parameter. Tensor parallelism has no layout for them yet.
+data parallelism covers every other parameter. Under tensor parallelism (without ep) each rank
+routes its sequence slice through the whole layer, whose gradients the tp ranks sum.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from torch import nn
 
 from uma_lightning.models import RobotBase, RobotTransformer, Transformer
 from uma_lightning.models.lora import LoRALinear
+from uma_lightning.models.moe import MoEFeedForward
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.plans.experts import apply_expert_data_parallel, apply_expert_parallel, check_expert_parallel, expert_parameters
+from uma_lightning.parallel.plans.experts import apply_expert_data_parallel, apply_expert_parallel, apply_moe_tensor_parallel, check_expert_parallel, expert_parameters
 from uma_lightning.parallel.plans.registry import HeadPlan, heads_for
 
 # The observation's arguments every robot model's forward starts with: images, state, text ids, text mask.
@@ -55,8 +57,10 @@ def check_robot(model: RobotBase, shape: MeshShape, config: ParallelConfig) -> N
     if shape.tp == 1:
         return
     b = model.cfg.backbone
-    if b.moe is not None:
-        raise ValueError(f"tp {shape.tp}: the tensor-parallel layout has no plan for mixture-of-experts layers yet (size {b.name}); use ddp or fsdp")
+    if b.moe is not None and shape.ep > 1:
+        raise ValueError(f"tp {shape.tp} with ep {shape.ep}: experts are either split over ep ranks or computed whole on each tp rank, not both")
+    if b.moe is not None and b.moe.aux_loss_weight:
+        raise ValueError(f"tp {shape.tp}: moe.aux_loss_weight needs each sequence's tokens on one rank, and sequence parallelism splits them (size {b.name})")
     sizes = {
         "n_heads": b.n_heads,
         "n_kv_heads": b.n_kv_heads,
@@ -112,6 +116,8 @@ def apply_sequence_parallel_blocks(blocks: list[nn.Module], tp_mesh) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
 
     for block in blocks:
+        experts = isinstance(block.ffn, MoEFeedForward)
+        whole = ("ffn.",) if experts else ()  # the MoE layer's own layout, below
         parallelize_module(
             block,
             tp_mesh,
@@ -119,11 +125,14 @@ def apply_sequence_parallel_blocks(blocks: list[nn.Module], tp_mesh) -> None:
                 "attn_norm": SequenceParallel(),
                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
                 "ffn_norm": SequenceParallel(),
-                "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                **{name: ColwiseParallel() for name in BLOCK_COLWISE},
-                **{name: RowwiseParallel(output_layouts=Shard(1)) for name in BLOCK_ROWWISE},
+                # A MoE layer routes this rank's own tokens (apply_moe_tensor_parallel): no gather.
+                "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),) if experts else (Replicate(),), use_local_output=experts),
+                **{name: ColwiseParallel() for name in BLOCK_COLWISE if not name.startswith(whole)},
+                **{name: RowwiseParallel(output_layouts=Shard(1)) for name in BLOCK_ROWWISE if not name.startswith(whole)},
             },
         )
+        if experts:
+            apply_moe_tensor_parallel(block.ffn, tp_mesh)
 
 
 def apply_tp(model: RobotBase, tp_mesh, heads: list[HeadPlan]) -> str:
@@ -143,7 +152,9 @@ def apply_tp(model: RobotBase, tp_mesh, heads: list[HeadPlan]) -> str:
             head.tp_layout(model, tp_mesh)
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
-    return f"tensor parallel over {tp_mesh.size()} ranks (attention heads, feed-forward; sequence-parallel norms; heads: {', '.join(h.name for h in heads) or 'none'})"
+    moe = sum(isinstance(block.ffn, MoEFeedForward) for block in model.backbone.layers)
+    experts = f"; {moe} MoE layers whole on each rank, for its slice of the sequence" if moe else ""
+    return f"tensor parallel over {tp_mesh.size()} ranks (attention heads, feed-forward; sequence-parallel norms{experts}; heads: {', '.join(h.name for h in heads) or 'none'})"
 
 
 def apply_tp_tokenizers(model: RobotBase, tp_mesh) -> None:
