@@ -51,12 +51,15 @@ def locked(path: Path, operation: int = fcntl.LOCK_EX):
 
 
 def pytest_collection_modifyitems(items):
-    """Files with the most slow tests first, the others in their usual order. xdist hands the workers
-    whole files in collection order (`--no-loadscope-reorder`: by default it puts the files with the
-    most tests first, which left the long single-test files to the end), so the long multi-process
-    files start early and the last ones to run are short: neither worker runs long on its own."""
+    """Files with the most slow tests first, the others in their usual order, and the files with an
+    `alone` test last. xdist hands the workers whole files in collection order
+    (`--no-loadscope-reorder`: by default it puts the files with the most tests first, which left the
+    long single-test files to the end), so the long multi-process files start early and neither
+    worker runs long on its own at the end. An `alone` test waits for the other worker's current
+    test to end: among the long files it waited up to a minute for one, with both cores idle."""
     slow_tests = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow_tests[item.path])
+    has_alone = {item.path for item in items if item.get_closest_marker("alone")}
+    items.sort(key=lambda item: (item.path in has_alone, -slow_tests[item.path]))
 
 
 @pytest.hookimpl(wrapper=True)

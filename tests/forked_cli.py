@@ -19,7 +19,8 @@ from pathlib import Path
 from suite import free_port
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["uma_lightning.cli", "checkpoint_modules"])
+# MLflow's sqlite store too: every run opens one, and importing it (SQLAlchemy) takes most of a second.
+_CONTEXT.set_forkserver_preload(["uma_lightning.cli", "checkpoint_modules", "mlflow.store.tracking.sqlalchemy_store"])
 
 
 def _main(argv: list[str], log_path: str, cwd: str, env: dict, process_group: int | None) -> None:

@@ -25,8 +25,8 @@ from uma_lightning.tracking.mlflow_logger import local_store_uri
 from uma_lightning.tracking.provenance import PACKAGE_DIR, git_diff, git_root
 
 STEPS = 6
-# The module's run and the data-wait test compare clocks: nothing else may run beside them.
-pytestmark = pytest.mark.alone
+# The module's run and the data-wait test compare clocks: nothing else may run beside them. The run
+# is made by whichever of its tests comes first, so all of them are `alone`.
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,7 @@ def artifact_names(run, folder: str) -> list[str]:
 # ---- throughput and MFU ---------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_mfu_is_model_flops_over_the_logged_peak(run):
     tags = run.run.data.tags
     peak = float(tags["throughput.peak_tflops_per_device"])
@@ -154,6 +155,7 @@ def test_configured_peak_wins_and_a_bad_one_is_refused():
 # ---- step time, memory --------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_step_time_phases_add_up_to_the_measured_step(run):
     samples = history(run, "throughput/samples_per_sec")
     phases = {name: history(run, f"time/{name}_ms") for name in ("overhead", "data_wait", "forward", "backward", "optimizer")}
@@ -205,6 +207,7 @@ class _Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.alone
 def test_data_wait_is_the_loaders_time_not_the_work_between_steps(tmp_path):
     breakdown = StepTimeBreakdown()
     trainer = L.Trainer(
@@ -224,6 +227,7 @@ def test_data_wait_is_the_loaders_time_not_the_work_between_steps(tmp_path):
     assert 0.1 < breakdown.total_data_wait / breakdown.total_step < 0.4
 
 
+@pytest.mark.alone
 def test_memory_is_logged_every_step(run):
     rss = history(run, "memory/cpu_rss_mib")
     assert sorted(rss) == list(range(STEPS))
@@ -236,6 +240,7 @@ def test_memory_is_logged_every_step(run):
 # ---- profiler -----------------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_profiler_trace_is_valid_chrome_json_and_an_mlflow_artifact(run):
     # skip 2 steps, warm up 1, record 1: one trace, written when step 4 ends.
     assert artifact_names(run, "profiler") == ["key_averages_rank0_step4.txt", "trace_rank0_step4.json"]
@@ -256,6 +261,7 @@ def test_profiler_trace_is_valid_chrome_json_and_an_mlflow_artifact(run):
 # ---- provenance ---------------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_provenance_is_on_the_run_page(run):
     tags = run.run.data.tags
     assert tags["hw.cpu_threads"] == str(os.cpu_count()) and tags["hw.gpu_count"] == "0" and tags["hw.cpu"]
@@ -278,6 +284,7 @@ def test_provenance_is_on_the_run_page(run):
     assert world["ranks"][0]["rank"] == 0 and world["ranks"][0]["device"] == "cpu"
 
 
+@pytest.mark.alone
 def test_a_healthy_run_reports_no_anomaly_and_leaves_no_watchdog_running(run):
     assert not (run.dir / "anomalies.jsonl").exists() and not (run.dir / "hang").exists()
     assert not any(name.startswith("anomaly/") and name.endswith(("nonfinite", "spike")) for name in run.run.data.metrics)

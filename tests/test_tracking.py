@@ -203,6 +203,57 @@ def test_default_store_is_embedded_sqlite_without_a_server(tmp_path, monkeypatch
     assert (artifact_dir / "config.yaml").is_file() and artifact_dir.is_relative_to(tmp_path / "mlruns")
 
 
+def test_a_new_store_copied_from_the_empty_template_is_the_store_mlflow_makes(tmp_path, monkeypatch):
+    import sqlite3
+
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from uma_lightning.tracking.mlflow_logger import empty_store_template
+
+    def schema(db: Path) -> tuple[list, list]:
+        with sqlite3.connect(db) as connection:
+            tables = sorted(connection.execute("SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+            return tables, connection.execute("SELECT * FROM alembic_version").fetchall()
+
+    class Migrations(logging.Handler):  # MLflow logs this line before running its schema migrations on a new store
+        def emit(self, record):
+            runs.append("Creating initial MLflow database tables" in record.getMessage())
+
+    runs: list[bool] = []
+    mlflow_db = logging.getLogger("mlflow.store.db.utils")
+    mlflow_db.addHandler(handler := Migrations())
+    monkeypatch.setattr(mlflow_db, "level", logging.INFO)
+    monkeypatch.setenv("UMA_CACHE_DIR", str(tmp_path / "cache"))
+    native = tmp_path / "native" / "mlflow.db"
+    native.parent.mkdir()
+    try:
+        SqlAlchemyStore(f"sqlite:///{native}", str(tmp_path / "native")).engine.dispose()
+        assert any(runs)
+        monkeypatch.chdir(tmp_path)
+        template = empty_store_template()
+        runs.clear()
+        logger = MLflowLogger(experiment_name="seeded", store_dir="seeded")
+        assert not any(runs)  # the new store was copied, not migrated
+    finally:
+        mlflow_db.removeHandler(handler)
+    made = template.stat().st_mtime_ns
+    # The same tables, indexes and schema revision as the store MLflow makes itself.
+    seeded = schema(tmp_path / "seeded" / "mlflow.db")
+    assert seeded == schema(native) == schema(template), {"only seeded": set(seeded[0]) - set(schema(native)[0]), "only native": set(schema(native)[0]) - set(seeded[0]), "revisions": (seeded[1], schema(native)[1])}
+    logger.log_metrics({"loss": 1.5}, step=3)
+    logger.finalize("success")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'seeded' / 'mlflow.db'}")
+    assert [(m.step, m.value) for m in client.get_metric_history(logger.run_id, "loss")] == [(3, 1.5)]
+    default = client.get_experiment("0")  # made on first open, for this store, not the template's folder
+    assert default.name == "Default" and str(tmp_path) in default.artifact_location
+    # A second new store is another copy of the same template, not made again; an existing store is left as it is.
+    MLflowLogger(experiment_name="other", store_dir="other")
+    assert template.stat().st_mtime_ns == made and schema(tmp_path / "other" / "mlflow.db") == schema(native)
+    before = (tmp_path / "seeded" / "mlflow.db").read_bytes()
+    MLflowLogger(experiment_name="seeded", store_dir="seeded")
+    assert (tmp_path / "seeded" / "mlflow.db").read_bytes() == before
+
+
 def test_a_bad_metric_batching_interval_is_refused_before_any_metric_is_lost(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "5s")
     with pytest.raises(ValueError, match=r"MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS must be a whole number of seconds .* got '5s'"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from uma_lightning.cache_dir import default_cache_dir
 from uma_lightning.data.writer import LeRobotWriter
 from uma_lightning.sim.planar_arm import PlanarArmConfig, PlanarArmEnv
 
@@ -27,15 +27,6 @@ logger = logging.getLogger(__name__)
 GENERATOR_VERSION = 2
 DATASET_NAMES = ("planar_arm",)
 CAMERA = "observation.images.top"
-
-
-def default_cache_dir() -> Path:
-    """$UMA_CACHE_DIR, else $XDG_CACHE_HOME/uma_lightning, else ~/.cache/uma_lightning."""
-    if os.environ.get("UMA_CACHE_DIR"):
-        return Path(os.environ["UMA_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "uma_lightning"
-    return Path.home() / ".cache" / "uma_lightning"
 
 
 def dataset_dirname(name: str, n_episodes: int, image_size: int, seed: int) -> str:
