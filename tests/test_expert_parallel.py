@@ -160,6 +160,7 @@ FIT_STEPS = 8
 
 
 @pytest.mark.slow
+@pytest.mark.crowd  # four ranks
 @pytest.mark.timeout(600)
 def test_uma_fit_under_ep_fsdp_resumes_bit_for_bit_after_sigkill(tmp_path):
     """The pretrain recipe with experts under the ep_fsdp fragment on 4 processes, ep 2 (each rank's

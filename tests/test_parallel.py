@@ -251,6 +251,7 @@ def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environm
 
 
 @pytest.mark.slow
+@pytest.mark.crowd  # the first to ask for the four-rank parity runs
 def test_hsdp_and_fsdp_tp_match_one_process_with_the_other_switches(parity_on_four_processes):
     for name, result in parity_on_four_processes["switches"].items():
         assert_within_tolerance(name, result)

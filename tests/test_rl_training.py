@@ -65,6 +65,7 @@ def test_ppo_learns_inverted_pendulum_and_logs_rl_metrics_to_mlflow(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.crowd  # the learner and its actor take turns, every chunk
 def test_sac_learns_pendulum_with_the_replay_buffer(tmp_path):
     start = time.monotonic()
     cli = RLCLI(["--config", SAC, "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"])
