@@ -134,6 +134,37 @@ def test_activation_checkpointing_keeps_names_values_and_gradients(mode):
         assert torch.equal(a.grad, b.grad), name  # recomputation repeats the same arithmetic
 
 
+@pytest.mark.parametrize("mode", ["full", "ops"])
+def test_a_block_recomputed_in_backward_runs_under_the_forwards_default_dtype(mode):
+    """Lightning's "true" precisions set the default dtype around the forward only: the recompute in
+    backward must run under the forward's, or a compiled block is compiled a second time."""
+    from torch._dynamo.utils import counters
+
+    from uma_lightning.models import TransformerConfig
+    from uma_lightning.models.transformer import Transformer
+    from uma_lightning.parallel.apply import apply_compile
+
+    model = Transformer(TransformerConfig(**TINY, name="t"), max_seq_len=16).double()
+    config = ParallelConfig(activation_checkpointing=mode, compile="blocks", compile_backend="eager")
+    apply_ac(list(model.layers), config)
+    apply_compile(list(model.layers), config)
+    dtypes_seen = []  # at every call of the first block: forward, then recompute
+    model.layers[0].register_forward_pre_hook(lambda *_: dtypes_seen.append(torch.get_default_dtype()))
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        torch.set_default_dtype(torch.float64)
+        try:
+            loss = model(torch.randn(2, 16, 32, requires_grad=True), prefix_len=4).square().mean()  # as embeddings are
+        finally:
+            torch.set_default_dtype(torch.float32)
+        loss.backward()
+    assert torch.get_default_dtype() == torch.float32
+    assert dtypes_seen == [torch.float64] * 4, dtypes_seen  # two forwards, two recomputes
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 # ---- an invalid mesh through the CLI: exit 2, one line, nothing started -------------------------
 
 

@@ -7,6 +7,7 @@ line. A model's plan (``plans/``) adds its own tensor-parallel layout and calls 
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,14 +62,32 @@ def apply_ac(blocks: list[nn.Module], config: ParallelConfig) -> str:
     def save_matmuls(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
+    def contexts():
+        if config.activation_checkpointing == "ops":
+            forward, recompute = create_selective_checkpoint_contexts(save_matmuls)
+        else:
+            forward, recompute = nullcontext(), nullcontext()
+        return forward, _under_default_dtype(torch.get_default_dtype(), recompute)
+
     chosen = blocks[:: config.ac_every_n_blocks]
     for block in chosen:
-        if config.activation_checkpointing == "ops":
-            checkpoint(block, context_fn=lambda: create_selective_checkpoint_contexts(save_matmuls))
-        else:
-            checkpoint(block)
+        checkpoint(block, context_fn=contexts)
     what = "matmul outputs saved, the rest recomputed" if config.activation_checkpointing == "ops" else "full"
     return f"activation checkpointing ({what}) on {len(chosen)} of {len(blocks)} blocks"
+
+
+@contextmanager
+def _under_default_dtype(dtype: torch.dtype, inner):
+    """``inner`` with torch's default dtype set to the forward's. Lightning's "true" precisions set it
+    around the forward only, so a block recomputed in backward otherwise ran under another one: a
+    compiled block's guards then failed, and it was compiled a second time (2 of 4 compilations)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with inner:
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def apply_compile(blocks: list[nn.Module], config: ParallelConfig) -> str:
