@@ -27,6 +27,9 @@ def train(job: dict, strategy, out: Path, micro_batches: int = 1, activations: b
     gradients over ``micro_batches`` slices of each global batch), each step from the weights of
     ``job["trajectory"]`` if given; rank 0 saves the record to ``out`` and returns it."""
     recorder = Recorder(out, micro_batches, job.get("trajectory"), activations)
+    # Compiled as in a process of its own: code compiled for an earlier run's other batch shape made
+    # dynamo recompile for dynamic shapes, and trace the next run 3x slower (4 ranks: 25 s, not 8).
+    torch._dynamo.reset()
     module = copy.deepcopy(job["module"])  # every run starts from the unconfigured module
     # One thread in every run, references and ranks alike: a product split over threads sums in
     # another order, and a DDP rank must match its accumulating reference bit for bit.
