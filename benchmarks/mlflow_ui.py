@@ -26,6 +26,8 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
+from uma_lightning.tracking.mlflow_logger import SERVER_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -88,7 +90,7 @@ def serve(out: Path, store: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
     server = subprocess.Popen([mlflow, "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
+                              stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:

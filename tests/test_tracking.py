@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -21,6 +22,7 @@ from uma_lightning.data import LeRobotMetadata
 from uma_lightning.data.generate import generate_planar_arm
 from uma_lightning.data.tools import main as data_tool
 from uma_lightning.tracking import MLflowLogger
+from uma_lightning.tracking.mlflow_logger import SERVER_ENV
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
 from uma_lightning.tracking.datasets import metadata_digest
 from uma_lightning.tracking.run_config import headline_metrics
@@ -39,7 +41,7 @@ def mlflow_server(tmp_path_factory):
             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
             "--artifacts-destination", str(root / "artifacts"),
         ],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
