@@ -50,16 +50,26 @@ def locked(path: Path, operation: int = fcntl.LOCK_EX):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def expected_seconds(item) -> float:
+    """What a test is expected to take in the suite: ``slow(seconds=N)`` where measured (a test of 20 s
+    or more: its setup, shared runs it starts, and the wait for the cores), else 8 for a slow test
+    and a tenth of a second for the others (their median). Only the order of the files depends on it."""
+    slow = item.get_closest_marker("slow")
+    return slow.kwargs.get("seconds", 8) if slow else 0.1
+
+
 def pytest_collection_modifyitems(items):
-    """Files with the most slow tests first, the others in their usual order, and the files with an
-    `alone` test last. xdist hands the workers whole files in collection order
-    (`--no-loadscope-reorder`: by default it puts the files with the most tests first, which left the
-    long single-test files to the end), so the long multi-process files start early and neither
-    worker runs long on its own at the end. An `alone` test waits for the other worker's current
-    test to end: among the long files it waited up to a minute for one, with both cores idle."""
-    slow_tests = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    """The files expected to take longest first, and the files with an `alone` test last. xdist hands
+    the workers whole files in collection order (`--no-loadscope-reorder`: by default it puts the
+    files with the most tests first), so the long files start early and the last ones are short:
+    ordered by their count of slow tests, the pipeline file (one test, two minutes) started last
+    but one and its worker ran on alone. An `alone` test waits for the other worker's current test
+    to end: among the long files it waited up to a minute for one, with both cores idle."""
+    expected = Counter()
+    for item in items:
+        expected[item.path] += expected_seconds(item)
     has_alone = {item.path for item in items if item.get_closest_marker("alone")}
-    items.sort(key=lambda item: (item.path in has_alone, -slow_tests[item.path]))
+    items.sort(key=lambda item: (item.path in has_alone, -expected[item.path]))
 
 
 @pytest.hookimpl(wrapper=True)

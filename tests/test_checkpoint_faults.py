@@ -48,7 +48,7 @@ def assert_committed_checkpoints_are_valid(root: Path) -> None:
         assert verify(path) == [], f"a committed checkpoint is corrupt: {path}"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result(tmp_path, monkeypatch):
     recipe = write_recipe(tmp_path / "recipe.yaml")

@@ -103,7 +103,7 @@ PARALLEL = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 @pytest.mark.parametrize("parallel", sorted(PARALLEL))
 def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
     """Two gloo ranks, a loader worker each, a crash mid-epoch, a rerun of the same command."""

@@ -159,7 +159,7 @@ SMALL_MOE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim":
 FIT_STEPS = 8
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=35)
 @pytest.mark.crowd  # four ranks
 @pytest.mark.timeout(600)
 def test_uma_fit_under_ep_fsdp_resumes_bit_for_bit_after_sigkill(tmp_path):

@@ -249,7 +249,7 @@ def assert_within_tolerance(name, result):
     assert result["first_divergence"] is None
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=55)
 def test_ddp_fsdp_tp_match_one_process(parity_on_two_processes):
     # Every second block is checkpointed. With the environment-state head, so the auxiliary loss is
     # trained under each layout too.
@@ -281,7 +281,7 @@ def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environm
     assert_within_tolerance("tp", parity_on_two_processes["keypoints"]["tp"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=55)
 @pytest.mark.crowd  # the first to ask for the four-rank parity runs
 def test_hsdp_and_fsdp_tp_match_one_process_with_the_other_switches(parity_on_four_processes):
     for name, result in parity_on_four_processes["switches"].items():
@@ -557,7 +557,7 @@ def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
 # ---- multi-node launch -----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_two_nodes_through_torchrun_c10d_rendezvous_train_the_same_model(tmp_path):
     """The torchrun template, started twice as two 'nodes' of one process that meet at a c10d endpoint."""
     env = {

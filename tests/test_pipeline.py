@@ -68,7 +68,7 @@ def first_steps_mse(values: dict[str, float], steps: int = 8) -> float:
     return sum(values[f"val/action_mse/step_{k}"] for k in range(steps)) / steps
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)
 def test_pretrain_midtrain_posttrain_pipeline(pretrained, tmp_path, monkeypatch, caplog, capsys):
     monkeypatch.chdir(tmp_path)
     caplog.set_level(logging.INFO)

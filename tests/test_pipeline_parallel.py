@@ -146,7 +146,7 @@ def assert_optimizer_steps(checkpoint, steps: int) -> None:
     assert any(".experts.w1" in key for key in counts) and set(counts.values()) == {steps}, counts
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 @pytest.mark.timeout(600)
 def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_under_fsdp_and_one_process(tmp_path):
     """A model with experts in its second stage's layer; the uninterrupted run logs (rank 0, which

@@ -130,6 +130,7 @@ GROUP_SIGNALS = {1: (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT), 2: (signal.
 
 
 @pytest.mark.parametrize("world_size", sorted(GROUP_SIGNALS))
+@pytest.mark.slow(seconds=25)
 def test_signals_to_the_whole_process_group_save_once_and_the_run_resumes_bit_for_bit(tmp_path, world_size):
     """As Slurm and a terminal do, the signal goes to every process of the group: the training processes
     and their train and validation loader workers. Only the training processes act; the workers live on

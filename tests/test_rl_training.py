@@ -38,7 +38,7 @@ def test_bad_env_or_key_stops_with_a_short_error(capsys):
     assert code == 2 and "takes no argument 'max_policy_lagg'; did you mean 'max_policy_lag'" in err
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_ppo_learns_inverted_pendulum_and_logs_rl_metrics_to_mlflow(tmp_path):
     start = time.monotonic()
     cli = RLCLI(["--config", PPO, "--trainer.default_root_dir", str(tmp_path / "run"),
@@ -64,7 +64,7 @@ def test_ppo_learns_inverted_pendulum_and_logs_rl_metrics_to_mlflow(tmp_path):
     assert all(m.value == 0 for m in history("actors/restarts"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 @pytest.mark.crowd  # the learner and its actor take turns, every chunk
 def test_sac_learns_pendulum_with_the_replay_buffer(tmp_path):
     start = time.monotonic()
@@ -127,7 +127,7 @@ def test_ddp_learner_keeps_ranks_identical_while_each_collects_its_own_data(tmp_
     assert ranks[0]["digest"] == ranks[1]["digest"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_gpu_rl_case_cpu_smoke_runs_from_a_checkout_without_the_package_installed(tmp_path):
     """The GPU machine's RL case (14 actors, server inference, learner on the GPU), run as that machine
     runs it, without uma-lightning installed, on the CPU at tiny sizes."""

@@ -37,7 +37,7 @@ def preempt(cluster: SlurmCluster, job: str, name: str) -> None:
         cluster.run("scontrol", "requeue", job)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 @pytest.mark.timeout(900)
 def test_preempted_jobs_save_requeue_resume_and_complete(slurm, tmp_path):
     recipe = tmp_path / "recipe.yaml"
