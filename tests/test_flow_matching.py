@@ -1,6 +1,7 @@
 """Flow matching on a toy problem: a small network trained with our loss and sampled with our Euler
 sampler must reproduce a known 2-D Gaussian mixture (mode weights, means and spreads)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -120,3 +121,24 @@ def test_noise_and_time_of_a_sample_do_not_depend_on_its_batch():
     assert not torch.equal(sample_noise_and_time(ids, 4, (4, 2), cfg, seed=0)[0], noise)
     assert not torch.equal(sample_noise_and_time(ids, 3, (4, 2), cfg, seed=1)[0], noise)
     assert not torch.equal(noise[0], noise[1])
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float16])
+def test_times_are_drawn_in_float32_under_a_half_default_dtype(default):
+    """Lightning's bf16-true and 16-true make a half type the default dtype, for which torch has no
+    Beta sampler on the CPU: the times are drawn as under float32, the same values."""
+    from uma_lightning.models.flow_matching import sample_noise_and_time, sample_time
+
+    cfg, ids = FlowMatchingConfig(), torch.tensor([5, 9])
+    expected = sample_noise_and_time(ids, 3, (4, 2), cfg, seed=0)[1]
+    torch.manual_seed(0)
+    expected_global = sample_time(3, cfg)
+    torch.set_default_dtype(default)
+    try:
+        t = sample_noise_and_time(ids, 3, (4, 2), cfg, seed=0)[1]
+        torch.manual_seed(0)
+        t_global = sample_time(3, cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert t.dtype == t_global.dtype == torch.float32
+    assert torch.equal(t, expected) and torch.equal(t_global, expected_global)

@@ -40,9 +40,17 @@ class FlowMatchingConfig:
             raise ValueError(f"noise_scale must be >= 0, got {self.noise_scale}")
 
 
+def _time_distribution(cfg: FlowMatchingConfig) -> torch.distributions.Beta:
+    """The Beta distribution of training times, in at least float32 whatever the default dtype: under
+    Lightning's bf16-true and 16-true the default is a half type, for which torch has no Beta
+    sampler on the CPU (float64 stays float64)."""
+    dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
+    return torch.distributions.Beta(torch.tensor(cfg.time_alpha, dtype=dtype), torch.tensor(cfg.time_beta, dtype=dtype))
+
+
 def sample_time(n: int, cfg: FlowMatchingConfig, device=None) -> torch.Tensor:
     """Training times [n] in [min_time, 1], from torch's global generator (seeded per run)."""
-    beta = torch.distributions.Beta(torch.tensor(cfg.time_alpha), torch.tensor(cfg.time_beta)).sample((n,))
+    beta = _time_distribution(cfg).sample((n,))
     return (cfg.min_time + (1 - cfg.min_time) * beta).to(device)
 
 
@@ -52,7 +60,7 @@ def sample_noise_and_time(
     """Noise [B, *shape] and training times [B], each sample's drawn from its own generator, seeded by
     (seed, step, sample id). The draws of a sample do not depend on the batch it sits in, so
     data-parallel ranks that split a batch draw what one process on the whole batch draws."""
-    time = torch.distributions.Beta(torch.tensor(cfg.time_alpha), torch.tensor(cfg.time_beta))
+    time = _time_distribution(cfg)
     noises, times = [], []
     with torch.random.fork_rng(devices=[]):  # the global generator continues as if nothing was drawn
         for sample_id in sample_ids.tolist():
