@@ -135,6 +135,27 @@ def test_activation_checkpointing_keeps_names_values_and_gradients(mode):
 
 
 @pytest.mark.parametrize("mode", ["full", "ops"])
+def test_checkpointed_blocks_that_read_a_kv_cache_recompute_what_their_forward_saw(mode):
+    """Post-training's action expert attends to the backbone's cached keys: a block recomputed in
+    backward must see the cache as its forward did, not as later blocks and calls left it."""
+    from suite import small_config
+    from uma_lightning.models import ActionExpertConfig, RobotFlowTransformer
+
+    torch.manual_seed(0)
+    plain = RobotFlowTransformer(small_config(), ActionExpertConfig(dim=32, ffn_dim=64))
+    checkpointed = RobotFlowTransformer(small_config(), ActionExpertConfig(dim=32, ffn_dim=64))
+    checkpointed.load_state_dict(plain.state_dict())
+    blocks = [*checkpointed.backbone.layers, *checkpointed.expert.layers]
+    apply_ac(blocks, ParallelConfig(activation_checkpointing=mode))
+    inputs = flow_inputs(plain, batch=3, seed=1)
+    for model in (plain, checkpointed):
+        flow_loss(model(*inputs)).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        assert a.grad is None or torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("mode", ["full", "ops"])
 def test_a_block_recomputed_in_backward_runs_under_the_forwards_default_dtype(mode):
     """Lightning's "true" precisions set the default dtype around the forward only: the recompute in
     backward must run under the forward's, or a compiled block is compiled a second time."""

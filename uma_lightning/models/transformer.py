@@ -127,7 +127,10 @@ class Attention(nn.Module):
 
     def forward(
         self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None, cache: LayerKV | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The output; with a cache, (it, the keys and values of the cache's tokens and these). The
+        cache is read, never changed: a block recomputed in backward (activation checkpointing)
+        must see the keys its forward saw, so the caller extends the cache."""
         batch, seq, _ = x.shape
         # -1 rather than the configured head count: tensor parallelism shards heads across ranks.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -141,9 +144,8 @@ class Attention(nn.Module):
             out = attention(q, k, v, causal=False, key_padding_mask=key_padding_mask, backend=backend)
         else:
             out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.kernels.attention)
-        if cache is not None:
-            cache.keys, cache.values = k, v
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out if cache is None else (out, k, v)
 
 
 class FeedForward(nn.Module):
@@ -179,12 +181,16 @@ class Block(nn.Module):
     def forward(
         self, x, cos, sin, *, prefix_len: int, key_padding_mask: torch.Tensor | None, cache: LayerKV | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The new hidden states; with a cache, (them, the cache's keys, its values). The keys and values
-        leave as outputs too, not only inside the cache: a wrapper that hooks a block's outputs (to
-        gather its weights again for backward) then sees the gradients that come back through them."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=cache)
+        """The new hidden states; with a cache (read, not changed), (them, the keys, the values): the
+        cache's and these tokens', which the caller stores in the cache. They leave as outputs, so a
+        wrapper that hooks a block's outputs (to gather its weights again for backward) sees the
+        gradients that come back through them."""
+        attended = self.attn(self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=cache)
+        if cache is not None:
+            attended, keys, values = attended
+        x = x + attended
         x = x + self.ffn(self.ffn_norm(x))
-        return x if cache is None else (x, cache.keys, cache.values)
+        return x if cache is None else (x, keys, values)
 
 
 class Transformer(nn.Module):
@@ -252,6 +258,10 @@ class Transformer(nn.Module):
             cache.key_padding_mask = key_padding_mask
             layer_caches = cache.layers
         for layer, layer_cache in zip(self.layers, layer_caches):
-            out = layer(h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=layer_cache)
-            h = out if layer_cache is None else out[0]
+            if layer_cache is None:
+                h = layer(h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask)
+                continue
+            # The block gets a snapshot of the cache, which it only reads; the cache is extended here.
+            past = LayerKV(layer_cache.keys, layer_cache.values)
+            h, layer_cache.keys, layer_cache.values = layer(h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=past)
         return self.norm(h)
