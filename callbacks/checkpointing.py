@@ -176,6 +176,8 @@ class ShardedCheckpoint(Checkpoint):
             }
             self._writer.save(trainer.global_step, state, tensors, summary)
             self._last_saved_step = trainer.global_step
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
         if wait:
             self._wait_until_committed()
 

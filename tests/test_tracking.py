@@ -267,6 +267,29 @@ def test_a_bad_metric_batching_interval_is_refused_before_any_metric_is_lost(tmp
     assert_short_error(code, err, "$MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS must be a whole number of seconds", "'5s'")
 
 
+def test_the_metrics_before_a_checkpoint_reach_the_store_when_it_is_saved(tmp_path, monkeypatch):
+    """A SIGKILLed run resumes from its newest checkpoint; metrics still merging in MLflow's async queue
+    would be lost for the steps before it."""
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "60")  # merged writes: a minute apart
+    logger = MLflowLogger(experiment_name="kill", store_dir=str(tmp_path / "mlruns"))
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+
+    def stored_steps() -> list[int]:
+        return [m.step for m in client.get_metric_history(logger.run_id, "train/loss")]
+
+    logger.log_metrics({"train/loss": 3.0}, step=0)
+    logger.log_metrics({"train/loss": 2.0}, step=1)
+    assert stored_steps() == []  # merging
+    logger.after_save_checkpoint(None)  # saved after step 2, in on_train_batch_end
+    assert stored_steps() == [0, 1]
+    logger.log_metrics({"train/loss": 1.5}, step=2)  # Lightning logs the saving step's metrics after that hook
+    assert stored_steps() == [0, 1, 2]
+    logger.log_metrics({"train/loss": 1.0}, step=3)
+    assert stored_steps() == [0, 1, 2]  # merging again until the next checkpoint
+    logger.finalize("success")
+    assert stored_steps() == [0, 1, 2, 3]
+
+
 def test_a_continued_run_keeps_its_params_when_the_resumed_config_changed(tmp_path, caplog):
     first = MLflowLogger(experiment_name="resume", store_dir=str(tmp_path / "mlruns"), synchronous=True)
     first.log_hyperparams({"trainer": {"max_steps": 100, "precision": "32-true"}})

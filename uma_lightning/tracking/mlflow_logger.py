@@ -91,6 +91,7 @@ class MLflowLogger(LightningMLFlowLogger):
             )
         self._continued = False
         self._params_from_config = False
+        self._flush_after_next_metrics = False
 
     @rank_zero_only
     def name_new_run(self, name: str, overrides: str) -> None:
@@ -161,11 +162,30 @@ class MLflowLogger(LightningMLFlowLogger):
         except Exception as err:
             log.error("could not mark MLflow run %s as %s: %s", self.run_id, status, err)
 
+    @rank_zero_only
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        """A killed run resumes from its newest checkpoint, so the metrics of the steps before it must
+        not wait in MLflow's async queue (for up to ${BUFFERING_VARIABLE}), where a SIGKILL loses them
+        for good. Drained now, and again after the next metrics: Lightning logs a step's metrics after
+        the hook in which that step's checkpoint was saved."""
+        self._flush()
+        self._flush_after_next_metrics = True
+        super().after_save_checkpoint(checkpoint_callback)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        super().log_metrics(metrics, step)
+        if self._flush_after_next_metrics:
+            self._flush_after_next_metrics = False
+            self._flush()
+
     def _finalize(self, status: str) -> None:
-        if mlflow_run_opened(self):
-            # Metrics go through MLflow's async queue; drain it before the run is marked finished.
-            flush_async_logging(mlflow_tracking_uri(self))
+        self._flush()  # before the run is marked finished
         super().finalize(status)
+
+    def _flush(self) -> None:
+        if mlflow_run_opened(self):
+            flush_async_logging(mlflow_tracking_uri(self))
 
 
 def flatten_params(params, prefix: str = "") -> dict[str, str]:
