@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -45,7 +46,8 @@ class ShardedCheckpoint(Checkpoint):
             keep_last: Keep this many newest checkpoints; older ones are deleted.
             keep_every_n_steps: Also keep, for good, checkpoints whose step is a multiple of this.
             async_save: Write in the background; training is blocked only while the state is copied
-                to host memory, and that copy overlaps the next forward and backward pass.
+                to host memory, and that copy overlaps the next forward and backward pass. A
+                synchronous save commits at once, before its step's metrics are logged.
             resume: Continue from the newest valid checkpoint in ``dirpath`` when there is one.
             save_last: Also save when training ends.
         """
@@ -67,6 +69,7 @@ class ShardedCheckpoint(Checkpoint):
         self._saved_rng: Optional[dict] = None
         self._last_saved_step: Optional[int] = None
         self._step_seen: Optional[int] = None
+        self._commit_gate: Optional[threading.Event] = None
 
     def continue_tracked_run(self, trainer: Trainer) -> None:
         """Point the MLflow logger at the run of the checkpoint that will be resumed. Must happen before
@@ -120,6 +123,16 @@ class ShardedCheckpoint(Checkpoint):
                 rng.seed_process(int(seed), random_stream_rank(trainer))
         self._step_seen = trainer.global_step
 
+    # The first hooks after Lightning has logged the metrics of the step a pending save is of (see ``save``).
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._open_commit_gate()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._open_commit_gate()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._open_commit_gate()
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         stepped, self._step_seen = trainer.global_step != self._step_seen, trainer.global_step
         # Only right after an optimizer step: no gradients are mid-accumulation.
@@ -136,6 +149,7 @@ class ShardedCheckpoint(Checkpoint):
         self._wait_until_committed()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._open_commit_gate()
         if self._writer is not None:
             try:
                 self._writer.wait()  # let a save in flight commit
@@ -143,6 +157,7 @@ class ShardedCheckpoint(Checkpoint):
                 log.error("checkpoint save in flight failed: %s", err)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._open_commit_gate()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -151,6 +166,7 @@ class ShardedCheckpoint(Checkpoint):
         """Put the model, optimizer, LR schedulers and loss scaler back to the newest valid checkpoint, mid-training
         (e.g. after a loss spike); the loops and the data go on, so the batches since then are skipped.
         Call on every rank. Returns the checkpoint's step, or None when there is no checkpoint yet."""
+        self._open_commit_gate()
         self._writer.wait()
         path = choose_checkpoint(Path(self.dirpath), self._group)
         if path is None:
@@ -164,7 +180,12 @@ class ShardedCheckpoint(Checkpoint):
         return trainer_state["global_step"]
 
     def save(self, trainer: Trainer, pl_module: LightningModule, wait: bool = False) -> None:
-        """Save the current step (once), then return when staged, or, with ``wait``, when committed."""
+        """Save the current step (once), then return when staged, or, with ``wait``, when committed.
+        Without ``wait`` the save commits at the next hook of this callback: the step's metrics are
+        logged after ``on_train_batch_end``, and the loggers keep everything logged before a
+        checkpoint they were told of (``after_save_checkpoint``), so no step before the checkpoint a
+        killed run resumes from is missing from them."""
+        self._open_commit_gate()  # the previous save's
         if trainer.global_step != self._last_saved_step:
             state, tensors = collect(trainer, pl_module)
             summary = {
@@ -174,14 +195,21 @@ class ShardedCheckpoint(Checkpoint):
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "torch": torch.__version__,
             }
-            self._writer.save(trainer.global_step, state, tensors, summary)
+            self._commit_gate = threading.Event() if self.async_save else None
+            self._writer.save(trainer.global_step, state, tensors, summary, self._commit_gate)
             self._last_saved_step = trainer.global_step
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
         if wait:
             self._wait_until_committed()
 
+    def _open_commit_gate(self) -> None:
+        if self._commit_gate is not None:
+            self._commit_gate.set()
+            self._commit_gate = None
+
     def _wait_until_committed(self) -> None:
+        self._open_commit_gate()
         self._writer.wait()
         if self._group is not None:
             # Rank 0 commits after the others have written; hold every rank until then, so that a

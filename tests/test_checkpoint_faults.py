@@ -48,6 +48,35 @@ def assert_committed_checkpoints_are_valid(root: Path) -> None:
         assert verify(path) == [], f"a committed checkpoint is corrupt: {path}"
 
 
+def test_a_checkpoint_commits_only_after_the_metrics_of_the_steps_before_it_are_stored(tmp_path, monkeypatch):
+    """Lightning logs a step's metrics after ``on_train_batch_end``, where the step's checkpoint is
+    saved: with a slow tracking store the background writer would commit first, and a SIGKILL in
+    between would lose that step's metrics for good (the rerun resumes after it)."""
+    from uma_lightning.checkpoint import writer
+    from uma_lightning.tracking import mlflow_logger
+
+    recipe = write_recipe(tmp_path / "recipe.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "60")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    stored_at_commit = {}
+
+    def commit(staging: Path, final: Path) -> None:
+        (run,) = client.search_runs([client.get_experiment_by_name("faults").experiment_id])
+        stored_at_commit[final.name] = {m.step for m in client.get_metric_history(run.info.run_id, "train/loss")}
+        real_commit(staging, final)
+
+    def slow_flush(uri: str) -> None:
+        time.sleep(0.5)
+        real_flush(uri)
+
+    real_commit, real_flush = writer.commit, mlflow_logger.flush_async_logging
+    monkeypatch.setattr(writer, "commit", commit)
+    monkeypatch.setattr(mlflow_logger, "flush_async_logging", slow_flush)
+    UmaCLI(["fit", "--config", recipe, *ARGS, "--trainer.max_steps", "6", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert stored_at_commit == {f"step-{step:09d}": set(range(step)) for step in (2, 4, 6)}
+
+
 @pytest.mark.slow(seconds=20)
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result(tmp_path, monkeypatch):

@@ -59,14 +59,17 @@ class CheckpointWriter:
         self._staged = threading.Event()
         self._staged.set()
 
-    def save(self, step: int, state: dict, tensors: dict[str, torch.Tensor], summary: dict) -> None:
-        """Save ``tensors`` (this rank's, live) and ``state`` (JSON, written by rank 0) as the checkpoint of ``step``."""
+    def save(self, step: int, state: dict, tensors: dict[str, torch.Tensor], summary: dict, commit_after: Optional[threading.Event] = None) -> None:
+        """Save ``tensors`` (this rank's, live) and ``state`` (JSON, written by rank 0) as the checkpoint of ``step``;
+        with ``commit_after`` (background saves only), everything is written but the commit waits for that event."""
         self.wait()
         if self._executor is None:
+            if commit_after is not None:
+                raise ValueError("commit_after needs async_save: a synchronous save commits before it returns")
             self._write(step, state, tensors, summary, time.monotonic(), 0.0)
             return
         self._staged.clear()
-        self._pending = self._executor.submit(self._stage_and_write, step, state, tensors, summary, time.monotonic())
+        self._pending = self._executor.submit(self._stage_and_write, step, state, tensors, summary, time.monotonic(), commit_after)
 
     def wait_staged(self) -> None:
         """Block until the pending save no longer reads the live tensors; call before changing them."""
@@ -88,14 +91,15 @@ class CheckpointWriter:
                 self._executor.shutdown(wait=True)
                 self._stager.close()
 
-    def _stage_and_write(self, step: int, state: dict, tensors: dict, summary: dict, started: float) -> None:
+    def _stage_and_write(self, step: int, state: dict, tensors: dict, summary: dict, started: float, commit_after: Optional[threading.Event]) -> None:
         try:
             staged = self._stager.stage(tensors)
         finally:
             self._staged.set()
-        self._write(step, state, staged, summary, started, time.monotonic() - started)
+        self._write(step, state, staged, summary, started, time.monotonic() - started, commit_after)
 
-    def _write(self, step: int, state: dict, tensors: dict, summary: dict, started: float, staging_s: float) -> None:
+    def _write(self, step: int, state: dict, tensors: dict, summary: dict, started: float, staging_s: float,
+               commit_after: Optional[threading.Event] = None) -> None:
         staging = staging_path(self.root, step)
         save_tensors(tensors, staging, self.process_group)
         files = self._checksums_of_all_ranks(staging)
@@ -106,6 +110,8 @@ class CheckpointWriter:
         size = sum(entry["bytes"] for entry in files.values())
         write_manifest(staging, files, {**summary, "step": step, "bytes": size})
         final = self.root / step_dirname(step)
+        if commit_after is not None:
+            commit_after.wait()
         commit(staging, final)
         removed = prune(self.root, self.keep_last, self.keep_every_n_steps)
         elapsed = time.monotonic() - started
