@@ -173,6 +173,33 @@ def test_validation_reports_action_errors_token_accuracy_and_closed_loop_success
     assert 0.0 <= tokens["test/token_accuracy"] <= 1.0 and "test/action_mse/dq1" in tokens
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "posttrain"])
+def test_closed_loop_evaluation_runs_under_bf16_true_and_a_policy_acts_in_its_models_dtype(stages, stage):
+    """bf16-true makes bfloat16 the default dtype around the forward only; the closed-loop
+    evaluation calls the Policy outside it, with float32 observations. Both model families."""
+    import copy
+
+    module, dataset = copy.deepcopy(stages[stage]), stages["pre_data" if stage == "pretrain" else "post_data"]
+    metrics = trainer(stages["root"] / f"bf16-{stage}", 1, precision="bf16-true", callbacks=[ClosedLoopEval(n_episodes=1)]).validate(
+        module, dataset, verbose=False
+    )[0]
+    assert next(module.parameters()).dtype == torch.bfloat16
+    assert metrics["val/success_rate"] in (0.0, 1.0) and 0.0 < metrics["val/goal_distance"] < 2.0
+
+    # A Policy moved to bfloat16 takes the same float32 observations and returns float32 actions,
+    # near the float32 policy's.
+    policy = stages[stage].policy().eval()
+    dataset.setup()
+    samples = [dataset.val_sets[0][i] for i in (0, 5)]
+    obs = {"images": torch.stack([s["images"] for s in samples]), "instruction": [s["instruction"] for s in samples],
+           "state": torch.stack([dataset.state_normalizer.denormalize(s["state"]) for s in samples])}
+    noise = {"noise": torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(0))} if stage == "posttrain" else {}
+    expected = policy(obs, **noise)
+    actions = copy.deepcopy(policy).to(torch.bfloat16)(obs, **noise)
+    assert actions.dtype == torch.float32 and actions.shape == expected.shape
+    assert (actions - expected).abs().mean() < 0.1 * expected.abs().mean()
+
+
 def test_predict_writes_every_frame_of_the_split(stages, tmp_path):
     module, dataset = stages["pretrain"], stages["pre_data"]
     trainer(tmp_path, 1, callbacks=[PredictionWriter(str(tmp_path / "out"))]).predict(module, dataset, return_predictions=False)

@@ -11,7 +11,7 @@ Observations (a batch of B; torch tensors or numpy arrays):
 - ``instruction``: B strings.
 
 Returns float32 ``[B, action_horizon, action_dim]`` actions in robot units, the first to execute
-first. No gradients; the model is in eval mode. The normalisation statistics are buffers, so
+first, whatever the model's dtype (it computes in its own). No gradients; the model is in eval mode. The normalisation statistics are buffers, so
 ``state_dict()`` holds everything the policy needs to act (what an RL learner publishes to actors).
 Evaluation during training, ``uma predict`` and the closed-loop evaluation all go through this object.
 """
@@ -27,6 +27,7 @@ from torch import nn
 
 from uma_lightning.checkpoint.weights import load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.default_dtype import default_dtype
 from uma_lightning.models.lora import merge_lora
 from uma_lightning.models.network import grouped_settings, spec_of
 
@@ -116,8 +117,13 @@ class Policy(nn.Module):
             raise ValueError(f"state must be [B={images.shape[0]}, {steps}, {spec.state_dim}], got {list(state.shape)}")
         if len(instruction) != images.shape[0]:
             raise ValueError(f"{len(instruction)} instructions for a batch of {images.shape[0]}")
-        normalized = self.predict_normalized(images, self.normalize_state(state), instruction, **overrides)
-        return self.denormalize_actions(normalized).float()
+        # A model in a half type (bf16-true training, or a policy moved to one) computes in it
+        # throughout: its inputs, given noise, and what it creates itself (flow noise, time embeddings).
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        overrides = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in overrides.items()}
+        with default_dtype(dtype):
+            normalized = self.predict_normalized(images, self.normalize_state(state).to(dtype), instruction, **overrides)
+        return self.denormalize_actions(normalized.float()).float()
 
 
 def _imported(name: str, path: str):

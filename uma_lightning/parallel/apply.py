@@ -14,6 +14,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from uma_lightning.default_dtype import default_dtype
+
 ActivationCheckpointing = Literal["none", "full", "ops"]
 Compile = Literal["none", "blocks"]
 
@@ -81,13 +83,8 @@ def _under_default_dtype(dtype: torch.dtype, inner):
     """``inner`` with torch's default dtype set to the forward's. Lightning's "true" precisions set it
     around the forward only, so a block recomputed in backward otherwise ran under another one: a
     compiled block's guards then failed, and it was compiled a second time (2 of 4 compilations)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with inner:
-            yield
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(dtype), inner:
+        yield
 
 
 def apply_compile(blocks: list[nn.Module], config: ParallelConfig) -> str:
