@@ -2,14 +2,29 @@
 
 Figures are the vendors' dense (no 2:4 sparsity) tensor-core numbers in TFLOP/s per device. A device
 missing from the table, or a CPU, is measured instead with a short matmul probe, unless the config
-gives the peak outright.
+gives the peak outright. A probe runs once per host, device, dtype, thread count and torch version;
+later runs read its figure from the cache (``peak_tflops.json``; delete it to measure again), so every
+run and every resume of a run on one machine divides by the same peak, and no run waits for the probe.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
+import os
+import platform
+import socket
 import time
+from pathlib import Path
 
 import torch
+
+from uma_lightning.cache_dir import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+PROBE_CACHE = "peak_tflops.json"
 
 # Most specific names first: "H100 NVL" must match before "H100", "GH200" before "H200", "L40S" before "L4".
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -87,5 +102,49 @@ def resolve_peak(device: torch.device, precision: str, override_tflops: float | 
         if key is not None and dtype in PEAK_TFLOPS[key]:
             return PEAK_TFLOPS[key][dtype], f"table: {key} {dtype} dense"
         why = f"{name} is not in the table" if key is None else f"the table has no {dtype} figure for {key}"
-        return probe_tflops(device, dtype), f"matmul probe, because {why}; set peak_tflops to use the datasheet figure"
-    return probe_tflops(device, dtype), f"matmul probe on {device.type} ({dtype}); set peak_tflops to override"
+        peak, when = probed_peak(device, name, dtype)
+        return peak, f"matmul probe {when}, because {why}; set peak_tflops to use the datasheet figure"
+    peak, when = probed_peak(device, _cpu_name(), dtype)
+    return peak, f"matmul probe on {device.type} ({dtype}) {when}; set peak_tflops to override"
+
+
+def probed_peak(device: torch.device, device_name: str, dtype: str) -> tuple[float, str]:
+    """The probe's TFLOP/s for this host, device, dtype and thread count, measured now or read from
+    the cache; and which of the two, for the log."""
+    path = default_cache_dir() / PROBE_CACHE
+    key = " | ".join((socket.gethostname(), device_name, dtype, f"{torch.get_num_threads()} threads", f"torch {torch.__version__}"))
+    known = _read_probes(path)
+    if key in known:
+        return known[key], f"measured earlier on this host ({path})"
+    peak = probe_tflops(device, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the ranks of a job probe at the same moment
+        known = _read_probes(path)
+        known[key] = max(known.get(key, 0.0), peak)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(known, indent=1, sort_keys=True))
+        os.replace(staging, path)
+    return known[key], f"measured now, kept in {path}"
+
+
+def _read_probes(path: Path) -> dict[str, float]:
+    try:
+        known = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning("ignoring the unreadable peak cache %s (%s); measuring again", path, err)
+        return {}
+    if not isinstance(known, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in known.values()):
+        log.warning("ignoring the peak cache %s: not a mapping to positive TFLOP/s; measuring again", path)
+        return {}
+    return known
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

@@ -146,6 +146,38 @@ def test_a_peak_below_the_achieved_rate_is_raised_to_it(caplog):
     assert "above the peak of 1e-09 (the configured peak_tflops); using the achieved rate as the peak" in caplog.text
 
 
+def test_a_probed_peak_is_measured_once_per_host_dtype_and_thread_count_then_read_back(tmp_path, monkeypatch, caplog):
+    from uma_lightning.callbacks import peak_flops
+
+    def probe(device, dtype="fp32", size=1024, seconds=0.3):
+        measured.append((dtype, torch.get_num_threads()))
+        return {"bf16": 3.0, "fp64": 0.5}[dtype]
+
+    measured = []
+    monkeypatch.setenv("UMA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak_flops, "probe_tflops", probe)
+    cpu, cache, threads = torch.device("cpu"), tmp_path / "peak_tflops.json", torch.get_num_threads()
+    peak, source = resolve_peak(cpu, "bf16-true")
+    assert peak == 3.0 and source == f"matmul probe on cpu (bf16) measured now, kept in {cache}; set peak_tflops to override"
+    assert resolve_peak(cpu, "bf16-true") == (3.0, f"matmul probe on cpu (bf16) measured earlier on this host ({cache}); set peak_tflops to override")
+    assert resolve_peak(cpu, "64-true")[0] == 0.5
+    torch.set_num_threads(threads + 1)
+    try:
+        assert resolve_peak(cpu, "bf16-true")[0] == 3.0
+    finally:
+        torch.set_num_threads(threads)
+    assert measured == [("bf16", threads), ("fp64", threads), ("bf16", threads + 1)]
+    assert len(json.loads(cache.read_text())) == 3
+    # A damaged cache is said so and measured again, never trusted.
+    cache.write_text('{"a": -1}')
+    assert resolve_peak(cpu, "bf16-true")[0] == 3.0 and len(measured) == 4
+    assert f"ignoring the peak cache {cache}: not a mapping to positive TFLOP/s; measuring again" in caplog.text
+    cache.write_text("{")
+    assert resolve_peak(cpu, "bf16-true")[0] == 3.0 and len(measured) == 5
+    assert f"ignoring the unreadable peak cache {cache}" in caplog.text
+    assert resolve_peak(cpu, "bf16-true")[0] == 3.0 and len(measured) == 5
+
+
 def test_configured_peak_wins_and_a_bad_one_is_refused():
     assert resolve_peak(torch.device("cpu"), "32-true", 123.0) == (123.0, "config")
     with pytest.raises(ValueError, match="peak_tflops must be > 0, got 0"):

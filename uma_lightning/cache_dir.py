@@ -1,5 +1,5 @@
 """Where uma_lightning keeps what it makes once and reuses: generated datasets, remote shards,
-decoded-frame stores and the empty MLflow store new runs start from."""
+decoded-frame stores, the empty MLflow store new runs start from and the MFU peak probed on a CPU."""
 
 import os
 from pathlib import Path

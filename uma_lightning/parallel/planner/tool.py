@@ -134,7 +134,7 @@ def precision_of(name: str, asked: bool) -> Precision:
 
 
 def build_cluster(args, precision: Precision, nodes: int, gpus_per_node: int) -> Cluster:
-    from uma_lightning.callbacks.peak_flops import PEAK_TFLOPS, matmul_dtype, probe_tflops
+    from uma_lightning.callbacks.peak_flops import PEAK_TFLOPS, matmul_dtype, resolve_peak
 
     accelerator = ACCELERATORS[args.gpu]
     dtype = matmul_dtype(precision.name)
@@ -143,7 +143,7 @@ def build_cluster(args, precision: Precision, nodes: int, gpus_per_node: int) ->
     elif args.gpu == "cpu":
         import torch
 
-        peak = probe_tflops(torch.device("cpu"), dtype)
+        peak = resolve_peak(torch.device("cpu"), precision.name)[0]  # the MFU callback's figure for this host
     elif dtype not in PEAK_TFLOPS[accelerator.name]:
         raise ConfigError(f"--precision: the peak table has no {dtype} figure for {accelerator.name}; give --peak-tflops")
     else:
