@@ -147,8 +147,14 @@ if __name__ == "__main__":
 def leftovers(pids: list[int], semaphore: str) -> list[str]:
     """/dev/shm entries of this run and processes of it still alive."""
     entries = [name for name in os.listdir("/dev/shm") if name == f"sem.{semaphore}" or any(f"_{pid}_" in name for pid in pids)]
-    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    return entries + [f"process {pid}" for pid in alive]
+    return entries + [f"process {pid}" for pid in pids if running(pid)]
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone, possibly between listing and looking
+        return False
 
 
 def wait_clean(pids: list[int], semaphore: str, limit: float = 30.0) -> list[str]:
