@@ -17,16 +17,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from mlflow import MlflowClient
 
-from uma_lightning.tracking.mlflow_logger import SERVER_ENV
+from uma_lightning.tracking.server import start_mlflow_server
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = [
@@ -69,12 +67,6 @@ const [url, experiment, runs, out, flags] = process.argv.slice(2);
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def train(out: Path, store: str) -> None:
     uma = shutil.which("uma", path=str(Path(sys.executable).parent))
     for run_dir, overrides in RUNS.items():
@@ -84,24 +76,6 @@ def train(out: Path, store: str) -> None:
             subprocess.run([uma, "fit", "--config", str(REPO / "recipes/pretrain.yaml"), *overrides], cwd=out / run_dir,
                            env={**os.environ, "MLFLOW_TRACKING_URI": store}, stdout=log, stderr=subprocess.STDOUT, check=True)
         print(f"{run_dir}: uma fit {' '.join(overrides)} ({time.monotonic() - start:.0f} s)")
-
-
-def serve(out: Path, store: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
-    server = subprocess.Popen([mlflow, "server", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return server, url
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise SystemExit(f"mlflow server did not start; see {out / 'server.log'}")
-            time.sleep(0.5)
 
 
 def main() -> None:
@@ -127,7 +101,10 @@ def main() -> None:
     params = [run.data.params for run in runs]
     differing = sorted(key for key in set().union(*params) if len({p.get(key) for p in params}) > 1)
     print(f"params that differ ({len(differing)} of {len(params[0])}): {', '.join(differing)}")
-    server, url = serve(out, store)
+    try:
+        server, url = start_mlflow_server(store, out / "server.log")
+    except RuntimeError as err:
+        raise SystemExit(str(err)) from None
     try:
         script = out / "shots.js"
         script.write_text(SHOTS_JS)

@@ -1,7 +1,6 @@
 import fcntl
 import json
 import os
-import socket
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -159,9 +158,9 @@ def s3():
     """A local S3-compatible server (moto) with a bucket `robots`: (its s3fs filesystem, fsspec options)."""
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from uma_lightning.ports import free_port
+
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     options = {

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from uma_lightning.ports import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel")
 # The grace Slurm gives between SIGTERM and SIGKILL (its default) and the wait before a requeued job may
 # start again (120 s by default: the lifetime of a step's credential, which this shortens). A requeued job
@@ -19,12 +21,6 @@ CRED_EXPIRE_S = 10
 
 class SlurmUnavailable(Exception):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _which(name: str) -> str:
@@ -121,8 +117,8 @@ class SlurmCluster:
         return f"""\
 ClusterName=umatest
 SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -6,7 +6,6 @@ from here and from the modules of test components (``checkpoint_modules``, ``fau
 from each other."""
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 from uma_lightning.cli import main
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.ports import free_port  # noqa: F401  (the tests import it from here)
 from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,12 +58,6 @@ def assert_short_error(code, err, *fragments):
     assert len(err.strip().splitlines()) <= 2, err
     for fragment in fragments:
         assert fragment in err, err
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- a small robot model and inputs for it, without data or Lightning ------------------------------

@@ -2,27 +2,21 @@
 
 import json
 import logging
-import os
 import random
 import re
-import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow import MlflowClient
 
-from suite import QUICK, RECIPE, assert_short_error, free_port, run_main
+from suite import QUICK, RECIPE, assert_short_error, run_main
 from uma_lightning.cli import UmaCLI
 from uma_lightning.data import LeRobotMetadata
 from uma_lightning.data.generate import generate_planar_arm
 from uma_lightning.data.tools import main as data_tool
 from uma_lightning.tracking import MLflowLogger
-from uma_lightning.tracking.mlflow_logger import SERVER_ENV
+from uma_lightning.tracking.server import start_mlflow_server
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
 from uma_lightning.tracking.datasets import metadata_digest
 from uma_lightning.tracking.run_config import headline_metrics
@@ -32,32 +26,10 @@ from uma_lightning.tracking.run_name import changed_settings, describe_overrides
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    log = open(root / "server.log", "w")
-    server = subprocess.Popen(
-        [
-            shutil.which("mlflow", path=str(Path(sys.executable).parent)), "server",
-            "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination", str(root / "artifacts"),
-        ],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"mlflow server did not start:\n{(root / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+    server, url = start_mlflow_server(f"sqlite:///{root / 'mlflow.db'}", root / "server.log", artifacts=root / "artifacts")
     yield url
     server.terminate()
     server.wait(timeout=30)
-    log.close()
 
 
 def tracked_fit(server: str, run_dir: Path, *args: str, late: tuple[str, ...] = ()) -> UmaCLI:

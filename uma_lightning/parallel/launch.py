@@ -10,9 +10,10 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import time
 from collections.abc import Callable
+
+from uma_lightning.ports import free_port
 
 
 def run_local_group(target: Callable, world_size: int, args: tuple = (), timeout: float = 600) -> None:
@@ -23,7 +24,7 @@ def run_local_group(target: Callable, world_size: int, args: tuple = (), timeout
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["__main__", target.__module__])
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_rank_main, args=(target, rank, world_size, port, args)) for rank in range(world_size)]
     for proc in procs:
         proc.start()
@@ -61,7 +62,3 @@ def _rank_main(target: Callable, rank: int, world_size: int, port: int, args: tu
     target(*args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

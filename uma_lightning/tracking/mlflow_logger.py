@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 
 ASYNC_BUFFERING_SECONDS = 5
 BUFFERING_VARIABLE = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"
-# The environment for a local `mlflow server` that only receives training runs: without it the server
-# also starts MLflow's job runner (seven more Python processes, for server-side GenAI jobs), which
-# doubled its start-up CPU time (18 s against 9.5 s on 2 cores).
-SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 MAX_PARAM_LENGTH = 250  # Lightning's MLFlowLogger cuts longer param values to this length
 
 
