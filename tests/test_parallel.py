@@ -186,6 +186,42 @@ def test_a_block_recomputed_in_backward_runs_under_the_forwards_default_dtype(mo
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_a_compiled_flow_model_keeps_every_variant_of_its_two_kinds_of_block_compiled():
+    """Backbone and action-expert blocks share Block.forward: training, evaluation without grad on
+    EMA weights, a shorter batch and decoding from a KV cache make more graphs than dynamo keeps per
+    function by default (8); past that, variants would run uncompiled."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from suite import small_config
+    from uma_lightning.models import ActionExpertConfig, RobotFlowTransformer
+    from uma_lightning.parallel.apply import apply_compile
+
+    torch.manual_seed(0)
+    model = RobotFlowTransformer(small_config(), ActionExpertConfig(dim=32, ffn_dim=64))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for network in (model, ema):
+            described = apply_compile([*network.backbone.layers, *network.expert.layers], ParallelConfig(compile="blocks", compile_backend="eager"))
+        assert described == "torch.compile (eager) per block, up to 16 graphs for 2 kind(s) of block"
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # raise where a variant would run uncompiled
+            for batch in (3, 2):  # a full and a shorter last batch
+                inputs = flow_inputs(model, batch=batch, seed=batch)
+                flow_loss(model(*inputs)).backward()
+                with torch.no_grad():
+                    model(*inputs)
+                    ema(*inputs)
+                    images, state, text_ids, text_mask = inputs[:4]
+                    ema.predict_actions(images, state, text_ids, text_mask, steps=2)
+        assert counters["stats"]["unique_graphs"] > 8, dict(counters["stats"])  # more than one kind's default
+    finally:
+        torch._dynamo.reset()
+
+
 # ---- an invalid mesh through the CLI: exit 2, one line, nothing started -------------------------
 
 
