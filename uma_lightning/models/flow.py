@@ -69,10 +69,6 @@ class TimeEmbedding(nn.Module):
 class RobotFlowTransformer(RobotBase):
     def __init__(self, cfg: RobotModelConfig, expert: ActionExpertConfig | None = None):
         super().__init__(cfg, max_seq_len=cfg.prefix_len)
-        # The action expert reads only the prefix's keys and values, not its final hidden states: without
-        # an environment-state head (which reads them) the final norm gets no gradient, which
-        # data-parallel wrappers would wait for.
-        self.backbone.norm.weight.requires_grad_(cfg.environment_state_head)
         self.expert_config = (expert or ActionExpertConfig()).transformer_config(cfg.backbone)
         width, action_dim = self.expert_config.dim, cfg.spec.action_dim
         self.action_in = nn.Linear(action_dim, width)
@@ -82,6 +78,7 @@ class RobotFlowTransformer(RobotBase):
         self.expert = Transformer(self.expert_config, max_seq_len=cfg.prefix_len + cfg.spec.action_horizon)
         self.action_out = nn.Linear(width, action_dim)
         self.init_weights()
+        self.freeze_what_gets_no_gradient()
 
     def set_kernels(self, kernels) -> None:
         super().set_kernels(kernels)
@@ -103,6 +100,18 @@ class RobotFlowTransformer(RobotBase):
         # sequence-parallel plan splits across ranks.
         real = torch.ones(noisy_actions.shape[:2], dtype=torch.bool, device=noisy_actions.device)
         return self.action_out(self.expert(tokens, key_padding_mask=real, cache=prefix_cache.copy()))
+
+    def freeze_what_gets_no_gradient(self) -> None:
+        """The action expert reads only the prefix's keys and values, not its final hidden states: without
+        an environment-state head (which reads them) the last backbone block's query and output
+        projections, its feed-forward and the final norm (LoRA adapters on them too) feed nothing that
+        is trained. Frozen, data-parallel wrappers do not wait for their gradients, and the optimizer
+        holds state for every parameter it trains, so a resumed run loads exactly that state."""
+        if self.cfg.environment_state_head:
+            return
+        last = self.backbone.layers[-1]
+        for module in (last.attn.wq, last.attn.wo, last.ffn_norm, last.ffn, self.backbone.norm):
+            module.requires_grad_(False)
 
     def forward(
         self,

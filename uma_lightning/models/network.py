@@ -125,6 +125,7 @@ def flow_network(hparams: Mapping) -> tuple[nn.Module, dict[str, Any]]:
     lora = _section(hparams.get("lora"), LoraConfig) if hparams.get("lora") is not None else None
     if lora and lora.targets:
         add_lora(model, lora.targets, lora.rank, lora.alpha)
+        model.freeze_what_gets_no_gradient()  # the adapters just added too
     return model, flow_inference_options(_section(hparams.get("flow"), FlowMatchingConfig))
 
 

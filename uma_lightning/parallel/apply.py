@@ -88,6 +88,8 @@ def _under_default_dtype(dtype: torch.dtype, inner):
 
 
 GRAPHS_PER_BLOCK_KIND = 8  # dynamo's default recompile_limit, for each kind of block
+# Every kind of block compiled in this process: they share dynamo's cache of their class's forward.
+_compiled_block_kinds: set = set()
 
 
 def apply_compile(blocks: list[nn.Module], config: ParallelConfig) -> str:
@@ -102,12 +104,16 @@ def apply_compile(blocks: list[nn.Module], config: ParallelConfig) -> str:
     # Dynamo keeps at most ``recompile_limit`` graphs of one function (8 by default) and runs any
     # further variant uncompiled, and all blocks share their class's forward. Each kind of block is
     # compiled for training and for evaluation (no grad, EMA weights), for a shorter last batch, and
-    # with or without a KV cache: a flow model's backbone and action expert hit 8 in 6 steps.
-    kinds = len({(type(block), tuple(tuple(p.shape) for p in block.parameters())) for block in blocks})
-    limit = GRAPHS_PER_BLOCK_KIND * kinds
+    # with or without a KV cache: a flow model's backbone and action expert hit 8 in 6 steps. Frozen
+    # parameters make a kind too (dynamo guards on requires_grad): the flow model's last backbone
+    # block, an EMA copy. Process-wide, like the cache it bounds.
+    kinds = {(type(block), tuple((tuple(p.shape), p.requires_grad) for p in block.parameters())) for block in blocks}
+    _compiled_block_kinds.update(kinds)
+    limit = GRAPHS_PER_BLOCK_KIND * len(_compiled_block_kinds)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     for block in blocks:
-        block.compile(backend=config.compile_backend, recompile_limit=limit)
-    return f"torch.compile ({config.compile_backend}) per block, up to {limit} graphs for {kinds} kind(s) of block"
+        block.compile(backend=config.compile_backend)
+    return f"torch.compile ({config.compile_backend}) per block ({len(kinds)} kind(s) of block; up to {limit} graphs of a block's forward)"
 
 
 def data_parallel_policies(config: ParallelConfig):
