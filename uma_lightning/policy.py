@@ -11,8 +11,9 @@ Observations (a batch of B; torch tensors or numpy arrays):
 - ``instruction``: B strings.
 
 Returns float32 ``[B, action_horizon, action_dim]`` actions in robot units, the first to execute
-first, whatever the model's dtype (it computes in its own). No gradients; the model is in eval mode. The normalisation statistics are buffers, so
-``state_dict()`` holds everything the policy needs to act (what an RL learner publishes to actors).
+first, whatever the model's dtype (it computes in its own). No gradients; the model is in eval
+mode. The normalisation statistics are buffers, so ``state_dict()`` holds everything the policy
+needs to act (what an RL learner publishes to actors).
 Evaluation during training, ``uma predict`` and the closed-loop evaluation all go through this object.
 """
 

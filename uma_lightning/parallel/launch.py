@@ -60,5 +60,3 @@ def _rank_main(target: Callable, rank: int, world_size: int, port: int, args: tu
     # Each rank gets its share of the cores; more threads than cores slows every rank down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     target(*args)
-
-

@@ -161,7 +161,7 @@ class MLflowLogger(LightningMLFlowLogger):
     @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback) -> None:
         """A killed run resumes from its newest checkpoint, so the metrics of the steps before it must
-        not wait in MLflow's async queue (for up to ${BUFFERING_VARIABLE}), where a SIGKILL loses them
+        not wait in MLflow's async queue (up to $MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS), where a SIGKILL loses them
         for good. Drained now, and again after the next metrics: Lightning logs a step's metrics after
         the hook in which that step's checkpoint was saved."""
         self._flush()
