@@ -133,12 +133,18 @@ class RollbackAt(Callback):
             self.weights_after = {k: v.clone() for k, v in pl_module.state_dict().items()}
 
 
-def resume_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps: int = 4, trainer: dict | None = None) -> str:
-    """A recipe for the resume tests: NoisyPretrain, deterministic, checkpoints every ``every_n_steps``, each step
-    recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
+# Post-training's flow model, small, trained from scratch, with its EMA.
+TINY_POSTTRAIN = {"class_path": "uma_lightning.modules.PosttrainModule",
+                  "init_args": {"network": {"size": TINY}, "expert": {"dim": 32, "ffn_dim": 64}, "init_from": None}}
+
+
+def resume_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps: int = 4, trainer: dict | None = None,
+                  base: str = RECIPE, model: dict | None = None) -> str:
+    """A recipe for the resume tests: ``base`` with ``model`` (NoisyPretrain by default), deterministic,
+    checkpoints every ``every_n_steps``, each step recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
     recipe = {
-        "include": [RECIPE],
-        "model": {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"network": {"size": TINY}}},
+        "include": [base],
+        "model": model or {"class_path": "checkpoint_modules.NoisyPretrain", "init_args": {"network": {"size": TINY}}},
         "trainer": {
             "logger": False,
             "deterministic": True,

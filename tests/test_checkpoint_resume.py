@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 import forked_cli
+from suite import recipe
 from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
-from checkpoint_modules import MAX_STEPS, crash_at, recorded_steps
+from checkpoint_modules import MAX_STEPS, TINY_POSTTRAIN, crash_at, recorded_steps
 from checkpoint_modules import resume_recipe as write_recipe
 from uma_lightning.cli import UmaCLI, main
 from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size
@@ -92,14 +93,23 @@ def test_exported_weights_load_into_a_plain_model_with_the_same_outputs(referenc
     assert torch.equal(actual, expected)
 
 
+def _launch_as_ranks(argv, log, cwd):
+    return max(map(abs, forked_cli.run_as_ranks(argv, log, cwd)))
+
+
 PARALLEL = {
     # Lightning's DDP, its two processes forked by Lightning.
-    "ddp": ({"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2}, "checkpoint_modules.NoisyPretrain",
+    "ddp": ({"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2}, {},
             lambda argv, log, cwd: forked_cli.run(argv, log, cwd, timeout=300)),
     # FSDP2 through the project's mesh strategy and the robot model's parallel plan.
     # Its two ranks started the way torchrun starts them (Lightning joins them instead of launching its own).
-    "fsdp": ({"strategy": "fsdp", "accelerator": "cpu", "devices": 2}, "checkpoint_modules.NoisyPretrain",
-             lambda argv, log, cwd: max(map(abs, forked_cli.run_as_ranks(argv, log, cwd)))),
+    "fsdp": ({"strategy": "fsdp", "accelerator": "cpu", "devices": 2}, {}, _launch_as_ranks),
+    # Post-training's flow model and its EMA copy, laid out alike. The validation at step 5 runs the
+    # EMA copy alone, and only backward puts what a forward gathered back in its DTensor form, so the
+    # EMA update after it must.
+    **{f"{strategy} posttrain": ({"strategy": strategy, "accelerator": "cpu", "devices": 2},
+                                 {"base": recipe("posttrain"), "model": TINY_POSTTRAIN}, _launch_as_ranks)
+       for strategy in ("ddp", "fsdp")},
 }
 
 
@@ -107,13 +117,12 @@ PARALLEL = {
 @pytest.mark.parametrize("parallel", sorted(PARALLEL))
 def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
     """Two gloo ranks, a loader worker each, a crash mid-epoch, a rerun of the same command."""
-    trainer, module, launch = PARALLEL[parallel]
+    trainer, stage, launch = PARALLEL[parallel]
     status = {}
     for name, callbacks in (("reference", []), ("interrupted", [crash_at(11)]), ("resumed", [])):
         job = tmp_path / ("reference" if name == "reference" else "interrupted")
-        recipe = write_recipe(tmp_path / f"{name}.yaml", job / "record", callbacks, every_n_steps=3, trainer={**trainer, "max_steps": 14})
-        argv = ["fit", "--config", recipe, *DATA, "--data.loader.num_workers", "1", "--model", module,
-                "--trainer.default_root_dir", str(job / "run")]
+        recipe_file = write_recipe(tmp_path / f"{name}.yaml", job / "record", callbacks, every_n_steps=3, trainer={**trainer, "max_steps": 14}, **stage)
+        argv = ["fit", "--config", recipe_file, *DATA, "--data.loader.num_workers", "1", "--trainer.default_root_dir", str(job / "run")]
         status[name] = launch(argv, tmp_path / f"{name}.log", tmp_path)
     assert status["reference"] == 0 and status["resumed"] == 0 and status["interrupted"] != 0
     log = (tmp_path / "resumed.log").read_text()
@@ -126,7 +135,10 @@ def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
         for record in seen:
             assert record["samples"] == expected[record["step"]]["samples"] and record["loss"] == expected[record["step"]]["loss"], (rank, record["step"])
     final = "run/checkpoints/step-000000014"
-    assert_bitwise_equal(checkpoint_tensors(tmp_path / "interrupted" / final), checkpoint_tensors(tmp_path / "reference" / final))
+    tensors = checkpoint_tensors(tmp_path / "interrupted" / final)
+    assert_bitwise_equal(tensors, checkpoint_tensors(tmp_path / "reference" / final))
+    if "model" in stage:
+        assert any(key.startswith("model/ema_model.") for key in tensors)
 
 
 def test_rollback_mid_training_restores_the_newest_checkpoint(tmp_path):

@@ -23,6 +23,7 @@ from uma_lightning.models.flow_matching import noisy_sample, sample_noise_and_ti
 from uma_lightning.models.lora import LoraConfig
 from uma_lightning.models.network import flow_inference_options, flow_network
 from uma_lightning.modules.base import ENVIRONMENT_STATE_HEAD, StageModule
+from uma_lightning.parallel.apply import reshard_data_parallel
 
 log = logging.getLogger("uma_lightning")
 
@@ -115,6 +116,7 @@ class PosttrainModule(StageModule):
     def _update_ema(self, step: int) -> None:
         # Warm-up as in common EMA practice: early averages forget the random start quickly.
         decay = min(self.hparams.ema_decay, (1 + step) / (10 + step))
+        reshard_data_parallel(self.ema_model)  # an evaluation may have left it gathered
         for average, current in zip(self.ema_model.parameters(), self.model.parameters()):
             if current.requires_grad:
                 average.lerp_(current.detach(), 1.0 - decay)

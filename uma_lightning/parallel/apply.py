@@ -150,6 +150,18 @@ def apply_fsdp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: Parall
     return f"{kind} over {'x'.join(map(str, dp_mesh.shape))} ranks per block and at the root ({', '.join(details)})"
 
 
+def reshard_data_parallel(module: nn.Module) -> None:
+    """Put the parameters of every FSDP2- or replicate-wrapped submodule of ``module`` back in their
+    sharded (DTensor) form; nothing else changes. Only backward does this after a forward that kept
+    them gathered (an FSDP root, every replicated module), so a module that runs forward only (an
+    EMA copy) would otherwise hold plain, whole tensors beside the trained model's DTensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
+
+
 def apply_ddp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig, ignored: set[nn.Parameter] | None = None) -> str:
     """Full replicas with gradients all-reduced per block, so each block's reduction overlaps the backward of the next."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
