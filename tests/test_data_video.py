@@ -68,6 +68,33 @@ def test_loader_returns_the_decoders_frames_bit_for_bit(datasets, name, workers)
         assert torch.equal(batch["images"], expected_images(meta, batch))
 
 
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_worker_refills_an_image_buffer_only_once_training_has_let_go_of_it(datasets, start):
+    """Persistent workers reuse their shared-memory image buffers across batches and epochs, and never
+    one a batch still held in the training process uses: kept batches keep their frames."""
+    dm = datamodule(datasets["h264-gop2"], num_workers=1, persistent_workers=True, frame_store="off", multiprocessing_context=start)
+    meta, loader = dm.metadata[0], dm.train_dataloader()
+    kept = list(loader) + list(loader)  # two epochs, every batch held
+    pool = loader.stream.buffer_pool
+    assert int(pool.allocations.sum()) == len(kept) == 28  # nothing refilled under a held batch
+    for batch in kept:
+        assert torch.equal(batch["images"], expected_images(meta, batch))
+    del kept, batch
+    for epoch in range(3):  # now each batch is dropped after its check: the buffers go round
+        for batch in loader:
+            assert torch.equal(batch["images"], expected_images(meta, batch))
+        del batch
+    # 42 batches more, none made: the training side holds at most 2, the worker has 2 in hand (of 6 slots).
+    assert int(pool.allocations.sum()) == 28
+    for stop_after in (2, 5):  # a pass stopped early leaves its loaded-ahead batches' slots to the next
+        for k, batch in enumerate(loader):
+            if k == stop_after:
+                break
+    for batch in loader:
+        assert torch.equal(batch["images"], expected_images(meta, batch))
+    assert int(pool.allocations.sum()) == 28
+
+
 def test_frames_are_resized_in_the_decoder_when_the_loader_asks_for_smaller_images(datasets):
     dm = datamodule(datasets["h264-gop2"], image_size=16, frame_store="off")
     assert dm.spec.image_size == (16, 16)

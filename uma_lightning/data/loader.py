@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from uma_lightning.data.batch_buffers import BUFFER_KEY, BatchBufferPool, new_shared
 from uma_lightning.data.dataset import BAD_DATA_ERRORS, FrameDataset
 from uma_lightning.data.order import EpochOrder, OrderConfig, SourceLayout
 from uma_lightning.data.prefetch import DevicePrefetcher
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 BadDataPolicy = Literal["error", "skip"]
 BAD_SAMPLES_KEY = "bad_samples"  # per-batch list of skipped samples' errors, removed by the loader
 LOGGED_BAD_SAMPLES = 10  # log this many skipped samples one by one, then every 100th
+# Batches the training side holds at once besides the workers' prefetched ones: the step's, the one
+# Lightning fetches ahead, the device prefetcher's. A worker's pool has room for those and its own.
+BATCHES_HELD_BY_TRAINING = 4
 
 
 class BatchStream(IterableDataset):
@@ -67,6 +71,7 @@ class BatchStream(IterableDataset):
         self.images_shape = shapes.pop()
         self.n_batches = EpochOrder(self.layouts, config, epoch=0).n_batches  # the same in every epoch
         self.position = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch), set by the loader
+        self.buffer_pool: BatchBufferPool | None = None  # the workers' image buffers, set by the loader
 
     def __len__(self) -> int:
         # Every rank takes the same number of steps: sharded models run collectives in forward, so a
@@ -93,7 +98,7 @@ class BatchStream(IterableDataset):
     def batch(self, order: EpochOrder, local: int) -> dict[str, Any]:
         """This rank's `local`-th batch of the epoch, collated."""
         datasets, rows = order.batch(self._global_batch(local))
-        images = self._batch_images(len(rows))
+        images, slot = self._batch_images(len(rows))
         samples, bad = [], []
         for d, row in zip(datasets.tolist(), rows.tolist()):
             try:
@@ -102,25 +107,31 @@ class BatchStream(IterableDataset):
                 if self.on_bad_data == "error":
                     raise
                 bad.append(f"{self.sources[d].metadata.root}: {error}")
+        worker = get_worker_info()
         if not samples:  # the loader counts these and moves on, keeping its position in step
+            if slot is not None:
+                self.buffer_pool.give_back(worker.id, slot)
             return {BAD_SAMPLES_KEY: bad}
         batch = collate(samples, images[: len(samples)])
         if bad:
             batch[BAD_SAMPLES_KEY] = bad
+        if slot is not None:
+            batch[BUFFER_KEY] = (worker.id, slot)
         return batch
 
-    def _batch_images(self, n_samples: int) -> torch.Tensor:
-        """The batch's image tensor, which samples write their frames into. In a worker it is made in
-        shared memory, so that handing the batch to the training process copies no frames again."""
+    def _batch_images(self, n_samples: int) -> tuple[torch.Tensor, int | None]:
+        """The batch's image tensor, which samples write their frames into, and its slot in the
+        buffer pool. In a worker it is in shared memory, so that handing the batch to the training
+        process copies no frames again, and one of the worker's reused buffers where one is free."""
         shape = (n_samples, *self.images_shape)
-        if get_worker_info() is not None:
-            # Made shared, as torch's own collate does, not moved there: share_memory_() would copy
-            # the whole batch (29 MiB at 224x224) into a new segment.
-            storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
-            return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+        worker = get_worker_info()
+        if worker is not None:
+            if self.buffer_pool is None:
+                return new_shared(shape), None
+            return self.buffer_pool.take(worker.id, shape)
         # numpy's allocation, not torch.empty: numpy asks for transparent huge pages, where first touching
         # a batch's 29 MiB (224x224) in 4 KiB pages took ~7k page faults (440k for 40 batches, 179k now).
-        return torch.from_numpy(np.empty(shape, dtype=np.uint8))
+        return torch.from_numpy(np.empty(shape, dtype=np.uint8)), None
 
     def _decode_ahead(self, order: EpochOrder, local: int, later: range) -> None:
         """Decode this batch's frames file by file, in time order, keeping those that this worker's
@@ -205,7 +216,10 @@ class RobotDataLoader(DataLoader):
             self.epoch, self.batches = 0, 0
         self.stream.position[0], self.stream.position[1] = self.epoch, self.batches
         length = len(self)
+        pool = self._buffer_pool_for_pass()
         batches = super().__iter__()
+        if pool is not None:
+            batches = _lending(batches, pool)
         if self.device is not None:
             batches = iter(DevicePrefetcher(batches, self.device))
         for batch in batches:
@@ -215,6 +229,18 @@ class RobotDataLoader(DataLoader):
                 self.epoch, self.batches = self.epoch + 1, 0
             if batch:  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
                 yield batch
+
+    def _buffer_pool_for_pass(self) -> BatchBufferPool | None:
+        """The workers' image buffers for this pass: new ones with new workers, the same (their
+        unreceived slots freed) for persistent workers, which took the pool when they started."""
+        if self.num_workers == 0:
+            return None
+        pool = self.stream.buffer_pool
+        if pool is not None and self.persistent_workers and self._iterator is not None:
+            pool.free_unreceived()
+            return pool
+        self.stream.buffer_pool = BatchBufferPool(self.num_workers, self.prefetch_factor + BATCHES_HELD_BY_TRAINING)
+        return self.stream.buffer_pool
 
     def state_dict(self) -> dict[str, Any]:
         # Positions are stored in global batches (all ranks), so a run can resume on another number of ranks.
@@ -244,6 +270,18 @@ class RobotDataLoader(DataLoader):
             self.bad_samples += 1
             if self.bad_samples <= LOGGED_BAD_SAMPLES or self.bad_samples % 100 == 0:
                 logger.warning("skipped bad sample (%d so far): %s", self.bad_samples, error)
+
+
+def _lending(batches: Iterator[dict[str, Any]], pool: BatchBufferPool) -> Iterator[dict[str, Any]]:
+    """The batches, each pooled image buffer watched until training lets go of it. Watched before the
+    device prefetcher's copy; with ``pin_memory`` the watch is on PyTorch's pinned copy, which
+    outlives the buffer's use, so a slot may come back late, never early."""
+    for batch in batches:
+        pool.collect()
+        slot = batch.pop(BUFFER_KEY, None)
+        if slot is not None:
+            pool.lend(slot, batch["images"])
+        yield batch
 
 
 def _layout(source: FrameDataset) -> SourceLayout:
