@@ -116,7 +116,7 @@ def recipe_wait_fraction(steps: int, overrides: tuple[str, ...] = ()) -> tuple[f
         "from uma_lightning.callbacks import StepTimeBreakdown\n"
         "from uma_lightning.cli import UmaCLI\n"
         "with tempfile.TemporaryDirectory() as workdir:\n"
-        "    cli = UmaCLI(['fit', '--config', sys.argv[1], '--trainer.max_steps', sys.argv[2],\n"
+        "    cli = UmaCLI(['fit', '--config', sys.argv[1], '--trainer.max_steps', sys.argv[2], *sys.argv[3:],\n"
         "                  '--trainer.default_root_dir', workdir + '/run', '--trainer.logger.init_args.store_dir', workdir + '/mlruns'])\n"
         "wait = next(c for c in cli.trainer.callbacks if isinstance(c, StepTimeBreakdown))\n"
         "print('DATA_WAIT', wait.total_data_wait, wait.total_step)\n"
@@ -188,16 +188,19 @@ def realistic(args: argparse.Namespace) -> None:
         [[nbytes / store_s / meta.image_size[0] / meta.image_size[1] / 3, nbytes / memcpy_s / meta.image_size[0] / meta.image_size[1] / 3, results["store_vs_memcpy"], store_loader]],
     )
     if args.recipe_steps:
+        # ViT-B/32's patches: at the recipe's 8-pixel patches, 6 frames of 224x224 make 4.7k tokens.
         overrides = (
-            "--model.init_args.network.size", "small", "--data.init_args.root", root,
-            "--data.init_args.batch_size", str(args.batch_size), "--data.init_args.loader.num_workers", str(max(args.workers)),
+            "--model.init_args.network.size", "small", "--model.init_args.network.vision.patch_size", "32",
+            "--data.init_args.root", root,
+            "--data.init_args.batch_size", str(args.recipe_batch_size), "--data.init_args.loader.num_workers", str(max(args.workers)),
             "--model.init_args.optimizer.warmup_steps", "1", "--trainer.val_check_interval", str(args.recipe_steps + 1),
             "--trainer.limit_val_batches", "0",
         )
         fraction, waited, total = recipe_wait_fraction(args.recipe_steps, overrides)
         results["data_wait_fraction"] = fraction
         print_table(
-            f"uma fit, small model on the realistic {args.codecs[0]} data, {args.recipe_steps} steps, {max(args.workers)} workers",
+            f"uma fit, small model (32-pixel patches) on the realistic {args.codecs[0]} data, batches of {args.recipe_batch_size}, "
+            f"{args.recipe_steps} steps, {max(args.workers)} workers",
             ["data wait (s)", "step time (s)", "wait fraction"],
             [[waited, total, f"{100 * fraction:.2f}%"]],
         )
@@ -214,6 +217,7 @@ def main() -> None:
     parser.add_argument("--gops", type=int, nargs="+", default=[2], help="--preset realistic: GOPs to measure (the ratio's goal is on GOP 2)")
     parser.add_argument("--codecs", nargs="+", choices=("av1", "h264"), default=["av1", "h264"], help="--preset realistic: codecs to measure")
     parser.add_argument("--batch-size", type=int, default=32, help="--preset realistic: samples per batch")
+    parser.add_argument("--recipe-batch-size", type=int, default=8, help="--preset realistic: samples per batch of the uma fit run")
     parser.add_argument("--json", default=None, help="--preset realistic: write the ratios to this file")
     parser.add_argument("--batches", type=int, default=60)
     parser.add_argument("--workers", type=int, nargs="+", default=None, help="default: 0 1 2 (realistic: 1 2)")

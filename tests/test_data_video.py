@@ -262,3 +262,14 @@ def test_the_frame_store_works_behind_the_s3_shard_cache(datasets, cache_dir, s3
     with caplog.at_level(logging.WARNING):
         assert remote_datamodule().train_sets[0].frame_store is None
     assert any("stale" in r.getMessage() and video in r.getMessage() for r in caplog.records)
+
+
+def test_the_loader_benchmark_trains_with_the_settings_it_is_given(monkeypatch):
+    """Its data-wait figure comes from `uma fit` on the realistic data with the small model: the
+    overrides must reach the run (they once did not, and it measured the default recipe)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from data_loader import recipe_wait_fraction
+
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        recipe_wait_fraction(1, ("--model.init_args.network.size", "no-such-size"))
+    assert "no-such-size" in refused.value.stderr
