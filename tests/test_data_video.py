@@ -95,6 +95,22 @@ def test_a_worker_refills_an_image_buffer_only_once_training_has_let_go_of_it(da
     assert int(pool.allocations.sum()) == 28
 
 
+def test_a_cache_too_small_for_an_epoch_still_decodes_each_frame_once(datasets, monkeypatch):
+    """The decoded-frame cache keeps the frames the next batches show before the others: in 0.2 MB
+    (about 60 of these frames and the episodes' columns) the epoch converts each of its 120 frames
+    once. Plain least-recently-used eviction converted 136."""
+    converted = []
+    to_rgb = VideoReader._rgb
+    monkeypatch.setattr(VideoReader, "_rgb", lambda reader, frame: converted.append((reader.path, frame.pts)) or to_rgb(reader, frame))
+    dm = datamodule(datasets["h264-gop2"], frame_store="off", decode_cache_mb=0.2)
+    meta = dm.metadata[0]
+    batches = list(dm.train_dataloader())
+    frames = sum(meta.episodes[e].length for e in range(3)) * len(meta.cameras)
+    assert len(converted) == len(set(converted)) == frames == 120
+    for batch in batches:
+        assert torch.equal(batch["images"], expected_images(meta, batch))
+
+
 def test_frames_are_resized_in_the_decoder_when_the_loader_asks_for_smaller_images(datasets):
     dm = datamodule(datasets["h264-gop2"], image_size=16, frame_store="off")
     assert dm.spec.image_size == (16, 16)

@@ -29,6 +29,7 @@ from uma_lightning.data import (
     ensure_dataset,
     split_episodes,
 )
+from uma_lightning.data.cache import LRU
 from uma_lightning.data.generate import dataset_dirname, generate_planar_arm
 from uma_lightning.data.lerobot import ACTION_KEY
 
@@ -179,6 +180,29 @@ def test_decoded_cache_stays_within_its_byte_bound(meta):
         assert ds._decoded.total <= ds.cache_bytes
         assert torch.equal(sample["images"], reference[int(row)]["images"])  # cached frames are the right ones
     assert len(ds._decoded) > 0
+
+
+def test_held_values_leave_the_cache_only_when_nothing_else_is_left():
+    cache = LRU(3)
+    cache.hold("b")  # before it is kept: a later request is known
+    for key in "abc":
+        cache.put(key, key)
+    cache.hold("a")
+    cache.put("d", "d")  # c is the only value not held
+    assert {k for k in "abcd" if k in cache} == {"a", "b", "d"}
+    cache.hold("d")
+    cache.put("e", "e")  # the only value not held: it goes at once
+    assert {k for k in "abcde" if k in cache} == {"a", "b", "d"}
+    cache.hold("e")
+    cache.put("e", "e")  # everything held: the least recently used goes
+    assert {k for k in "abcde" if k in cache} == {"a", "d", "e"}
+    cache.hold("a")  # twice now: one release leaves it held
+    cache.release("a")
+    cache.release("d")
+    cache.release("x")  # never held: nothing changes
+    cache.put("f", "f")  # d and f are not held, d the older
+    assert {k for k in "abcdef" if k in cache} == {"a", "e", "f"}
+    assert cache.total == 3 and len(cache) == 3
 
 
 def test_missing_video_frame_is_an_error_naming_file_and_timestamp(tiny_root, tmp_path):

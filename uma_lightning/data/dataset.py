@@ -286,6 +286,30 @@ class FrameDataset(Dataset):
             except VideoError as error:
                 raise VideoError(f"episode {episode}: {error}") from error
 
+    def hold_frames(self, rows: Sequence[int]) -> None:
+        """Mark the decoded frames samples `rows` will show as needed later (see `LRU.hold`)."""
+        _, decoded = self._caches()
+        for key in self._frame_keys(rows):
+            decoded.hold(key)
+
+    def release_frames(self, rows: Sequence[int]) -> None:
+        """Undo `hold_frames(rows)` once those samples are built."""
+        _, decoded = self._caches()
+        for key in self._frame_keys(rows):
+            decoded.release(key)
+
+    def _frame_keys(self, rows: Sequence[int]) -> list[tuple[str, int]]:
+        """The decoded-frame cache's keys of the frames samples `rows` show, each once."""
+        keys = []
+        for episode, times in self._requests(rows).items():
+            for camera in self.metadata.cameras:
+                relative, start = self.metadata.episodes[episode].videos[camera]
+                if self.frame_store is not None and relative in self.frame_store:
+                    continue
+                path = str(self.metadata.video_path(episode, camera))
+                keys += [(path, micros) for micros in np.rint((start + times) * 1e6).astype(np.int64).tolist()]
+        return keys
+
     def _requests(self, rows: Sequence[int]) -> dict[int, np.ndarray]:
         """episode -> the distinct times (seconds in the episode, sorted) that samples `rows` show, on every camera."""
         rows = np.asarray(rows, dtype=np.int64)
