@@ -202,7 +202,7 @@ def test_held_values_leave_the_cache_only_when_nothing_else_is_left():
     cache.release("x")  # never held: nothing changes
     cache.put("f", "f")  # d and f are not held, d the older
     assert {k for k in "abcdef" if k in cache} == {"a", "e", "f"}
-    assert cache.total == 3 and len(cache) == 3
+    assert cache.total == 3 and len(cache) == 3 and cache.held_cost == 2  # a and e
 
 
 def test_missing_video_frame_is_an_error_naming_file_and_timestamp(tiny_root, tmp_path):

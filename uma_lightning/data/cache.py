@@ -66,6 +66,11 @@ class LRU(Generic[Value]):
         while self.total > self.capacity:
             self._drop(next(iter(self._items or self._held)))
 
+    @property
+    def held_cost(self) -> float:
+        """The cost of the held values kept."""
+        return sum(cost for _, cost in self._held.values())
+
     def hold(self, key: Hashable) -> None:
         """Count one more later request for `key`: until released, it goes after every unheld value."""
         self._holds[key] = self._holds.get(key, 0) + 1

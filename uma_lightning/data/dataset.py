@@ -34,6 +34,9 @@ MODE_STATISTICS: dict[str, tuple[str, str]] = {"mean_std": ("mean", "std"), "min
 ArrayLike = TypeVar("ArrayLike", np.ndarray, torch.Tensor)
 # Errors that mean "this sample's data is bad", as opposed to a bug or a bad config.
 BAD_DATA_ERRORS = (DatasetError, VideoError)
+# The share of the decoded-frame cache that held frames (those the next batches show) may fill; the
+# rest keeps episode columns and recent frames.
+HELD_SHARE = 0.75
 _INHERITED: list = []  # caches a forked process inherited (see FrameDataset._caches)
 
 
@@ -291,6 +294,12 @@ class FrameDataset(Dataset):
         _, decoded = self._caches()
         for key in self._frame_keys(rows):
             decoded.hold(key)
+
+    def room_to_hold(self) -> bool:
+        """Whether the decoded-frame cache has room for more held frames: beyond its capacity,
+        holding more would only decide which needed frames go, by when they were held."""
+        _, decoded = self._caches()
+        return decoded.held_cost < HELD_SHARE * self.cache_bytes
 
     def release_frames(self, rows: Sequence[int]) -> None:
         """Undo `hold_frames(rows)` once those samples are built."""

@@ -158,11 +158,14 @@ class BatchStream(IterableDataset):
 
     def _hold_frames(self, order: EpochOrder, entering: range, held: deque[dict[int, list[int]]]) -> None:
         """Hold in the decoded-frame caches the frames of the batches `entering` the held window:
-        the caches then let go of frames no batch of the window shows before any the window needs."""
+        the caches then let go of frames no batch of the window shows before any the window needs.
+        The window stops short where a cache has no room for more (the next call tries again)."""
         for local in entering:
             # Not remote datasets: finding a batch's frames reads its episodes' data files, which would
             # fetch them long before the prefetch does.
             rows = {d: r for d, r in self._rows_by_source(order, [local]).items() if not self.sources[d].metadata.storage.remote}
+            if held and not all(self.sources[d].room_to_hold() for d in rows):
+                return
             for d, source_rows in rows.items():
                 try:
                     self.sources[d].hold_frames(source_rows)
