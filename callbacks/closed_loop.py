@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import MeanMetric
 
+from uma_lightning.cli_errors import ConfigError
 from uma_lightning.parallel.mesh import data_parallel_rank
 from uma_lightning.sim.closed_loop import run_episodes
 
@@ -37,6 +38,15 @@ class ClosedLoopEval(Callback):
             raise ValueError(f"n_episodes must be >= 1, got {n_episodes}")
         self.n_episodes, self.execute_steps, self.seed = n_episodes, execute_steps, seed
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Before any step: found at the first validation, the mismatch would cost the steps before it.
+        cameras = pl_module.spec.cameras
+        if len(cameras) != 1:
+            raise ConfigError(
+                f"trainer.callbacks: ClosedLoopEval runs the one-camera planar arm simulator, and the data has "
+                f"{len(cameras)} cameras ({', '.join(cameras)}); drop the callback for this data"
+            )
+
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._evaluate(trainer, pl_module, "val")
@@ -47,8 +57,6 @@ class ClosedLoopEval(Callback):
     def _evaluate(self, trainer: Trainer, pl_module: LightningModule, split: str) -> None:
         policy = pl_module.policy()
         spec = policy.spec
-        if len(spec.cameras) != 1:
-            raise ValueError(f"closed-loop evaluation runs the one-camera planar arm; the model has cameras {spec.cameras}")
         execute = self.execute_steps or max(spec.action_horizon // 2, 1)
         # Every process gets the same number of episodes (the last ones may repeat), so all make the same
         # calls. Tensor-parallel ranks act as one policy: they split no episodes, and run the same ones.

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from suite import QUICK, RECIPE, REPO, assert_short_error, run_main
+from suite import QUICK, RECIPE, REPO, assert_short_error, recipe, run_main
+from uma_lightning.data.generate import RealisticPreset, generate_realistic
 from uma_lightning.cli import UmaCLI, expand_includes
 
 
@@ -189,3 +190,12 @@ def test_console_script_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["trainer"]["max_steps"] == 300
+
+
+def test_post_training_on_several_cameras_is_refused_before_a_step_when_it_evaluates_in_the_one_camera_simulator(tmp_path, capsys):
+    preset = RealisticPreset(n_episodes=2, seconds=8 / 30, image_size=32, n_cameras=2, codec="h264", gop=2)
+    root = generate_realistic(tmp_path / "two-cameras", preset)
+    code, out, err = run_main(["fit", "--config", recipe("posttrain"), "--data.init_args.root", str(root), "--data.init_args.val_episodes", "1",
+                               "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"], capsys)
+    assert_short_error(code, err, "trainer.callbacks: ClosedLoopEval", "2 cameras (observation.images.cam_0, observation.images.cam_1)")
+    assert not (tmp_path / "run" / "checkpoints").exists()
