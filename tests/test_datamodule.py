@@ -151,9 +151,9 @@ def test_unknown_normalisation_mode_is_rejected(meta):
 def test_each_file_is_opened_once_per_process_while_it_fits_the_lru(meta, monkeypatch):
     opened = []
 
-    def counting_reader(path, *settings):
+    def counting_reader(path, *settings, **named):
         opened.append(path)
-        return VideoReader(path, *settings)
+        return VideoReader(path, *settings, **named)
 
     monkeypatch.setattr(dataset_module, "VideoReader", counting_reader)
     ds = FrameDataset(meta, n_obs_steps=2, max_open_files=8)
@@ -203,6 +203,13 @@ def test_held_values_leave_the_cache_only_when_nothing_else_is_left():
     cache.put("f", "f")  # d and f are not held, d the older
     assert {k for k in "abcdef" if k in cache} == {"a", "e", "f"}
     assert cache.total == 3 and len(cache) == 3 and cache.held_cost == 2  # a and e
+    for key in "ae":
+        cache.release(key)
+    cache.hold("e")
+    cache.put("g", "g")  # f goes: a released counts as used after it
+    assert {k for k in "aefg" if k in cache} == {"a", "e", "g"} and cache.held_cost == 1
+    cache.clear()
+    assert cache.total == 0 and cache.held_cost == 0
 
 
 def test_missing_video_frame_is_an_error_naming_file_and_timestamp(tiny_root, tmp_path):

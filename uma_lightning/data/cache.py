@@ -27,6 +27,7 @@ class LRU(Generic[Value]):
     ) -> None:
         self.capacity = capacity
         self.total = 0.0
+        self.held_cost = 0.0  # the cost of the held values kept
         self._cost = cost
         self._on_evict = on_evict
         # Each in least recently used order: values no hold names, and held ones.
@@ -61,21 +62,21 @@ class LRU(Generic[Value]):
             self._drop(key)
         if cost > self.capacity:
             return
-        (self._held if key in self._holds else self._items)[key] = (value, cost)
+        if key in self._holds:
+            self._held[key] = (value, cost)
+            self.held_cost += cost
+        else:
+            self._items[key] = (value, cost)
         self.total += cost
         while self.total > self.capacity:
             self._drop(next(iter(self._items or self._held)))
-
-    @property
-    def held_cost(self) -> float:
-        """The cost of the held values kept."""
-        return sum(cost for _, cost in self._held.values())
 
     def hold(self, key: Hashable) -> None:
         """Count one more later request for `key`: until released, it goes after every unheld value."""
         self._holds[key] = self._holds.get(key, 0) + 1
         if key in self._items:
             self._held[key] = self._items.pop(key)
+            self.held_cost += self._held[key][1]
 
     def release(self, key: Hashable) -> None:
         """Undo one `hold`; with none left, the value (if kept) goes as any other recently used one.
@@ -87,13 +88,19 @@ class LRU(Generic[Value]):
         self._holds.pop(key, None)
         if key in self._held:
             self._items[key] = self._held.pop(key)
+            self.held_cost -= self._items[key][1]
 
     def clear(self) -> None:
         for key in [*self._items, *self._held]:
             self._drop(key)
 
     def _drop(self, key: Hashable) -> None:
-        value, cost = (self._items if key in self._items else self._held).pop(key)
+        if key in self._items:
+            value, cost = self._items.pop(key)
+        else:
+            value, cost = self._held.pop(key)
+            self.held_cost -= cost
         self.total -= cost
         if self._on_evict is not None:
             self._on_evict(value)
+

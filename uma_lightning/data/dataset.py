@@ -315,8 +315,7 @@ class FrameDataset(Dataset):
                 relative, start = self.metadata.episodes[episode].videos[camera]
                 if self.frame_store is not None and relative in self.frame_store:
                     continue
-                path = str(self.metadata.video_path(episode, camera))
-                keys += [(path, micros) for micros in np.rint((start + times) * 1e6).astype(np.int64).tolist()]
+                keys += [(relative, micros) for micros in np.rint((start + times) * 1e6).astype(np.int64).tolist()]
         return keys
 
     def _requests(self, rows: Sequence[int]) -> dict[int, np.ndarray]:
@@ -332,9 +331,15 @@ class FrameDataset(Dataset):
         return times
 
     def _reader(self, episode: int, camera: str) -> VideoReader:
+        """The open reader of the episode's video for `camera`, which names its frames in the
+        decoded-frame cache by the file's path in the dataset. Only opening one finds the file
+        (downloading it when the dataset is remote)."""
         files, _ = self._caches()
-        path = self.metadata.video_path(episode, camera)
-        return files.get(("video", str(path)), lambda: self.reader_class(path, self.decoder_threads, self.decode_size))
+        relative = self.metadata.episodes[episode].videos[camera][0]
+        return files.get(
+            ("video", relative),
+            lambda: self.reader_class(self.metadata.video_path(episode, camera), self.decoder_threads, self.decode_size, name=relative),
+        )
 
     def _frames(self, episode: int, camera: str, times: np.ndarray, out: np.ndarray) -> None:
         """Write one camera's frames at `times` into `out` [N, H, W, 3]; frames of another size (a

@@ -151,8 +151,9 @@ class VideoReader:
     # and at 224x224 less than one.
     SEEK_PIXELS = 35_000
 
-    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None, name: str | None = None) -> None:
         self.path = Path(path)
+        self.name = name or str(self.path)  # the file in decoded-frame cache keys (a dataset's relative path)
         try:
             self._container = av.open(str(self.path))
             self._stream = self._container.streams.video[0]
@@ -170,6 +171,7 @@ class VideoReader:
         self._forward_frames = max(1, round(self.SEEK_PIXELS / (self._stream.height * self._stream.width)))
         rate = self._stream.average_rate or self._stream.guessed_rate or 30
         self._frame_s = 1.0 / float(rate)
+        self._time_base_s = float(self._stream.time_base)  # per frame, float arithmetic rather than Fraction's
         self._frames: Any = None  # the decode generator, positioned after the last decoded frame
         self._last_time: float | None = None
         self._first_after_seek: float | None = None
@@ -183,19 +185,25 @@ class VideoReader:
     def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         """Frames at `timestamps`, uint8 [N, H, W, 3], written into `out` when it is given (a slot of a
         batch: each frame is then copied once, from the decoder's output to the batch). With an `LRU`
-        cache, frames are looked up by (path, microsecond) first, and the frames returned are stored there."""
-        query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
+        cache, frames are looked up by (file name, microsecond) first, and the frames returned are stored there."""
+        query = np.asarray(timestamps, dtype=np.float64).reshape(-1).tolist()
         if out is None:
             out = np.empty((len(query), *self.size, 3), dtype=np.uint8)
         elif out.shape != (len(query), *self.size, 3):
             raise ValueError(f"{self.path}: frames at {len(query)} timestamps of {self.size} need an out buffer of {(len(query), *self.size, 3)}, got {out.shape}")
-        path = str(self.path)
-        targets, slots = np.unique(query, return_inverse=True)  # each frame decoded once, in time order
-        for k, target in enumerate(targets.tolist()):
-            frame = cache.peek((path, int(round(target * 1e6)))) if cache is not None else None
+        # Python scalars, not numpy calls: a sample asks for a few frames, and per-call overhead
+        # would cost more than copying them.
+        done: dict[float, int] = {}  # timestamp -> the slot that already holds its frame
+        for k in sorted(range(len(query)), key=query.__getitem__):  # each frame decoded once, in time order
+            target = query[k]
+            if target in done:
+                out[k] = out[done[target]]
+                continue
+            frame = cache.peek((self.name, int(round(target * 1e6)))) if cache is not None else None
             if frame is None:
                 frame = self._decode_at(target, tolerance_s, cache, None)
-            out[slots == k] = frame
+            out[k] = frame
+            done[target] = k
         return out
 
     def cache_frames(self, timestamps: np.ndarray, tolerance_s: float, cache: Any, keep: dict[int, int] | None = None) -> None:
@@ -203,9 +211,8 @@ class VideoReader:
         assembling them (samples read them from the cache). `keep` maps frame numbers (time x fps,
         rounded) to the microsecond keys later requests will use: frames decoded on the way that it
         names are converted and cached too, so that no frame is decoded twice."""
-        path = str(self.path)
         for target in np.unique(np.asarray(timestamps, dtype=np.float64)).tolist():
-            if cache.peek((path, int(round(target * 1e6)))) is None:
+            if cache.peek((self.name, int(round(target * 1e6)))) is None:
                 self._decode_at(target, tolerance_s, cache, keep)
 
     def close(self) -> None:
@@ -260,7 +267,7 @@ class VideoReader:
             for frame in self._frames:
                 if frame.pts is None:
                     continue
-                time = float(frame.pts * frame.time_base)
+                time = frame.pts * self._time_base_s
                 if self._last_time is None:
                     self._first_after_seek = time
                 self._last_time = time
@@ -275,7 +282,7 @@ class VideoReader:
                     return None, time
                 image = self._rgb(frame)
                 if cache is not None:
-                    cache.put((str(self.path), int(round(target * 1e6))), image)
+                    cache.put((self.name, int(round(target * 1e6))), image)
                 return image, time
         except (av.FFmpegError, OSError) as error:
             self._frames, self._last_time = None, None
@@ -287,8 +294,8 @@ class VideoReader:
         if keep is None or cache is None:
             return
         micros = keep.get(int(round(time / self._frame_s)))
-        if micros is not None and abs(micros / 1e6 - time) <= tolerance_s and (str(self.path), micros) not in cache:
-            cache.put((str(self.path), micros), self._rgb(frame))
+        if micros is not None and abs(micros / 1e6 - time) <= tolerance_s and (self.name, micros) not in cache:
+            cache.put((self.name, micros), self._rgb(frame))
 
     def _rgb(self, frame: av.VideoFrame) -> np.ndarray:
         return to_rgb(frame, self.size)
@@ -377,7 +384,7 @@ class CudaVideoReader:
     GPU's, so frames differ from the CPU path's by a few levels; the frames come back to host memory
     for collation, as the CPU path's do."""
 
-    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None, name: str | None = None) -> None:
         from torchcodec.decoders import VideoDecoder
 
         self.path = Path(path)
