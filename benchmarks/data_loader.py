@@ -3,9 +3,10 @@
 1. Decoded frames/s of the training loader (RobotDataModule: shuffled order, random access into the
    videos, normalisation, collation) for each worker count, against PyAV decoding the very same
    frames in one process in the cheapest order: file by file, each file's frames in time order
-   (no seeking back). Steady state: the clock starts at the first batch, after worker start-up.
-   Rounds alternate the variants; medians and ratios are printed, the loader's per worker
-   (loader frames/s / (workers x raw frames/s)).
+   (no seeking back). The clock starts at the second batch, after worker start-up; with --preset
+   realistic at batch --warmup-batches, once each worker's decoded-frame cache has filled (the
+   warm-up batches are timed apart and printed too). Rounds alternate the variants; medians and
+   ratios are printed, the loader's per worker (loader frames/s / (workers x raw frames/s)).
 2. The fraction of step time spent waiting for data in `uma fit` (as measured by its
    StepTimeBreakdown callback): the default pretrain recipe, or with --preset realistic the
    `small` model on the realistic data.
@@ -15,7 +16,7 @@
    same batches against a plain memory copy of the same bytes.
 
     python benchmarks/data_loader.py [--batches 60] [--workers 0 1 2] [--rounds 2] [--recipe-steps 300]
-    python benchmarks/data_loader.py --preset realistic [--episodes 40] [--gops 2 150] [--json FILE]
+    python benchmarks/data_loader.py --preset realistic [--episodes 40] [--warmup-batches 40] [--gops 2 150] [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "pretrain.yaml")
 STORE_ROUNDS = 7
 
 
-def frames_of_first_batches(dm: RobotDataModule, n_batches: int) -> list[tuple[Path, float]]:
-    """(video file, time) of every frame the first `n_batches` training batches hold."""
+def frames_of_batches(dm: RobotDataModule, batches: range) -> list[tuple[Path, float]]:
+    """(video file, time) of every frame the given training batches (of the first epoch) hold."""
     loader = dm.train_dataloader()
     order = EpochOrder(loader.stream.layouts, dm.order, epoch=0)
     frames = []
-    for b in range(n_batches):
+    for b in batches:
         datasets, rows = order.batch(b)
         for d, row in zip(datasets.tolist(), rows.tolist()):
             source = dm.train_sets[d]
@@ -71,14 +72,19 @@ def raw_decode_seconds(frames: list[tuple[Path, float]]) -> float:
     return time.perf_counter() - start
 
 
-def loader_seconds(dm: RobotDataModule, n_batches: int) -> float:
-    """Seconds for batches 2..n (the first batch pays for worker start-up)."""
+def loader_seconds(dm: RobotDataModule, windows: list[range]) -> list[float]:
+    """Seconds the loader takes to hand out each window of consecutive batches, in one pass; the
+    batches before the first window are not timed."""
     iterator = iter(dm.train_dataloader())
-    next(iterator)
-    start = time.perf_counter()
-    for _ in range(n_batches - 1):
+    for _ in range(windows[0].start):
         next(iterator)
-    return time.perf_counter() - start
+    seconds = []
+    for window in windows:
+        start = time.perf_counter()
+        for _ in window:
+            next(iterator)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def store_and_memcpy_seconds(dm: RobotDataModule, n_batches: int) -> tuple[float, float, int]:
@@ -146,8 +152,9 @@ def recipe_wait_fraction(steps: int, overrides: tuple[str, ...] = ()) -> tuple[f
     return waited / total, waited, total
 
 
-def measure_loader(root: str | None, workers_list: list[int], n_batches: int, rounds: int, **settings) -> dict[str, float]:
-    """Median frames/s of the raw decoder and of the loader per worker count, over `rounds` alternating rounds."""
+def measure_loader(root: str | None, workers_list: list[int], windows: list[range], rounds: int, **settings) -> list[dict[str, float]]:
+    """Per window of batches: median frames/s of the raw decoder and of the loader per worker count,
+    over `rounds` alternating rounds."""
 
     def datamodule(workers: int) -> RobotDataModule:
         loader = {"num_workers": workers, "persistent_workers": False, "frame_store": "off"}
@@ -155,14 +162,18 @@ def measure_loader(root: str | None, workers_list: list[int], n_batches: int, ro
         dm.setup("fit")
         return dm
 
-    frames = frames_of_first_batches(datamodule(0), n_batches)
-    timed_frames = len(frames) * (n_batches - 1) / n_batches  # the loader's clock skips the first batch
-    rates: dict[str, list[float]] = {"raw": []} | {str(w): [] for w in workers_list}
+    reference = datamodule(0)
+    if windows[-1].stop > len(reference.train_dataloader()):
+        raise SystemExit(f"the batches measured run to {windows[-1].stop}, past the epoch's {len(reference.train_dataloader())}: use fewer --batches or --warmup-batches, or more --episodes")
+    frames = [frames_of_batches(reference, window) for window in windows]
+    rates: list[dict[str, list[float]]] = [{"raw": []} | {str(w): [] for w in workers_list} for _ in windows]
     for _ in range(rounds):
-        rates["raw"].append(len(frames) / raw_decode_seconds(frames))
+        for k in range(len(windows)):
+            rates[k]["raw"].append(len(frames[k]) / raw_decode_seconds(frames[k]))
         for workers in workers_list:
-            rates[str(workers)].append(timed_frames / loader_seconds(datamodule(workers), n_batches))
-    return {name: median(r) for name, r in rates.items()}
+            for k, seconds in enumerate(loader_seconds(datamodule(workers), windows)):
+                rates[k][str(workers)].append(len(frames[k]) / seconds)
+    return [{name: median(r) for name, r in window_rates.items()} for window_rates in rates]
 
 
 def realistic(args: argparse.Namespace) -> None:
@@ -175,19 +186,27 @@ def realistic(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             roots[codec, gop] = str(ensure_realistic(RealisticPreset(n_episodes=args.episodes, codec=codec, gop=gop)))
             print(f"dataset {codec} GOP {gop}: {roots[codec, gop]} ({time.perf_counter() - start:.1f}s to generate or find)")
+    # A worker's first batches fill its decoded-frame cache (first touches of every page of it), once
+    # in its life: timed apart from the steady state that the rest of a run sees.
+    warmup, steady = range(1, args.warmup_batches), range(args.warmup_batches, args.warmup_batches + args.batches)
+    warmup_ratios = []
     for (codec, gop), root in roots.items():
-        rates = measure_loader(root, args.workers, args.batches, args.rounds, **settings)
+        first, rates = measure_loader(root, args.workers, [warmup, steady], args.rounds, **settings)
         for workers in args.workers:
             per_worker = rates[str(workers)] / (max(1, workers) * rates["raw"])
-            rows.append([f"{codec} GOP {gop}", workers, rates["raw"], rates[str(workers)], per_worker])
+            first_per_worker = first[str(workers)] / (max(1, workers) * first["raw"])
+            rows.append([f"{codec} GOP {gop}", workers, rates["raw"], rates[str(workers)], per_worker, first_per_worker])
             if gop == 2:
                 ratios.append(per_worker)
+                warmup_ratios.append(first_per_worker)
     print_table(
-        f"decoded frames/s, the frames of the first {args.batches} training batches (3 cameras of 224x224, 2 observation steps), median of {args.rounds} rounds",
-        ["dataset", "workers", "raw decoder, 1 process", "loader", "loader / (workers x raw)"],
+        f"decoded frames/s of training batches {steady.start}-{steady.stop - 1} (3 cameras of 224x224, 2 observation steps), "
+        f"median of {args.rounds} rounds; last column: batches {warmup.start}-{warmup.stop - 1}, while the cache fills",
+        ["dataset", "workers", "raw decoder, 1 process", "loader", "loader / (workers x raw)", "same, warm-up batches"],
         rows,
     )
     results["loader_vs_raw_per_worker"] = min(ratios)
+    results["loader_vs_raw_per_worker_warmup"] = min(warmup_ratios)
     # The frame store, built once from the first dataset.
     root = roots[args.codecs[0], args.gops[0]]
     meta = LeRobotMetadata.load(root)
@@ -200,8 +219,8 @@ def realistic(args: argparse.Namespace) -> None:
     dm.setup("fit")
     store_s, memcpy_s, nbytes = store_and_memcpy_seconds(dm, args.batches)
     results["store_vs_memcpy"] = memcpy_s / store_s
-    timed = len(frames_of_first_batches(dm, args.batches)) * (args.batches - 1) / args.batches
-    store_loader = timed / loader_seconds(dm, args.batches)
+    timed = range(1, args.batches)  # the first batch opens the store's files
+    store_loader = len(frames_of_batches(dm, timed)) / loader_seconds(dm, [timed])[0]
     print_table(
         f"frame store, the same frames ({nbytes / 2**20:.0f} MiB)",
         ["store frames/s", "memcpy of the same bytes, frames/s", "store / memcpy", "loader on the store, 0 workers, frames/s"],
@@ -239,7 +258,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="--preset realistic: samples per batch")
     parser.add_argument("--recipe-batch-size", type=int, default=8, help="--preset realistic: samples per batch of the uma fit run")
     parser.add_argument("--json", default=None, help="--preset realistic: write the ratios to this file")
-    parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--batches", type=int, default=60, help="batches timed")
+    parser.add_argument("--warmup-batches", type=int, default=40, help="--preset realistic: batches before the timed ones (timed apart)")
     parser.add_argument("--workers", type=int, nargs="+", default=None, help="default: 0 1 2 (realistic: 1 2)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--recipe-steps", type=int, default=None, help="0 skips the recipe measurement (default 300; realistic: 6)")
@@ -252,10 +272,10 @@ def main() -> None:
         return
     args.workers = args.workers or [0, 1, 2]
     args.recipe_steps = 300 if args.recipe_steps is None else args.recipe_steps
-    rates = measure_loader(args.root, args.workers, args.batches, args.rounds)
+    (rates,) = measure_loader(args.root, args.workers, [range(1, args.batches)], args.rounds)  # the first batch starts the workers
     raw_rate = rates.pop("raw")
     print_table(
-        f"decoded frames/s, the frames of the first {args.batches} training batches, median of {args.rounds} rounds",
+        f"decoded frames/s, the frames of training batches 1-{args.batches - 1}, median of {args.rounds} rounds",
         ["variant", "frames/s", "vs raw decoder"],
         [["raw decoder, 1 process", raw_rate, 1.0]] + [[f"loader, {w} workers", rate, rate / raw_rate] for w, rate in rates.items()],
     )

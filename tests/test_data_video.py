@@ -4,6 +4,7 @@ resized in the decoder), the store's checks (stale, corrupt, size bound), and bo
 
 import json
 import logging
+import re
 import resource
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from uma_lightning.data import LeRobotMetadata, RobotDataModule
 from uma_lightning.data.frame_store import FrameStoreError, default_store_dir, open_store
 from uma_lightning.data.generate import RealisticPreset, generate_realistic
 from uma_lightning.data.tools import main as data_tool
-from uma_lightning.data.video import VideoReader, decode_frames_at, decoder_threads, encode_video
+from uma_lightning.data.video import VideoError, VideoReader, decode_frames_at, decoder_threads, encode_video
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,22 @@ def test_the_frame_store_serves_the_decoders_frames_and_says_so(datasets, cache_
     assert dm.train_sets[0].frame_store is not None
     for batch in dm.train_dataloader():
         assert torch.equal(batch["images"], expected_images(dm.metadata[0], batch))
+
+
+def test_the_store_finds_frames_by_timestamp_within_the_tolerance_and_refuses_others(datasets, cache_dir):
+    root = datasets["av1-gop10"]  # v3.0: the episodes share video files, at offsets
+    assert data_tool(["cache", str(root)]) == 0
+    meta = LeRobotMetadata.load(root)
+    store = open_store(default_store_dir(meta, meta.image_size, cache_dir), meta)
+    relative, start = meta.episodes[1].videos[meta.cameras[1]]
+    frames = np.array([5, 2, 2, 19, 3, 4])
+    expected = decode_frames_at(meta.video_path(1, meta.cameras[1]), start + frames / 30)
+    jitter = np.array([0, 4e-5, -4e-5, 0, 0, 9e-5])
+    assert np.array_equal(store.frames(relative, start + frames / 30 + jitter, 1e-4), expected)
+    assert np.array_equal(store.frames(relative, start + np.array([2, 3]) / 30, 1e-4), expected[[1, 4]])  # a run: one slice
+    for missing in (start + 2.5 / 30, start + 100 / 30, -1.0):
+        with pytest.raises(VideoError, match=rf"{re.escape(str(store.directory))}.*no stored frame at timestamp {missing:.6f}s"):
+            store.frames(relative, np.array([start, missing]), 1e-4)
 
 
 def test_a_store_whose_source_changed_is_not_used(datasets, cache_dir, tmp_path, caplog):

@@ -100,14 +100,20 @@ class _Shard:
         span = self.times[-1] - self.times[0]
         self._rate = (len(self.times) - 1) / span if span > 0 else 0.0
 
-    def index_of(self, time: float, tolerance_s: float) -> int:
-        """The frame at `time`: first guessed from the frame rate, else searched."""
-        k = min(max(int(round((time - self.times[0]) * self._rate)), 0), len(self.times) - 1)
-        if abs(self.times[k] - time) > tolerance_s:
-            k = min(bisect.bisect_left(self.times, time - tolerance_s), len(self.times) - 1)
-            if abs(self.times[k] - time) > tolerance_s:
-                raise VideoError(f"{self.path}: no stored frame at timestamp {time:.6f}s (tolerance {tolerance_s}s)")
-        return k
+    def indices(self, timestamps: np.ndarray, tolerance_s: float) -> list[int]:
+        """The frames at `timestamps`: each first guessed from the frame rate, else searched.
+        Python scalars rather than numpy calls: a sample asks for a few frames, and per-call
+        overhead, not the copy, would otherwise dominate."""
+        times, first_time, rate, last = self.times, self.times[0], self._rate, len(self.times) - 1
+        found = []
+        for time in timestamps.tolist():
+            k = int((time - first_time) * rate + 0.5)
+            if not 0 <= k <= last or abs(times[k] - time) > tolerance_s:
+                k = min(bisect.bisect_left(times, time - tolerance_s), last)
+                if abs(times[k] - time) > tolerance_s:
+                    raise VideoError(f"{self.path}: no stored frame at timestamp {time:.6f}s (tolerance {tolerance_s}s)")
+            found.append(k)
+        return found
 
 
 class FrameStore:
@@ -137,14 +143,12 @@ class FrameStore:
         """uint8 [N, H, W, 3] at `timestamps` (seconds in the file), written into `out` when it is given;
         a time without a stored frame is an error."""
         shard = self._shards[relative]
-        # Python scalars rather than numpy calls: a sample asks for a few frames, and per-call
-        # overhead, not the copy, would otherwise dominate.
-        index = [shard.index_of(t, tolerance_s) for t in np.asarray(timestamps, dtype=np.float64).reshape(-1).tolist()]
-        if relative not in self._maps:
-            self._maps[relative] = np.memmap(shard.path, dtype=np.uint8, mode="r", shape=shard.shape).view(np.ndarray)
-        frames = self._maps[relative]
+        index = shard.indices(np.asarray(timestamps, dtype=np.float64).reshape(-1), tolerance_s)
+        frames = self._maps.get(relative)
+        if frames is None:
+            frames = self._maps[relative] = np.memmap(shard.path, dtype=np.uint8, mode="r", shape=shard.shape).view(np.ndarray)
         first = index[0]
-        if index == list(range(first, first + len(index))):
+        if index[-1] - first == len(index) - 1 and index == list(range(first, first + len(index))):
             window = frames[first : first + len(index)]  # a history window: one contiguous copy
             if out is None:
                 return window.copy()  # the batch owns its frames
