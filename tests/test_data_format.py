@@ -2,7 +2,10 @@
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 
 import av
 import numpy as np
@@ -77,6 +80,19 @@ def test_video_round_trip_is_close_and_timed(tmp_path, rollouts):
     video = decode_video(path)
     assert np.allclose(video.timestamps, np.arange(len(frames)) / FPS)
     assert_close_to_original(video.frames, frames)
+
+
+@pytest.mark.parametrize("user_level", [None, "3"])
+def test_av1_encoding_prints_only_errors_unless_svt_log_asks_for_more(tmp_path, user_level):
+    script = (
+        "import sys, numpy as np\n"
+        "from uma_lightning.data.video import encode_video\n"
+        "encode_video(np.zeros((4, 32, 32, 3), np.uint8), sys.argv[1], 30, codec='av1')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SVT_LOG"} | ({"SVT_LOG": user_level} if user_level else {})
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "a.mp4")], env=env, capture_output=True, text=True, check=True)
+    printed = done.stdout + done.stderr
+    assert ("Svt[info]" in printed) == (user_level == "3"), printed[-2000:]
 
 
 def test_video_encoding_is_deterministic(tmp_path, rollouts):

@@ -97,6 +97,10 @@ class VideoStreamWriter:
             raise ValueError(f"{self.path}: unknown codec {codec!r}; choose from {sorted(CODECS)}")
         if gop < 1:
             raise ValueError(f"{self.path}: gop must be >= 1, got {gop}")
+        if codec == "av1":
+            # SVT-AV1 prints its whole configuration (25 lines) each time an encoder starts, once per
+            # video file: errors only, unless SVT_LOG asks for more.
+            os.environ.setdefault("SVT_LOG", "1")
         self.rate = Fraction(fps).limit_denominator(1001)
         self.shape = (height, width, 3)
         self.frames = 0
