@@ -320,14 +320,17 @@ class FrameDataset(Dataset):
 
     def _requests(self, rows: Sequence[int]) -> dict[int, np.ndarray]:
         """episode -> the distinct times (seconds in the episode, sorted) that samples `rows` show, on every camera."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        if not len(rows):
+            return {}
         positions = np.searchsorted(self.starts, rows, side="right") - 1
-        frames = rows - self.starts[positions]
+        # Every row's frames at once, clipped to its episode; then split by episode (rows are sorted).
+        steps = np.clip((rows - self.starts[positions])[:, None] + self.obs_offsets, 0, (self.lengths[positions] - 1)[:, None])
+        splits = np.flatnonzero(np.diff(positions)) + 1
         times = {}
-        for position in np.unique(positions).tolist():
-            timestamps = self._episode(self.episodes[position]).timestamp
-            steps = frames[positions == position][:, None] + self.obs_offsets
-            times[self.episodes[position]] = np.unique(timestamps[np.clip(steps, 0, len(timestamps) - 1)])
+        for position, episode_steps in zip(positions[np.r_[0, splits]].tolist(), np.split(steps, splits)):
+            episode = self.episodes[position]
+            times[episode] = np.unique(self._episode(episode).timestamp[episode_steps])
         return times
 
     def _reader(self, episode: int, camera: str) -> VideoReader:
