@@ -9,6 +9,7 @@ import resource
 import shutil
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,10 @@ import pytest
 import torch
 
 from uma_lightning.data import LeRobotMetadata, RobotDataModule
+from uma_lightning.data.dataset import HELD_SHARE
 from uma_lightning.data.frame_store import FrameStoreError, default_store_dir, open_store
 from uma_lightning.data.generate import RealisticPreset, generate_realistic
+from uma_lightning.data.order import EpochOrder
 from uma_lightning.data.tools import main as data_tool
 from uma_lightning.data.video import VideoError, VideoReader, decode_frames_at, decoder_threads, encode_video
 
@@ -110,6 +113,31 @@ def test_a_cache_too_small_for_an_epoch_still_decodes_each_frame_once(datasets, 
     assert len(converted) == len(set(converted)) == frames == 120
     for batch in batches:
         assert torch.equal(batch["images"], expected_images(meta, batch))
+
+
+def test_the_held_window_stops_at_three_quarters_of_the_cache_and_grows_again_as_batches_leave(datasets):
+    dm = datamodule(datasets["h264-gop2"], frame_store="off", decode_cache_mb=0.25)  # 85 frames of 32x32
+    stream, source = dm.train_dataloader().stream, dm.train_sets[0]
+    order = EpochOrder(stream.layouts, stream.config, epoch=0)
+    held = deque()
+    stream._hold_frames(order, range(9), held)  # nothing decoded yet: nothing kept is held
+    assert len(held) == 9 and source.room_to_hold()
+    source.prepare([row for rows in held for row in rows[0]])  # decode the window's frames: held ones stay
+    bound = HELD_SHARE * source.cache_bytes
+    assert source._caches()[1].held_cost >= bound and not source.room_to_hold()
+    stream._hold_frames(order, range(9, 11), held)  # no room: the window stops short
+    assert len(held) == 9
+    current = deque()
+    stream._hold_frames(order, range(20, 22), current)  # a window's first batch is held even without room
+    assert len(current) == 1
+    stream._release_frames(current.popleft())
+    left = 0
+    while not source.room_to_hold():  # batches built and let go
+        stream._release_frames(held.popleft())
+        left += 1
+    assert source._caches()[1].held_cost < bound and 0 < left < 9
+    stream._hold_frames(order, range(9, 10), held)
+    assert len(held) == 10 - left
 
 
 def test_frames_are_resized_in_the_decoder_when_the_loader_asks_for_smaller_images(datasets):
