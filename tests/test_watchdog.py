@@ -69,10 +69,13 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
     assert "hang: rank 0 made no progress" in output[0] or "hang: rank 0 lost a peer in a collective" in output[0]
 
     # Stacks of every thread of both ranks: rank 1 sleeps in its training step; rank 0 waits in the
-    # collective that averages the step's loss over the ranks.
+    # collective that averages the step's loss over the ranks. Both time out within a poll of each
+    # other, so rank 1 may exit first: rank 0's collective then fails, and its dump (a poll later)
+    # finds its main thread unwinding through Lightning's error handling instead.
     stacks = [(run_dir / "hang" / f"stacks_rank{rank}.txt").read_text() for rank in range(2)]
     assert "in training_step" in stacks[1] and "faults.py" in stacks[1] and "distributed_c10d.py" not in stacks[1]
-    assert "in training_step" in stacks[0] and "distributed_c10d.py" in stacks[0]
+    in_collective = "in training_step" in stacks[0] and "distributed_c10d.py" in stacks[0]
+    assert in_collective or (exited_at[1] <= exited_at[0] and "_call_and_handle_interrupt" in stacks[0]), stacks[0][-4000:]
     assert all(s.count("Thread 0x") + s.count("Current thread 0x") >= 2 for s in stacks)  # every thread, not one
     # The flight recorders: rank 0 issued the all-reduce of the hung step, rank 1 never did.
     seq = []
