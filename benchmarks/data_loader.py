@@ -164,7 +164,7 @@ def measure_loader(root: str | None, workers_list: list[int], windows: list[rang
 
     reference = datamodule(0)
     if windows[-1].stop > len(reference.train_dataloader()):
-        raise SystemExit(f"the batches measured run to {windows[-1].stop}, past the epoch's {len(reference.train_dataloader())}: use fewer --batches or --warmup-batches, or more --episodes")
+        raise SystemExit(f"the batches measured run to {windows[-1].stop}, past the epoch's {len(reference.train_dataloader())}: use fewer --batches (or --warmup-batches), or a dataset with more episodes")
     frames = [frames_of_batches(reference, window) for window in windows]
     rates: list[dict[str, list[float]]] = [{"raw": []} | {str(w): [] for w in workers_list} for _ in windows]
     for _ in range(rounds):
@@ -264,6 +264,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--recipe-steps", type=int, default=None, help="0 skips the recipe measurement (default 300; realistic: 6)")
     args = parser.parse_args()
+    for name in ("batches", "warmup_batches"):  # each window times at least one batch after the first
+        if getattr(args, name) < 2:
+            parser.error(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
     torch.set_num_threads(1)  # the loader's collation in the main process (0 workers) runs single-threaded, as in workers
     if args.preset == "realistic":
         args.workers = args.workers or [1, 2]

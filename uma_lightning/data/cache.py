@@ -103,4 +103,3 @@ class LRU(Generic[Value]):
         self.total -= cost
         if self._on_evict is not None:
             self._on_evict(value)
-
