@@ -32,15 +32,21 @@ from pathlib import Path
 import lightning as L
 import torch
 import yaml
-
 from harness import median, print_table
+
 from uma_lightning.cli import UmaCLI
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "pretrain.yaml")
 WARMUP_STEPS = 2
-PER_BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_zero_grad",
-                   "on_before_optimizer_step", "on_train_batch_end")
+PER_BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_zero_grad",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
 STEP_ENDS: list[float] = []
 HOOK_SECONDS: list[float] = []  # callbacks' own time, summed per batch
 
@@ -85,8 +91,12 @@ def all_callbacks(profiled_step: int) -> list[dict]:
     callbacks = [c for c in callbacks if not c["class_path"].endswith(("ShardedCheckpoint", "Preemption"))]
     for callback in callbacks:
         if callback["class_path"].endswith("ProfilerTraces"):
-            callback["init_args"] = {**callback.get("init_args", {}), "skip_first": profiled_step - 1, "warmup": 1,
-                                     "active": 1}
+            callback["init_args"] = {
+                **callback.get("init_args", {}),
+                "skip_first": profiled_step - 1,
+                "warmup": 1,
+                "active": 1,
+            }
     return callbacks
 
 
@@ -96,19 +106,29 @@ def step_times(callbacks: list[dict], steps: int, batch_size: int, workdir: Path
     HOOK_SECONDS.clear()
     UmaCLI(
         [
-            "fit", "--config", RECIPE,
-            "--model.network.size", "small",
-            "--data.batch_size", str(batch_size),
-            "--trainer.max_steps", str(steps),
-            "--trainer.limit_val_batches", "0",
-            "--trainer.enable_checkpointing", "false",
-            "--trainer.default_root_dir", str(workdir / "run"),
-            "--trainer.logger.init_args.store_dir", str(workdir / "mlruns"),
+            "fit",
+            "--config",
+            RECIPE,
+            "--model.network.size",
+            "small",
+            "--data.batch_size",
+            str(batch_size),
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.default_root_dir",
+            str(workdir / "run"),
+            "--trainer.logger.init_args.store_dir",
+            str(workdir / "mlruns"),
             # StepTimer first: it opens each batch's hook account before the others run.
-            "--trainer.callbacks", json.dumps([{"class_path": "__main__.StepTimer"}] + callbacks),
+            "--trainer.callbacks",
+            json.dumps([{"class_path": "__main__.StepTimer"}] + callbacks),
         ]
     )
-    return [b - a for a, b in zip(STEP_ENDS, STEP_ENDS[1:])][WARMUP_STEPS - 1:], HOOK_SECONDS[WARMUP_STEPS:]
+    return [b - a for a, b in zip(STEP_ENDS, STEP_ENDS[1:])][WARMUP_STEPS - 1 :], HOOK_SECONDS[WARMUP_STEPS:]
 
 
 def main() -> None:
@@ -137,9 +157,11 @@ def main() -> None:
         rows,
     )
     print(f"ratio of means (the profiled step included): {statistics.mean(on_all) / statistics.mean(off_all):.4f}")
-    print(f"callbacks' own hooks: median {median(hooks_all) * 1e3:.1f} ms per step = "
-          f"{100 * median(hooks_all) / median(on_all):.2f}% of the median step with callbacks on "
-          f"(max {max(hooks_all) * 1e3:.0f} ms)")
+    print(
+        f"callbacks' own hooks: median {median(hooks_all) * 1e3:.1f} ms per step = "
+        f"{100 * median(hooks_all) / median(on_all):.2f}% of the median step with callbacks on "
+        f"(max {max(hooks_all) * 1e3:.0f} ms)"
+    )
     print("callbacks on: " + ", ".join(c["class_path"].rsplit(".", 1)[1] for c in on_callbacks))
 
 

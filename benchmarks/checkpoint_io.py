@@ -35,7 +35,15 @@ from uma_lightning.data.spec import DataSpec  # noqa: E402
 from uma_lightning.modules import NetworkConfig, PretrainModule  # noqa: E402
 
 # The embedded planar-arm data's shapes.
-SPEC = DataSpec(cameras=("observation.images.top",), image_size=(64, 64), state_dim=5, action_dim=3, n_obs_steps=1, action_horizon=8, fps=10.0)
+SPEC = DataSpec(
+    cameras=("observation.images.top",),
+    image_size=(64, 64),
+    state_dim=5,
+    action_dim=3,
+    n_obs_steps=1,
+    action_horizon=8,
+    fps=10.0,
+)
 
 
 def small_model() -> tuple[PretrainModule, torch.optim.Optimizer, dict]:
@@ -90,14 +98,26 @@ def run(root: Path, repeats: int) -> None:
     state, tensors = encode_parts(model_and_optimizer(module, [optimizer]))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     n_parameters = sum(p.numel() for p in module.parameters())
-    print(f"small model: {n_parameters / 1e6:.1f} M parameters, {nbytes / 1e9:.2f} GB of model and optimizer state; "
-          f"{torch.get_num_threads()} threads, writing to {root}")
+    print(
+        f"small model: {n_parameters / 1e6:.1f} M parameters, {nbytes / 1e9:.2f} GB of model and optimizer state; "
+        f"{torch.get_num_threads()} threads, writing to {root}"
+    )
     sync_writer = CheckpointWriter(root / "sync", 1, None, async_save=False, process_group=None)
     async_writer = CheckpointWriter(root / "async", 1, None, async_save=True, process_group=None)
     summary = {"epoch": 0, "world_size": 1}
-    times: dict[str, list[float]] = {name: [] for name in
-                                     ("raw write", "sync save", "async blocked, no overlap", "async blocked, overlapping",
-                                      "async until committed", "forward+backward", "forward+backward with staging", "load")}
+    times: dict[str, list[float]] = {
+        name: []
+        for name in (
+            "raw write",
+            "sync save",
+            "async blocked, no overlap",
+            "async blocked, overlapping",
+            "async until committed",
+            "forward+backward",
+            "forward+backward with staging",
+            "load",
+        )
+    }
     # Warm-up, untimed: the first async save allocates the host-memory copy that later saves reuse.
     async_writer.save(0, state, tensors, summary)
     async_writer.wait()
@@ -139,7 +159,11 @@ def run(root: Path, repeats: int) -> None:
         started = time.perf_counter()
         load_module(module, root / "sync" / step_dirname(step - 2), [optimizer])
         times["load"].append(time.perf_counter() - started)
-        print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(f"{name} {values[-1]:.2f} s" for name, values in times.items()), flush=True)
+        print(
+            f"repeat {repeat + 1}/{repeats}: "
+            + ", ".join(f"{name} {values[-1]:.2f} s" for name, values in times.items()),
+            flush=True,
+        )
     sync_writer.close()
     async_writer.close()
 
@@ -148,18 +172,29 @@ def run(root: Path, repeats: int) -> None:
     print_table(
         f"checkpoint I/O, medians of {repeats}",
         ["measurement", "seconds", "GB/s", "vs sync save", "vs raw write"],
-        [[name, med[name], gb / med[name] if name in ("raw write", "sync save", "async until committed", "load") else "",
-          med[name] / med["sync save"], med["raw write"] / med[name] if name in ("sync save", "async until committed", "load") else ""]
-         for name in times],
+        [
+            [
+                name,
+                med[name],
+                gb / med[name] if name in ("raw write", "sync save", "async until committed", "load") else "",
+                med[name] / med["sync save"],
+                med["raw write"] / med[name] if name in ("sync save", "async until committed", "load") else "",
+            ]
+            for name in times
+        ],
     )
     extra = med["forward+backward with staging"] - med["forward+backward"] + med["async blocked, overlapping"]
-    print(f"\ntraining blocked by an async save: {med['async blocked, no overlap'] / med['sync save']:.1%} of a synchronous save "
-          f"when the optimizer step follows at once, {med['async blocked, overlapping'] / med['sync save']:.1%} when the copy "
-          f"overlaps a forward and backward pass (goal <= 10%). That pass took {med['forward+backward with staging'] / med['forward+backward']:.2f}x "
-          f"as long, because the background copy and write share these {torch.get_num_threads()} cores: {extra / med['sync save']:.1%} "
-          f"of a synchronous save in all")
-    print(f"save throughput {gb / med['sync save']:.2f} GB/s = {med['raw write'] / med['sync save']:.2f}x raw sequential write "
-          f"({gb / med['raw write']:.2f} GB/s); load {gb / med['load']:.2f} GB/s = {med['raw write'] / med['load']:.2f}x raw write")
+    print(
+        f"\ntraining blocked by an async save: {med['async blocked, no overlap'] / med['sync save']:.1%} of a synchronous save "
+        f"when the optimizer step follows at once, {med['async blocked, overlapping'] / med['sync save']:.1%} when the copy "
+        f"overlaps a forward and backward pass (goal <= 10%). That pass took {med['forward+backward with staging'] / med['forward+backward']:.2f}x "
+        f"as long, because the background copy and write share these {torch.get_num_threads()} cores: {extra / med['sync save']:.1%} "
+        f"of a synchronous save in all"
+    )
+    print(
+        f"save throughput {gb / med['sync save']:.2f} GB/s = {med['raw write'] / med['sync save']:.2f}x raw sequential write "
+        f"({gb / med['raw write']:.2f} GB/s); load {gb / med['load']:.2f} GB/s = {med['raw write'] / med['load']:.2f}x raw write"
+    )
 
 
 if __name__ == "__main__":

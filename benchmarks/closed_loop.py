@@ -44,9 +44,19 @@ REPO = Path(__file__).resolve().parents[1]
 def train(stage: str, workdir: Path, steps: int, init_from: Path | None, extra: list[str]) -> Path:
     run_dir = workdir / stage
     command = [
-        str(Path(sys.executable).parent / "uma"), "fit", "--config", str(REPO / "recipes" / f"{stage}.yaml"),
-        "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(run_dir), "--trainer.logger", "false",
-        "--trainer.val_check_interval", str(max(steps // 4, 1)), *extra,
+        str(Path(sys.executable).parent / "uma"),
+        "fit",
+        "--config",
+        str(REPO / "recipes" / f"{stage}.yaml"),
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.default_root_dir",
+        str(run_dir),
+        "--trainer.logger",
+        "false",
+        "--trainer.val_check_interval",
+        str(max(steps // 4, 1)),
+        *extra,
     ]
     if init_from is not None:
         command += ["--model.init_from", str(init_from)]
@@ -76,15 +86,22 @@ def input_sensitivity(policy: Policy, n_scenes: int, seed: int) -> dict[str, flo
     steps = policy.spec.n_obs_steps
 
     def observation(obs: dict, image: np.ndarray, instruction: str) -> dict:
-        return {"images": np.stack([image] * steps)[None, :, None], "state": np.stack([obs["state"]] * steps)[None],
-                "instruction": [instruction]}
+        return {
+            "images": np.stack([image] * steps)[None, :, None],
+            "state": np.stack([obs["state"]] * steps)[None],
+            "instruction": [instruction],
+        }
 
     def joint_actions(obs: dict, noise_seed: int = 0) -> np.ndarray:
         torch.manual_seed(noise_seed)
         return policy(obs).numpy()[0, :4, :2]
 
-    changes: dict[str, list[float]] = {"camera frame of another scene": [], "another target named": [],
-                                       "another sampling-noise seed": [], "expert, another target named": []}
+    changes: dict[str, list[float]] = {
+        "camera frame of another scene": [],
+        "another target named": [],
+        "another sampling-noise seed": [],
+        "expert, another target named": [],
+    }
     for index in range(n_scenes):
         env, other_env = PlanarArmEnv(), PlanarArmEnv()
         obs, _ = env.reset(seed=evaluation_seed(index, seed))
@@ -95,13 +112,17 @@ def input_sensitivity(policy: Policy, n_scenes: int, seed: int) -> dict[str, flo
         variants = {
             "camera frame of another scene": joint_actions(observation(obs, other_obs["image"], obs["instruction"])),
             "another target named": joint_actions(observation(obs, obs["image"], named_other)),
-            "another sampling-noise seed": joint_actions(observation(obs, obs["image"], obs["instruction"]), noise_seed=1),
+            "another sampling-noise seed": joint_actions(
+                observation(obs, obs["image"], obs["instruction"]), noise_seed=1
+            ),
         }
         for name, actions in variants.items():
             changes[name].append(float(np.abs(actions - base).mean()))
         expert = env.expert_action(noise_std=0.0)[:2]
         env.goal = other_target
-        changes["expert, another target named"].append(float(np.abs(env.expert_action(noise_std=0.0)[:2] - expert).mean()))
+        changes["expert, another target named"].append(
+            float(np.abs(env.expert_action(noise_std=0.0)[:2] - expert).mean())
+        )
     return {name: float(np.mean(values)) for name, values in changes.items()}
 
 
@@ -124,31 +145,68 @@ def main() -> None:
     parser.add_argument("--pretrain", type=Path, help="use this pretraining checkpoint instead of training")
     parser.add_argument("--midtrain", type=Path, help="use this mid-training checkpoint instead of training")
     parser.add_argument("--posttrain", type=Path, help="use this post-training checkpoint instead of training")
-    parser.add_argument("--config", action="append", default=[], type=Path, help="a config fragment added to every stage, e.g. configs/vision/grounded.yaml")
-    parser.add_argument("--stage-args", default="", help="more uma fit arguments for every stage, e.g. \"--model.vision '{tokenizer: keypoints}'\"")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        type=Path,
+        help="a config fragment added to every stage, e.g. configs/vision/grounded.yaml",
+    )
+    parser.add_argument(
+        "--stage-args",
+        default="",
+        help="more uma fit arguments for every stage, e.g. \"--model.vision '{tokenizer: keypoints}'\"",
+    )
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-    extra = [arg for fragment in args.config for arg in ("--config", str(fragment.resolve()))] + shlex.split(args.stage_args)
+    extra = [arg for fragment in args.config for arg in ("--config", str(fragment.resolve()))] + shlex.split(
+        args.stage_args
+    )
     pretrain = args.pretrain or train("pretrain", workdir, args.pretrain_steps, None, extra)
     midtrain = args.midtrain or train("midtrain", workdir, args.midtrain_steps, pretrain, extra)
     posttrain = args.posttrain or train("posttrain", workdir, args.posttrain_steps, midtrain, extra)
 
     rows, sensitivity = [], {}
-    candidates = [("post-trained (flow matching, EMA)", posttrain), ("mid-trained (action tokens)", midtrain), ("pre-trained (action tokens)", pretrain)]
+    candidates = [
+        ("post-trained (flow matching, EMA)", posttrain),
+        ("mid-trained (action tokens)", midtrain),
+        ("pre-trained (action tokens)", pretrain),
+    ]
     for name, checkpoint in candidates:
         policy = Policy.from_checkpoint(str(checkpoint))
         execute = max(policy.spec.action_horizon // 2, 1)
         torch.manual_seed(args.seed)
         started = time.monotonic()
-        results = run_episodes(lambda obs: policy(obs).numpy(), list(range(args.episodes)), policy.spec.n_obs_steps, execute, seed=args.seed)
+        results = run_episodes(
+            lambda obs: policy(obs).numpy(),
+            list(range(args.episodes)),
+            policy.spec.n_obs_steps,
+            execute,
+            seed=args.seed,
+        )
         outcomes = [(r.success, r.goal_distance) for r in results]
-        rows.append((name, outcomes, f"{policy.spec.action_horizon}-step chunks, {execute} executed, {time.monotonic() - started:.0f}s"))
+        rows.append(
+            (
+                name,
+                outcomes,
+                f"{policy.spec.action_horizon}-step chunks, {execute} executed, {time.monotonic() - started:.0f}s",
+            )
+        )
         sensitivity[name] = input_sensitivity(policy, args.sensitivity_scenes, args.seed)
     random_act = random_policy(16, 3, seed=args.seed)
-    rows.append(("random actions", [(r.success, r.goal_distance) for r in run_episodes(random_act, list(range(args.episodes)), 1, 8, seed=args.seed)], "uniform in [-1, 1]"))
+    rows.append(
+        (
+            "random actions",
+            [
+                (r.success, r.goal_distance)
+                for r in run_episodes(random_act, list(range(args.episodes)), 1, 8, seed=args.seed)
+            ],
+            "uniform in [-1, 1]",
+        )
+    )
     rows.append(("scripted expert", expert_policy(args.episodes, args.seed), "acts from the true target position"))
 
     table = []
@@ -156,7 +214,16 @@ def main() -> None:
         successes = sum(ok for ok, _ in outcomes)
         low, high = wilson(successes, len(outcomes))
         distance = float(np.mean([d for _, d in outcomes]))
-        table.append([name, f"{successes}/{len(outcomes)}", f"{100 * successes / len(outcomes):.1f}%", f"{100 * low:.1f}-{100 * high:.1f}%", f"{distance:.3f}", note])
+        table.append(
+            [
+                name,
+                f"{successes}/{len(outcomes)}",
+                f"{100 * successes / len(outcomes):.1f}%",
+                f"{100 * low:.1f}-{100 * high:.1f}%",
+                f"{distance:.3f}",
+                note,
+            ]
+        )
     print_table(
         f"closed-loop success on {args.episodes} held-out planar-arm scenes (seed {args.seed})",
         ["policy", "successes", "rate", "95% interval", "final distance", "notes"],

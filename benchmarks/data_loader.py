@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from harness import median, print_table
+
 from uma_lightning.data import LeRobotMetadata, RobotDataModule, VideoReader
 from uma_lightning.data.frame_store import build_store, default_store_dir, open_store
 from uma_lightning.data.generate import RealisticPreset, default_cache_dir, ensure_realistic
@@ -103,7 +103,9 @@ def store_and_memcpy_seconds(dm: RobotDataModule, n_batches: int) -> tuple[float
             for camera in source.metadata.cameras:
                 relative, start = source.metadata.episodes[episode].videos[camera]
                 reads.append((relative, start + steps))
-    nbytes = sum(store.frames(relative, times, 1e-4).nbytes for relative, times in reads)  # warms the page cache: both sides then read memory
+    nbytes = sum(
+        store.frames(relative, times, 1e-4).nbytes for relative, times in reads
+    )  # warms the page cache: both sides then read memory
     # The same frames in plain (anonymous) memory, each file's in time order, copied in the same
     # pieces and order as the store is read: only the store's own costs differ.
     needed: dict[str, set[float]] = {}
@@ -147,12 +149,16 @@ def recipe_wait_fraction(steps: int, overrides: tuple[str, ...] = ()) -> tuple[f
         "wait = next(c for c in cli.trainer.callbacks if isinstance(c, StepTimeBreakdown))\n"
         "print('DATA_WAIT', wait.total_data_wait, wait.total_step)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script, RECIPE, str(steps), *overrides], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script, RECIPE, str(steps), *overrides], capture_output=True, text=True, check=True
+    )
     waited, total = (float(v) for v in done.stdout.split("DATA_WAIT")[-1].split())
     return waited / total, waited, total
 
 
-def measure_loader(root: str | None, workers_list: list[int], windows: list[range], rounds: int, **settings) -> list[dict[str, float]]:
+def measure_loader(
+    root: str | None, workers_list: list[int], windows: list[range], rounds: int, **settings
+) -> list[dict[str, float]]:
     """Per window of batches: median frames/s of the raw decoder and of the loader per worker count,
     over `rounds` alternating rounds."""
 
@@ -164,7 +170,9 @@ def measure_loader(root: str | None, workers_list: list[int], windows: list[rang
 
     reference = datamodule(0)
     if windows[-1].stop > len(reference.train_dataloader()):
-        raise SystemExit(f"the batches measured run to {windows[-1].stop}, past the epoch's {len(reference.train_dataloader())}: use fewer --batches (or --warmup-batches), or a dataset with more episodes")
+        raise SystemExit(
+            f"the batches measured run to {windows[-1].stop}, past the epoch's {len(reference.train_dataloader())}: use fewer --batches (or --warmup-batches), or a dataset with more episodes"
+        )
     frames = [frames_of_batches(reference, window) for window in windows]
     rates: list[dict[str, list[float]]] = [{"raw": []} | {str(w): [] for w in workers_list} for _ in windows]
     for _ in range(rounds):
@@ -179,13 +187,17 @@ def measure_loader(root: str | None, workers_list: list[int], windows: list[rang
 def realistic(args: argparse.Namespace) -> None:
     results: dict[str, float] = {}
     rows, ratios = [], []
-    settings = dict(batch_size=args.batch_size, n_obs_steps=2, val_episodes=0, order={"partitions": 2, "shuffle_buffer": 256})
+    settings = dict(
+        batch_size=args.batch_size, n_obs_steps=2, val_episodes=0, order={"partitions": 2, "shuffle_buffer": 256}
+    )
     roots = {}
     for gop in args.gops:
         for codec in args.codecs:
             start = time.perf_counter()
             roots[codec, gop] = str(ensure_realistic(RealisticPreset(n_episodes=args.episodes, codec=codec, gop=gop)))
-            print(f"dataset {codec} GOP {gop}: {roots[codec, gop]} ({time.perf_counter() - start:.1f}s to generate or find)")
+            print(
+                f"dataset {codec} GOP {gop}: {roots[codec, gop]} ({time.perf_counter() - start:.1f}s to generate or find)"
+            )
     # A worker's first batches fill its decoded-frame cache (first touches of every page of it), once
     # in its life: timed apart from the steady state that the rest of a run sees.
     warmup, steady = range(1, args.warmup_batches), range(args.warmup_batches, args.warmup_batches + args.batches)
@@ -195,7 +207,9 @@ def realistic(args: argparse.Namespace) -> None:
         for workers in args.workers:
             per_worker = rates[str(workers)] / (max(1, workers) * rates["raw"])
             first_per_worker = first[str(workers)] / (max(1, workers) * first["raw"])
-            rows.append([f"{codec} GOP {gop}", workers, rates["raw"], rates[str(workers)], per_worker, first_per_worker])
+            rows.append(
+                [f"{codec} GOP {gop}", workers, rates["raw"], rates[str(workers)], per_worker, first_per_worker]
+            )
             if gop == 2:
                 ratios.append(per_worker)
                 warmup_ratios.append(first_per_worker)
@@ -223,17 +237,40 @@ def realistic(args: argparse.Namespace) -> None:
     store_loader = len(frames_of_batches(dm, timed)) / loader_seconds(dm, [timed])[0]
     print_table(
         f"frame store, the same frames ({nbytes / 2**20:.0f} MiB)",
-        ["store frames/s", "memcpy of the same bytes, frames/s", "store / memcpy", "loader on the store, 0 workers, frames/s"],
-        [[nbytes / store_s / meta.image_size[0] / meta.image_size[1] / 3, nbytes / memcpy_s / meta.image_size[0] / meta.image_size[1] / 3, results["store_vs_memcpy"], store_loader]],
+        [
+            "store frames/s",
+            "memcpy of the same bytes, frames/s",
+            "store / memcpy",
+            "loader on the store, 0 workers, frames/s",
+        ],
+        [
+            [
+                nbytes / store_s / meta.image_size[0] / meta.image_size[1] / 3,
+                nbytes / memcpy_s / meta.image_size[0] / meta.image_size[1] / 3,
+                results["store_vs_memcpy"],
+                store_loader,
+            ]
+        ],
     )
     if args.recipe_steps:
         # ViT-B/32's patches: at the recipe's 8-pixel patches, 6 frames of 224x224 make 4.7k tokens.
         overrides = (
-            "--model.init_args.network.size", "small", "--model.init_args.network.vision.patch_size", "32",
-            "--data.init_args.root", root,
-            "--data.init_args.batch_size", str(args.recipe_batch_size), "--data.init_args.loader.num_workers", str(max(args.workers)),
-            "--model.init_args.optimizer.warmup_steps", "1", "--trainer.val_check_interval", str(args.recipe_steps + 1),
-            "--trainer.limit_val_batches", "0",
+            "--model.init_args.network.size",
+            "small",
+            "--model.init_args.network.vision.patch_size",
+            "32",
+            "--data.init_args.root",
+            root,
+            "--data.init_args.batch_size",
+            str(args.recipe_batch_size),
+            "--data.init_args.loader.num_workers",
+            str(max(args.workers)),
+            "--model.init_args.optimizer.warmup_steps",
+            "1",
+            "--trainer.val_check_interval",
+            str(args.recipe_steps + 1),
+            "--trainer.limit_val_batches",
+            "0",
         )
         fraction, waited, total = recipe_wait_fraction(args.recipe_steps, overrides)
         results["data_wait_fraction"] = fraction
@@ -251,23 +288,47 @@ def realistic(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=None, help="LeRobot dataset; default: the embedded planar-arm dataset")
-    parser.add_argument("--preset", choices=("realistic",), default=None, help="the realistic datasets (see above) instead of --root")
-    parser.add_argument("--episodes", type=int, default=RealisticPreset.n_episodes, help="--preset realistic: episodes of each dataset")
-    parser.add_argument("--gops", type=int, nargs="+", default=[2], help="--preset realistic: GOPs to measure (the ratio's goal is on GOP 2)")
-    parser.add_argument("--codecs", nargs="+", choices=("av1", "h264"), default=["av1", "h264"], help="--preset realistic: codecs to measure")
+    parser.add_argument(
+        "--preset", choices=("realistic",), default=None, help="the realistic datasets (see above) instead of --root"
+    )
+    parser.add_argument(
+        "--episodes", type=int, default=RealisticPreset.n_episodes, help="--preset realistic: episodes of each dataset"
+    )
+    parser.add_argument(
+        "--gops",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="--preset realistic: GOPs to measure (the ratio's goal is on GOP 2)",
+    )
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        choices=("av1", "h264"),
+        default=["av1", "h264"],
+        help="--preset realistic: codecs to measure",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="--preset realistic: samples per batch")
-    parser.add_argument("--recipe-batch-size", type=int, default=8, help="--preset realistic: samples per batch of the uma fit run")
+    parser.add_argument(
+        "--recipe-batch-size", type=int, default=8, help="--preset realistic: samples per batch of the uma fit run"
+    )
     parser.add_argument("--json", default=None, help="--preset realistic: write the ratios to this file")
     parser.add_argument("--batches", type=int, default=60, help="batches timed")
-    parser.add_argument("--warmup-batches", type=int, default=40, help="--preset realistic: batches before the timed ones (timed apart)")
+    parser.add_argument(
+        "--warmup-batches", type=int, default=40, help="--preset realistic: batches before the timed ones (timed apart)"
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=None, help="default: 0 1 2 (realistic: 1 2)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--recipe-steps", type=int, default=None, help="0 skips the recipe measurement (default 300; realistic: 6)")
+    parser.add_argument(
+        "--recipe-steps", type=int, default=None, help="0 skips the recipe measurement (default 300; realistic: 6)"
+    )
     args = parser.parse_args()
     for name in ("batches", "warmup_batches"):  # each window times at least one batch after the first
         if getattr(args, name) < 2:
             parser.error(f"--{name.replace('_', '-')} must be at least 2, got {getattr(args, name)}")
-    torch.set_num_threads(1)  # the loader's collation in the main process (0 workers) runs single-threaded, as in workers
+    torch.set_num_threads(
+        1
+    )  # the loader's collation in the main process (0 workers) runs single-threaded, as in workers
     if args.preset == "realistic":
         args.workers = args.workers or [1, 2]
         args.recipe_steps = 6 if args.recipe_steps is None else args.recipe_steps
@@ -275,12 +336,15 @@ def main() -> None:
         return
     args.workers = args.workers or [0, 1, 2]
     args.recipe_steps = 300 if args.recipe_steps is None else args.recipe_steps
-    (rates,) = measure_loader(args.root, args.workers, [range(1, args.batches)], args.rounds)  # the first batch starts the workers
+    (rates,) = measure_loader(
+        args.root, args.workers, [range(1, args.batches)], args.rounds
+    )  # the first batch starts the workers
     raw_rate = rates.pop("raw")
     print_table(
         f"decoded frames/s, the frames of training batches 1-{args.batches - 1}, median of {args.rounds} rounds",
         ["variant", "frames/s", "vs raw decoder"],
-        [["raw decoder, 1 process", raw_rate, 1.0]] + [[f"loader, {w} workers", rate, rate / raw_rate] for w, rate in rates.items()],
+        [["raw decoder, 1 process", raw_rate, 1.0]]
+        + [[f"loader, {w} workers", rate, rate / raw_rate] for w, rate in rates.items()],
     )
     if args.recipe_steps:
         fraction, waited, total = recipe_wait_fraction(args.recipe_steps)

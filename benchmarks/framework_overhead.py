@@ -20,8 +20,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-
 from harness import median, print_table
+
 from uma_lightning.cli import UmaCLI
 from uma_lightning.data import RobotDataModule
 from uma_lightning.modules import OptimizerConfig, PretrainModule
@@ -39,10 +39,15 @@ def uma_fit_step_times(steps: int, workdir: Path) -> list[float]:
     STEP_ENDS.clear()
     UmaCLI(
         [
-            "fit", "--config", RECIPE,
-            "--trainer.max_steps", str(steps),
-            "--trainer.default_root_dir", str(workdir / "run"),
-            "--trainer.logger.init_args.store_dir", str(workdir / "mlruns"),
+            "fit",
+            "--config",
+            RECIPE,
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.default_root_dir",
+            str(workdir / "run"),
+            "--trainer.logger.init_args.store_dir",
+            str(workdir / "mlruns"),
             "--trainer.callbacks+=__main__.StepTimer",
         ]
     )
@@ -62,7 +67,9 @@ def plain_loop_step_times(steps: int) -> list[float]:
     cfg = module.optimizer_config
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
     )
 
     def factor(step: int) -> float:

@@ -68,7 +68,18 @@ def main() -> None:
         results = {variant: [] for variant in VARIANTS}
         for repeat in range(args.repeats):
             for variant in VARIANTS:
-                command = [sys.executable, __file__, "--child", variant, "--rows", str(args.rows), "--dim", str(args.dim), "--vocab", str(vocab)]
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    variant,
+                    "--rows",
+                    str(args.rows),
+                    "--dim",
+                    str(args.dim),
+                    "--vocab",
+                    str(vocab),
+                ]
                 out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
                 results[variant].append(json.loads(out.strip().splitlines()[-1]))
                 print(f"vocab {vocab}, repeat {repeat + 1}/{args.repeats}: {variant} done", file=sys.stderr)
@@ -78,10 +89,30 @@ def main() -> None:
         peak = {variant: median([r["peak_mb"] for r in results[variant]]) for variant in VARIANTS}
         secs = {variant: median([r["seconds"] for r in results[variant]]) for variant in VARIANTS}
         logits_mb = args.rows * vocab * 4 / 2**20
-        rows.append([vocab, logits_mb, peak["unfused"], peak["fused"], peak["unfused"] / peak["fused"], secs["unfused"], secs["fused"], secs["fused"] / secs["unfused"]])
+        rows.append(
+            [
+                vocab,
+                logits_mb,
+                peak["unfused"],
+                peak["fused"],
+                peak["unfused"] / peak["fused"],
+                secs["unfused"],
+                secs["fused"],
+                secs["fused"] / secs["unfused"],
+            ]
+        )
     print_table(
         f"linear + cross-entropy forward+backward, N={args.rows} D={args.dim} float32, medians of {args.repeats} (peak = resident MB above the inputs)",
-        ["vocab", "fp32 logits MB", "unfused peak MB", "fused peak MB", "memory ratio", "unfused s", "fused s", "time ratio"],
+        [
+            "vocab",
+            "fp32 logits MB",
+            "unfused peak MB",
+            "fused peak MB",
+            "memory ratio",
+            "unfused s",
+            "fused s",
+            "time ratio",
+        ],
         rows,
     )
 

@@ -28,8 +28,14 @@ from uma_lightning.tracking.server import start_mlflow_server
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 RUNS = {  # run directory -> command-line overrides of recipes/pretrain.yaml
     "lr_default": ["--trainer.max_steps", "40", "--trainer.val_check_interval", "20"],
@@ -73,8 +79,14 @@ def train(out: Path, store: str) -> None:
         (out / run_dir).mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         with open(out / run_dir / "uma.log", "w") as log:
-            subprocess.run([uma, "fit", "--config", str(REPO / "recipes/pretrain.yaml"), *overrides], cwd=out / run_dir,
-                           env={**os.environ, "MLFLOW_TRACKING_URI": store}, stdout=log, stderr=subprocess.STDOUT, check=True)
+            subprocess.run(
+                [uma, "fit", "--config", str(REPO / "recipes/pretrain.yaml"), *overrides],
+                cwd=out / run_dir,
+                env={**os.environ, "MLFLOW_TRACKING_URI": store},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=True,
+            )
         print(f"{run_dir}: uma fit {' '.join(overrides)} ({time.monotonic() - start:.0f} s)")
 
 
@@ -110,7 +122,12 @@ def main() -> None:
         script.write_text(SHOTS_JS)
         env = {**os.environ, **({"NODE_PATH": str(args.node_modules)} if args.node_modules else {})}
         ids = json.dumps([run.info.run_id for run in runs])
-        subprocess.run(["node", str(script), url, experiment, ids, str(out), json.dumps(CHROMIUM_FLAGS)], env=env, check=True, timeout=300)
+        subprocess.run(
+            ["node", str(script), url, experiment, ids, str(out), json.dumps(CHROMIUM_FLAGS)],
+            env=env,
+            check=True,
+            timeout=300,
+        )
     finally:
         server.terminate()
         server.wait(timeout=30)

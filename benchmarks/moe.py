@@ -33,7 +33,9 @@ from lightning.pytorch import Callback  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def layer_speed(tokens: int, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, repeats: int) -> list[list[object]]:
+def layer_speed(
+    tokens: int, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, repeats: int
+) -> list[list[object]]:
     import torch
 
     from uma_lightning.kernels import KernelConfig
@@ -57,7 +59,11 @@ def layer_speed(tokens: int, dim: int, hidden: int, n_experts: int, top_k: int, 
         moe.experts.kernels = KernelConfig(experts=backend)
         step(moe)
 
-    variants = {"moe grouped": lambda: with_experts("grouped"), "moe loop": lambda: with_experts("loop"), "dense, same active": lambda: step(dense)}
+    variants = {
+        "moe grouped": lambda: with_experts("grouped"),
+        "moe loop": lambda: with_experts("loop"),
+        "dense, same active": lambda: step(dense),
+    }
     times = {name: [] for name in variants}
     for _ in range(repeats):  # alternate, so drift in the machine's load hits every variant alike
         for name, fn in variants.items():
@@ -82,7 +88,10 @@ class ImbalanceRecorder(Callback):
         self.per_step.append(sum(ratios) / len(ratios))
         if len(self.per_step) % 25 == 0:  # a long run on a busy machine: say how far it is
             last = self.per_step[-50:]
-            print(f"step {len(self.per_step)}: mean imbalance over the last {len(last)} steps {sum(last) / len(last):.3f}", flush=True)
+            print(
+                f"step {len(self.per_step)}: mean imbalance over the last {len(last)} steps {sum(last) / len(last):.3f}",
+                flush=True,
+            )
 
 
 def tiny_moe_preset() -> dict:
@@ -146,7 +155,9 @@ def expert_parallel_rank(out: str, tokens: int, repeats: int) -> None:
     seq = 128
     model = Transformer(load_size("tiny_moe"), max_seq_len=seq)
     apply_expert_parallel(model, mesh["ep"])
-    x = torch.randn(tokens // seq, seq, load_size("tiny_moe").dim, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(
+        tokens // seq, seq, load_size("tiny_moe").dim, generator=torch.Generator().manual_seed(dist.get_rank())
+    )
 
     exchange = [0.0]
     all_to_all = dist.all_to_all_single
@@ -189,7 +200,9 @@ def expert_parallel_share(tokens: int, repeats: int, world_size: int = 2) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("layer", "balance", "both", "ep"), default="both", help="both: layer and balance")
+    parser.add_argument(
+        "--part", choices=("layer", "balance", "both", "ep"), default="both", help="both: layer and balance"
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="per rank for --part ep (a multiple of 128)")
     parser.add_argument("--dim", type=int, default=192)
     parser.add_argument("--hidden", type=int, default=128, help="each expert's hidden size")
@@ -200,8 +213,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--window", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=32, help="the pretrain recipe's")
-    parser.add_argument("--rates", type=float, nargs="+", help="bias_update_rate of each run (0: no bias balancing); default: the preset's, and 0")
-    parser.add_argument("--bias-update", choices=("sign", "proportional"), help="moe.bias_update of every run; default: the preset's")
+    parser.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        help="bias_update_rate of each run (0: no bias balancing); default: the preset's, and 0",
+    )
+    parser.add_argument(
+        "--bias-update", choices=("sign", "proportional"), help="moe.bias_update of every run; default: the preset's"
+    )
     args = parser.parse_args()
     if args.part in ("layer", "both"):
         rows = layer_speed(args.tokens, args.dim, args.hidden, args.experts, args.top_k, args.shared, args.repeats)
@@ -213,7 +233,10 @@ def main() -> None:
     if args.part in ("balance", "both"):
         preset = tiny_moe_preset()
         rates = args.rates or [preset["bias_update_rate"], 0.0]
-        results = [balance(args.steps, args.window, rate, args.bias_update or preset["bias_update"], args.batch_size) for rate in rates]
+        results = [
+            balance(args.steps, args.window, rate, args.bias_update or preset["bias_update"], args.batch_size)
+            for rate in rates
+        ]
         tokens = results[0]["tokens_per_step"]
         print_table(
             f"Load imbalance (max/mean token choices per expert, mean over MoE layers) over the last {args.window} of {args.steps} "

@@ -47,18 +47,38 @@ def main() -> None:
     for seed, case in zip(seeds, cases):
         shape = " ".join(random_network(seed)[1::2])
         for name, result in results[case.label].items():
-            rows.append([seed, name, f"{result['max_loss_diff']:.1e}", f"{result['max_gradient_diff']:.1e}", f"{result['update_diff']:.1e}", f"{result['margin']:.2g}", "ok" if result["ok"] else "FALSE ALARM"])
+            rows.append(
+                [
+                    seed,
+                    name,
+                    f"{result['max_loss_diff']:.1e}",
+                    f"{result['max_gradient_diff']:.1e}",
+                    f"{result['update_diff']:.1e}",
+                    f"{result['margin']:.2g}",
+                    "ok" if result["ok"] else "FALSE ALARM",
+                ]
+            )
             if not result["ok"]:
                 alarms.append((seed, name, shape))
-    print_table("every shape under every strategy", ["seed", "strategy", "loss diff", "grad diff", "update diff", "margin", "verdict"], rows)
+    print_table(
+        "every shape under every strategy",
+        ["seed", "strategy", "loss diff", "grad diff", "update diff", "margin", "verdict"],
+        rows,
+    )
     worst = {name: min(results[c.label][name]["margin"] for c in cases) for name in strategies}
-    print_table("worst margin to tolerance per strategy", ["strategy", "worst margin"], [[n, f"{m:.3g}"] for n, m in worst.items()])
+    print_table(
+        "worst margin to tolerance per strategy",
+        ["strategy", "worst margin"],
+        [[n, f"{m:.3g}"] for n, m in worst.items()],
+    )
     print(f"\nshapes: {len(cases)}, strategies: {len(strategies)}, runs: {len(rows)}; false alarms: {len(alarms)}; "
           f"worst margin overall: {min(worst.values()):.3g}; {time.monotonic() - started:.0f} s")  # fmt: skip
     for seed, name, shape in alarms:
         print(f"false alarm: shape {seed} ({shape}) under {name}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "false_alarms": alarms, "worst_margin": worst}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"results": results, "false_alarms": alarms, "worst_margin": worst}, indent=2)
+        )
     raise SystemExit(1 if alarms else 0)
 
 

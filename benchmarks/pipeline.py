@@ -76,7 +76,9 @@ def worker(job_file: str) -> None:
         measure = Measure()
         fit_on_batches(copy.deepcopy(job["module"]), job["batches"], MeshStrategy(**sizes, **options), [measure])
         steps, bubbles = measure.steps[1:], measure.bubbles[1:]  # the first step builds the stages' buffers
-        results.append({"name": name, "options": options, "step_s": statistics.median(steps), "bubble": statistics.median(bubbles)})
+        results.append(
+            {"name": name, "options": options, "step_s": statistics.median(steps), "bubble": statistics.median(bubbles)}
+        )
     if int(os.environ["RANK"]) == 0:
         Path(job["out"]).write_text(json.dumps(results))
 
@@ -88,11 +90,24 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="2,4", help="comma-separated group sizes")
     parser.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts")
-    parser.add_argument("--steps", type=int, default=5, help="training steps per configuration (the first is not counted)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="training steps per configuration (the first is not counted)"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--size", default=json.dumps({"dim": 64, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256}))
+    parser.add_argument(
+        "--size", default=json.dumps({"dim": 64, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256})
+    )
     args = parser.parse_args(argv)
-    overrides = ["--model.network.size", args.size, "--data.generation.n_episodes", "8", "--data.loader.num_workers", "0", "--data.batch_size", str(args.batch_size)]
+    overrides = [
+        "--model.network.size",
+        args.size,
+        "--data.generation.n_episodes",
+        "8",
+        "--data.loader.num_workers",
+        "0",
+        "--data.batch_size",
+        str(args.batch_size),
+    ]
     module, batches, _ = resolve(str(REPO / "recipes" / "pretrain.yaml"), overrides, args.steps)
     microbatches = [int(m) for m in args.microbatches.split(",")]
     rows = []
@@ -103,7 +118,13 @@ def main(argv: list[str]) -> int:
                 for schedule, virtual in SCHEDULES:
                     if m < p or (virtual > 1 and schedule != "ZBVZeroBubble" and m % p):
                         continue
-                    runs.append((schedule, {"pp": p, "dp_shard": 1}, {"pp_schedule": schedule, "pp_microbatches": m, "pp_virtual_stages": virtual}))
+                    runs.append(
+                        (
+                            schedule,
+                            {"pp": p, "dp_shard": 1},
+                            {"pp_schedule": schedule, "pp_microbatches": m, "pp_virtual_stages": virtual},
+                        )
+                    )
             job = {"module": module, "batches": batches, "runs": runs, "out": str(Path(tmp) / f"{p}.json")}
             with open(Path(tmp) / "job.pickle", "wb") as f:
                 pickle.dump(job, f)

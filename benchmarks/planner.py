@@ -26,13 +26,19 @@ def model_config(size: str):
     """The pretrain recipe's model at ``size``, with its data's shapes."""
     from uma_lightning.cli import resolve_recipe
 
-    cli = resolve_recipe(str(REPO / "recipes" / "pretrain.yaml"), ["--model.network.size", size, "--data.loader.num_workers", "0"])
+    cli = resolve_recipe(
+        str(REPO / "recipes" / "pretrain.yaml"), ["--model.network.size", size, "--data.loader.num_workers", "0"]
+    )
     return cli.model.model_config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="tiny,small,tiny_moe", help="model sizes; those with experts run the ep layouts, the others the dense ones")
+    parser.add_argument(
+        "--sizes",
+        default="tiny,small,tiny_moe",
+        help="model sizes; those with experts run the ep layouts, the others the dense ones",
+    )
     parser.add_argument("--strategies", help="only these rows (names in planner/check.py's LAYOUTS and EXPERT_LAYOUTS)")
     parser.add_argument("--global-batch", type=int, default=8)
     args = parser.parse_args()
@@ -50,7 +56,9 @@ def main() -> None:
             layouts = {name: layout for name, layout in layouts.items() if name in args.strategies.split(",")}
         if not layouts:
             continue
-        for name, ranks in compare({name: (cfg, layout) for name, layout in layouts.items()}, args.global_batch).items():
+        for name, ranks in compare(
+            {name: (cfg, layout) for name, layout in layouts.items()}, args.global_batch
+        ).items():
             measured, predicted = ranks[0]["measured"], ranks[0]["predicted"]
             comm_m, comm_p = sum(measured["collectives"].values()), sum(predicted["collectives"].values())
             exact = all(r["measured"][k] == r["predicted"][k] for r in ranks for k in ("params", "grads", "optimizer"))
@@ -62,8 +70,21 @@ def main() -> None:
             ])  # fmt: skip
     print_table(
         f"uma plan: predicted against measured, rank 0 of 4 gloo processes, global batch {args.global_batch}, fp32, one step (MiB)",
-        ["model", "strategy", "params", "pred.", "AdamW", "pred.", "state exact on all ranks", "collectives", "pred.", "error",
-         "activations", "pred.", "error"],  # fmt: skip
+        [
+            "model",
+            "strategy",
+            "params",
+            "pred.",
+            "AdamW",
+            "pred.",
+            "state exact on all ranks",
+            "collectives",
+            "pred.",
+            "error",
+            "activations",
+            "pred.",
+            "error",
+        ],  # fmt: skip
         rows,
     )
 

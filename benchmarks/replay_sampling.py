@@ -35,8 +35,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    layout = {"obs": ((args.obs_dim,), torch.float32), "action": ((args.action_dim,), torch.float32),
-              "reward": ((), torch.float32), "next_obs": ((args.obs_dim,), torch.float32), "terminated": ((), torch.bool)}
+    layout = {
+        "obs": ((args.obs_dim,), torch.float32),
+        "action": ((args.action_dim,), torch.float32),
+        "reward": ((), torch.float32),
+        "next_obs": ((args.obs_dim,), torch.float32),
+        "terminated": ((), torch.bool),
+    }
     data = {name: torch.randn(args.capacity, *shape).to(dtype) for name, (shape, dtype) in layout.items()}
     uniform = ReplayBuffer(args.capacity, layout)
     prioritized = ReplayBuffer(args.capacity, layout, prioritized=True)

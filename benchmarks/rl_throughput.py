@@ -87,8 +87,9 @@ def _process_cpu(pid: int) -> float:
     return sum(psutil.Process(pid).cpu_times()[:2])
 
 
-def actor_cpu_per_step(env: str, n_workers: int, n_envs: int, steps_per_chunk: int, hidden: list[int], seconds: float,
-                       skip_chunks: int = 2) -> float:
+def actor_cpu_per_step(
+    env: str, n_workers: int, n_envs: int, steps_per_chunk: int, hidden: list[int], seconds: float, skip_chunks: int = 2
+) -> float:
     """CPU milliseconds per env step of rollout workers with local inference (``GaussianMLPPolicy``, the
     recipe's hidden sizes). Each worker's CPU is read when its chunks arrive, after the first
     ``skip_chunks`` (start-up), so the part of the next chunk a worker has begun is in both readings."""
@@ -125,24 +126,41 @@ def actor_cpu_per_step(env: str, n_workers: int, n_envs: int, steps_per_chunk: i
 
 def cpu_time_main(args, recipe: dict) -> None:
     data = recipe["data"]["init_args"]
-    n_workers, n_envs, steps = data["n_workers"], args.envs_per_worker or data["envs_per_worker"], data.get("steps_per_chunk", 64)
+    n_workers, n_envs, steps = (
+        data["n_workers"],
+        args.envs_per_worker or data["envs_per_worker"],
+        data.get("steps_per_chunk", 64),
+    )
     hidden = recipe["model"]["init_args"].get("hidden", [64, 64])
     raw, actor = [], []
     for repeat in range(args.repeats):
         raw.append(raw_rate(args.env, n_workers, n_envs, args.seconds)[1])
         actor.append(actor_cpu_per_step(args.env, n_workers, n_envs, steps, hidden, args.seconds))
-        print(f"repeat {repeat + 1}: raw {raw[-1]:.4f} ms CPU / env step | actor {actor[-1]:.4f} ms | "
-              f"ratio {actor[-1] / raw[-1]:.3f}", flush=True)
+        print(
+            f"repeat {repeat + 1}: raw {raw[-1]:.4f} ms CPU / env step | actor {actor[-1]:.4f} ms | "
+            f"ratio {actor[-1] / raw[-1]:.3f}",
+            flush=True,
+        )
     ratios = [a / r for a, r in zip(actor, raw)]
     print_table(
         f"{args.env}: {n_workers} processes x {n_envs} envs, local inference, {args.seconds:.0f} s per variant, median of {args.repeats}",
         ["variant", "CPU ms / env step", "ratio to raw"],
-        [["raw vectorised stepping", median(raw), 1.0], ["actor (policy, bookkeeping, chunk writes)", median(actor), median(ratios)]],
+        [
+            ["raw vectorised stepping", median(raw), 1.0],
+            ["actor (policy, bookkeeping, chunk writes)", median(actor), median(ratios)],
+        ],
     )
     if args.json:
-        result = {"env": args.env, "n_workers": n_workers, "envs_per_worker": n_envs, "repeats": args.repeats,
-                  "raw_cpu_ms_per_step": median(raw), "actor_cpu_ms_per_step": median(actor),
-                  "actor_cpu_per_step_vs_raw": median(ratios), "ratios": ratios}
+        result = {
+            "env": args.env,
+            "n_workers": n_workers,
+            "envs_per_worker": n_envs,
+            "repeats": args.repeats,
+            "raw_cpu_ms_per_step": median(raw),
+            "actor_cpu_ms_per_step": median(actor),
+            "actor_cpu_per_step_vs_raw": median(ratios),
+            "ratios": ratios,
+        }
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
@@ -171,6 +189,7 @@ def breakdown_main(args, recipe: dict) -> None:
             result = fn(*fn_args)
             spent[name] += time.thread_time_ns() - start
             return result
+
         return call
 
     runner.envs.step = timed("env", runner.envs.step)
@@ -182,7 +201,10 @@ def breakdown_main(args, recipe: dict) -> None:
     replay_obs = np.empty((n_envs, spec.obs_dim), np.float32)
     replay_out = (replay_obs.copy(), np.empty(n_envs), np.empty(n_envs, bool), np.empty(n_envs, bool))
     replay.reset(list(range(n_envs)), replay_obs)
-    chunk = {name: torch.empty(shape, dtype=dtype).numpy() for name, (shape, dtype) in chunk_layout(spec, steps, n_envs).items()}
+    chunk = {
+        name: torch.empty(shape, dtype=dtype).numpy()
+        for name, (shape, dtype) in chunk_layout(spec, steps, n_envs).items()
+    }
     rows = {name: [] for name in ("raw", "actor", "policy", "env", "rest", "replay")}
     for index in range(args.repeats + 1):  # the first is a warm-up
         spent.update(policy=0, env=0)
@@ -199,27 +221,36 @@ def breakdown_main(args, recipe: dict) -> None:
             replay.step(actions[t], replay_obs, *replay_out)
         replay_ns = time.thread_time_ns() - start
         if index:
-            for name, ns in (("raw", raw_ns), ("actor", actor_ns), ("policy", spent["policy"]), ("env", spent["env"]),
-                             ("rest", actor_ns - spent["policy"] - spent["env"]), ("replay", replay_ns)):
+            for name, ns in (
+                ("raw", raw_ns),
+                ("actor", actor_ns),
+                ("policy", spent["policy"]),
+                ("env", spent["env"]),
+                ("rest", actor_ns - spent["policy"] - spent["env"]),
+                ("replay", replay_ns),
+            ):
                 rows[name].append(ns / steps / 1000)
     raw_us = median(rows["raw"])
     print_table(
         f"{args.env}: one process, {n_envs} envs, {args.repeats} chunks of {steps} steps each way, interleaved",
         ["part", "CPU us / batch step", "ratio to raw"],
-        [["raw vectorised stepping (SyncVectorEnv, random actions)", raw_us, 1.0],
-         ["actor: EnvRunner.fill", median(rows["actor"]), median(a / r for a, r in zip(rows["actor"], rows["raw"]))],
-         ["  of which acting (PolicyActor)", median(rows["policy"]), median(rows["policy"]) / raw_us],
-         ["  of which env steps (EnvVector)", median(rows["env"]), median(rows["env"]) / raw_us],
-         ["  of which the rest (clipping, chunk bookkeeping)", median(rows["rest"]), median(rows["rest"]) / raw_us],
-         ["EnvVector, the actor's actions replayed", median(rows["replay"]), median(rows["replay"]) / raw_us]],
+        [
+            ["raw vectorised stepping (SyncVectorEnv, random actions)", raw_us, 1.0],
+            ["actor: EnvRunner.fill", median(rows["actor"]), median(a / r for a, r in zip(rows["actor"], rows["raw"]))],
+            ["  of which acting (PolicyActor)", median(rows["policy"]), median(rows["policy"]) / raw_us],
+            ["  of which env steps (EnvVector)", median(rows["env"]), median(rows["env"]) / raw_us],
+            ["  of which the rest (clipping, chunk bookkeeping)", median(rows["rest"]), median(rows["rest"]) / raw_us],
+            ["EnvVector, the actor's actions replayed", median(rows["replay"]), median(rows["replay"]) / raw_us],
+        ],
     )
     runner.close()
     raw.close()
     replay.close()
 
 
-def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int = 3,
-                  accelerator: str = "cpu") -> tuple[float, float, float]:
+def pipeline_rate(
+    recipe: dict, env: str, seconds: float, skip_iterations: int = 3, accelerator: str = "cpu"
+) -> tuple[float, float, float]:
     """(trained env steps/s, received env steps/s, CPU seconds per 1000 trained env steps) of the
     recipe's learner and data module, the learner on ``accelerator``."""
     import lightning as L
@@ -234,7 +265,9 @@ def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int =
         def on_train_epoch_end(self, trainer, pl_module):
             data = trainer.datamodule
             chunk = data.hparams.envs_per_worker * data.hparams.steps_per_chunk
-            self.marks.append((time.perf_counter(), data.env_steps - data.dropped_chunks * chunk, data.env_steps, _cpu_seconds()))
+            self.marks.append(
+                (time.perf_counter(), data.env_steps - data.dropped_chunks * chunk, data.env_steps, _cpu_seconds())
+            )
             if len(self.marks) > skip_iterations and self.marks[-1][0] - self.marks[skip_iterations][0] >= seconds:
                 trainer.should_stop = True
 
@@ -242,12 +275,25 @@ def pipeline_rate(recipe: dict, env: str, seconds: float, skip_iterations: int =
     data = RolloutDataModule(**data_args)
     model = PPOLearner(env=data.env_spec, **recipe["model"]["init_args"])
     clock = Clock()
-    trainer = L.Trainer(max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
-                        accelerator=accelerator, devices=1)
+    trainer = L.Trainer(
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[clock],
+        accelerator=accelerator,
+        devices=1,
+    )
     trainer.fit(model, data)
     (t0, trained0, received0, cpu0), (t1, trained1, received1, cpu1) = clock.marks[skip_iterations], clock.marks[-1]
-    return (trained1 - trained0) / (t1 - t0), (received1 - received0) / (t1 - t0), 1000 * (cpu1 - cpu0) / (trained1 - trained0)
+    return (
+        (trained1 - trained0) / (t1 - t0),
+        (received1 - received0) / (t1 - t0),
+        1000 * (cpu1 - cpu0) / (trained1 - trained0),
+    )
 
 
 def main() -> None:
@@ -259,7 +305,9 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true", help="actor CPU per env step against raw stepping's")
     parser.add_argument("--envs-per-worker", type=int, help="with --cpu-time: envs per worker instead of the recipe's")
     parser.add_argument("--json", help="with --cpu-time: write the medians and actor_cpu_per_step_vs_raw to this file")
-    parser.add_argument("--breakdown", action="store_true", help="where an actor's CPU goes, in one process (--repeats chunks)")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="where an actor's CPU goes, in one process (--repeats chunks)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     recipe = yaml.safe_load(Path(args.recipe).read_text())
@@ -280,15 +328,23 @@ def main() -> None:
         trained.append(t)
         received.append(r)
         cpu.append(c)
-        print(f"repeat {repeat + 1}: raw {rate:.0f} env steps/s ({seconds_per_k:.2f} CPU s / 1000) | pipeline {t:.0f} trained, "
-              f"{r:.0f} received env steps/s ({c:.2f} CPU s / 1000)", flush=True)
+        print(
+            f"repeat {repeat + 1}: raw {rate:.0f} env steps/s ({seconds_per_k:.2f} CPU s / 1000) | pipeline {t:.0f} trained, "
+            f"{r:.0f} received env steps/s ({c:.2f} CPU s / 1000)",
+            flush=True,
+        )
     print_table(
         f"{args.env}: {n_workers} processes x {n_envs} envs, {args.seconds:.0f} s per variant, median of {args.repeats}",
         ["variant", "env steps/s", "ratio to raw", "CPU s / 1000 steps", "CPU ratio (raw / variant)"],
         [
             ["raw vectorised stepping", median(raw), 1.0, median(raw_cpu), 1.0],
-            ["actor-learner pipeline (trained)", median(trained), median(trained) / median(raw), median(cpu),
-             median(raw_cpu) / median(cpu)],
+            [
+                "actor-learner pipeline (trained)",
+                median(trained),
+                median(trained) / median(raw),
+                median(cpu),
+                median(raw_cpu) / median(cpu),
+            ],
             ["actor-learner pipeline (received)", median(received), median(received) / median(raw), "", ""],
         ],
     )

@@ -20,15 +20,14 @@ from pathlib import Path
 
 import psutil
 import torch
-from lightning.pytorch import Callback
-
 from harness import median, print_table
+from lightning.pytorch import Callback
 
 from uma_lightning.data import RobotDataModule
 from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
 from uma_lightning.parallel import MeshStrategy
-from uma_lightning.parallel.launch import run_local_group
 from uma_lightning.parallel.fixed_batches import fit_on_batches
+from uma_lightning.parallel.launch import run_local_group
 
 STRATEGIES = {
     "one process": None,
@@ -68,7 +67,9 @@ def train(job: str, sizes: dict | None, out: str) -> None:
     """One rank: train the job's module on its batches and write the measurements of this rank."""
     spec = torch.load(job, weights_only=False)
     meter = StepMeter()
-    trainer = fit_on_batches(spec["module"], spec["batches"], MeshStrategy(**sizes) if sizes else "auto", [meter], precision="32-true")
+    trainer = fit_on_batches(
+        spec["module"], spec["batches"], MeshStrategy(**sizes) if sizes else "auto", [meter], precision="32-true"
+    )
     record = {"step_s": median(meter.step_times[1:]), "peak_mib": (meter.peak_rss - meter.start_rss) / 2**20}
     Path(f"{out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -88,7 +89,9 @@ def main() -> None:
     measured: dict[tuple[str, str], list[list[dict]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
-            module = PretrainModule(spec=data.spec, network=NetworkConfig(size=size), optimizer=OptimizerConfig(warmup_steps=1))
+            module = PretrainModule(
+                spec=data.spec, network=NetworkConfig(size=size), optimizer=OptimizerConfig(warmup_steps=1)
+            )
             job = str(Path(tmp) / f"{size}.pt")
             torch.save({"module": module, "batches": batches}, job)
             # Rounds alternate the strategies, so a slow spell of a shared machine hits them all.

@@ -59,8 +59,15 @@ def scenes(first_seed: int, n: int, target: str) -> tuple[torch.Tensor, list[str
 def probe(target: str, tokenizer: str, steps: int, lr: float, batch_size: int, every: int) -> list[tuple[int, float]]:
     torch.manual_seed(0)
     env = PlanarArmEnv()
-    spec = DataSpec(cameras=("top",), image_size=(env.config.image_size,) * 2, state_dim=env.state_dim,
-                    action_dim=env.action_dim, n_obs_steps=1, action_horizon=8, fps=env.fps)
+    spec = DataSpec(
+        cameras=("top",),
+        image_size=(env.config.image_size,) * 2,
+        state_dim=env.state_dim,
+        action_dim=env.action_dim,
+        n_obs_steps=1,
+        action_horizon=8,
+        fps=env.fps,
+    )
     model = RobotTransformer(RobotModelConfig(backbone=load_size("tiny"), spec=spec, vision=TOKENIZERS[tokenizer]))
     head = torch.nn.Linear(model.cfg.backbone.dim, 2)
     optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=lr)
@@ -100,7 +107,9 @@ def main() -> None:
     for target in args.targets:
         for tokenizer in args.tokenizers:
             started = time.monotonic()
-            curves[f"{target} ({tokenizer})"] = probe(target, tokenizer, args.steps, args.lr, args.batch_size, args.every)
+            curves[f"{target} ({tokenizer})"] = probe(
+                target, tokenizer, args.steps, args.lr, args.batch_size, args.every
+            )
             print(f"{target}, {tokenizer}: {args.steps} steps in {time.monotonic() - started:.0f}s", flush=True)
     steps = [step for step, _ in next(iter(curves.values()))]
     print_table(

@@ -104,16 +104,22 @@ class GradientAnomalies(Callback):
             max_rollbacks: Rollbacks allowed in one fit; the next anomaly that asks for one halts
                 instead, so an anomaly that comes back after every rollback cannot loop forever.
         """
-        for name, action in (("nonfinite_action", nonfinite_action), ("loss_spike_action", loss_spike_action),
-                             ("grad_norm_spike_action", grad_norm_spike_action)):
+        for name, action in (
+            ("nonfinite_action", nonfinite_action),
+            ("loss_spike_action", loss_spike_action),
+            ("grad_norm_spike_action", grad_norm_spike_action),
+        ):
             if action not in SEVERITY:
                 raise ValueError(f"{name} must be one of {', '.join(SEVERITY)}, got {action!r}")
         if max_rollbacks < 0:
             raise ValueError(f"max_rollbacks must be >= 0, got {max_rollbacks}")
         if not 2 <= min_history <= window:
             raise ValueError(f"need 2 <= min_history <= window, got min_history={min_history}, window={window}")
-        self.actions = {"nonfinite": nonfinite_action, "loss_spike": loss_spike_action,
-                        "grad_norm_spike": grad_norm_spike_action}
+        self.actions = {
+            "nonfinite": nonfinite_action,
+            "loss_spike": loss_spike_action,
+            "grad_norm_spike": grad_norm_spike_action,
+        }
         self.thresholds = {"loss": loss_z_threshold, "grad_norm": grad_norm_z_threshold}
         self.history = {"loss": RollingZScore(window, min_history), "grad_norm": RollingZScore(window, min_history)}
         self.culprits = culprits
@@ -216,8 +222,12 @@ class GradientAnomalies(Callback):
             log.warning("anomaly: no sharded checkpoint to roll back to yet; the step was skipped instead")
             return
         self._logging_step = step
-        log.warning("anomaly: rolled back from step %d to step %d; %d samples are left out from now on",
-                    anomalous_step, step, len(self.blocked_samples))
+        log.warning(
+            "anomaly: rolled back from step %d to step %d; %d samples are left out from now on",
+            anomalous_step,
+            step,
+            len(self.blocked_samples),
+        )
 
     # ---- actions ----------------------------------------------------------------------------------
 
@@ -246,8 +256,15 @@ class GradientAnomalies(Callback):
         culprit_names = ", ".join(c["parameter"] for c in event["culprits"])
         log_step_metrics(trainer, {f"anomaly/{kind}": 1.0 for kind in kinds})
         if trainer.is_global_zero:  # every rank reached the same decision; one reports it
-            log.warning("anomaly at step %d: %s (loss %s, grad_norm %s); action %s; culprits: %s",
-                        step, " + ".join(kinds), event["loss"], event["grad_norm"], action, culprit_names)
+            log.warning(
+                "anomaly at step %d: %s (loss %s, grad_norm %s); action %s; culprits: %s",
+                step,
+                " + ".join(kinds),
+                event["loss"],
+                event["grad_norm"],
+                action,
+                culprit_names,
+            )
             self._record(trainer, event)
         if action in ("skip", "rollback"):
             self._skip = True
@@ -256,8 +273,10 @@ class GradientAnomalies(Callback):
             self.rollbacks += 1
             self.blocked_samples.update(sample_ids)
         if action == "halt":
-            raise TrainingHalted(f"{' + '.join(kinds)} at step {step}, culprits: {culprit_names}; "
-                                 f"details in {Path(trainer.default_root_dir) / 'anomalies.jsonl'}")
+            raise TrainingHalted(
+                f"{' + '.join(kinds)} at step {step}, culprits: {culprit_names}; "
+                f"details in {Path(trainer.default_root_dir) / 'anomalies.jsonl'}"
+            )
 
     def _culprits(self, norms: torch.Tensor, names: list[str]) -> list[dict]:
         """Parameters with non-finite gradients, else those whose gradient norm grew most against its running mean."""
@@ -266,7 +285,9 @@ class GradientAnomalies(Callback):
             chosen = bad[: self.culprits]
         else:
             baseline = self._grad_norm_mean
-            ratio = norms / baseline.clamp_min(1e-12) if baseline is not None and baseline.shape == norms.shape else norms
+            ratio = (
+                norms / baseline.clamp_min(1e-12) if baseline is not None and baseline.shape == norms.shape else norms
+            )
             chosen = ratio.topk(min(self.culprits, len(names))).indices.tolist()
         values = norms.tolist()
         return [{"parameter": names[i], "grad_norm": _plain(values[i])} for i in chosen]

@@ -21,7 +21,13 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 
-from uma_lightning.checkpoint import CheckpointWriter, choose_checkpoint, continue_tracked_run, remove_staging_leftovers, rng
+from uma_lightning.checkpoint import (
+    CheckpointWriter,
+    choose_checkpoint,
+    continue_tracked_run,
+    remove_staging_leftovers,
+    rng,
+)
 from uma_lightning.checkpoint.state import TRAINER, apply_trainer_state, collect, load
 from uma_lightning.parallel.mesh import random_stream_rank
 
@@ -96,9 +102,17 @@ class ShardedCheckpoint(Checkpoint):
             self.resumed_from = choose_checkpoint(root, self._group)
             self.continue_tracked_run(trainer)
         if trainer.is_global_zero:
-            retention = f"keeping the newest {self.keep_last}" + (f" and every {self.keep_every_n_steps}th step" if self.keep_every_n_steps else "")
-            log.info("checkpoints: %s every %d steps to %s, %s; %s", "async" if self.async_save else "synchronous",
-                     self.every_n_steps, root, retention, f"resuming from {self.resumed_from.name}" if self.resumed_from else "starting fresh")
+            retention = f"keeping the newest {self.keep_last}" + (
+                f" and every {self.keep_every_n_steps}th step" if self.keep_every_n_steps else ""
+            )
+            log.info(
+                "checkpoints: %s every %d steps to %s, %s; %s",
+                "async" if self.async_save else "synchronous",
+                self.every_n_steps,
+                root,
+                retention,
+                f"resuming from {self.resumed_from.name}" if self.resumed_from else "starting fresh",
+            )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.resumed_from is None:
@@ -107,7 +121,9 @@ class ShardedCheckpoint(Checkpoint):
         apply_trainer_state(trainer, pl_module, trainer_state)
         self._last_saved_step = trainer.global_step
         if trainer.is_global_zero:
-            log.info("resumed from %s: step %d, epoch %d", self.resumed_from, trainer.global_step, trainer.current_epoch)
+            log.info(
+                "resumed from %s: step %d, epoch %d", self.resumed_from, trainer.global_step, trainer.current_epoch
+            )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Training's random stream starts here: restored on resume, else seeded per rank.
@@ -116,8 +132,11 @@ class ShardedCheckpoint(Checkpoint):
             self._saved_rng = None
         else:
             if self.resumed_from is not None and trainer.is_global_zero:
-                log.warning("%s was saved by a different number of processes: the weights and optimizer state are "
-                            "resharded exactly, but random state is seeded afresh and the data order differs", self.resumed_from)
+                log.warning(
+                    "%s was saved by a different number of processes: the weights and optimizer state are "
+                    "resharded exactly, but random state is seeded afresh and the data order differs",
+                    self.resumed_from,
+                )
             seed = os.environ.get("PL_GLOBAL_SEED")
             if seed is not None:
                 rng.seed_process(int(seed), random_stream_rank(trainer))

@@ -66,7 +66,11 @@ class ClosedLoopEval(Callback):
         started = time.monotonic()
         with torch.no_grad():
             results = run_episodes(
-                lambda obs: policy(obs).cpu().numpy(), mine, spec.n_obs_steps, execute, seed=self.seed,
+                lambda obs: policy(obs).cpu().numpy(),
+                mine,
+                spec.n_obs_steps,
+                execute,
+                seed=self.seed,
                 stop_when_done=trainer.world_size == 1,
             )
         owned = [r for index, r in zip(mine, results) if index >= rank * per_rank]  # not the repeats
@@ -79,5 +83,9 @@ class ClosedLoopEval(Callback):
         if trainer.is_global_zero:
             log.info(
                 "closed loop (%s): success %.1f%% of %d episodes, mean final distance to the target %.3f, %.0fs",
-                split, 100 * float(rate), self.n_episodes, float(mean_distance), time.monotonic() - started,
+                split,
+                100 * float(rate),
+                self.n_episodes,
+                float(mean_distance),
+                time.monotonic() - started,
             )

@@ -49,7 +49,9 @@ class ExpertLoad(Callback):
             every_n_steps: Log the metrics every this many steps (the dead-expert count looks at every step).
         """
         if dead_after_steps < 1 or every_n_steps < 1:
-            raise ValueError(f"ExpertLoad: dead_after_steps and every_n_steps must be >= 1, got {dead_after_steps} and {every_n_steps}")
+            raise ValueError(
+                f"ExpertLoad: dead_after_steps and every_n_steps must be >= 1, got {dead_after_steps} and {every_n_steps}"
+            )
         self.dead_after_steps = dead_after_steps
         self.every_n_steps = every_n_steps
         self._idle_steps: dict[str, torch.Tensor] = {}  # per layer: steps in a row each expert got nothing
@@ -62,11 +64,16 @@ class ExpertLoad(Callback):
     def step_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         """The step's metrics of every MoE layer, on every rank (a collective), counting idle experts."""
         rows = {name: _row(layer.stats) for name, layer in moe_layers(pl_module) if "routed" in layer.stats}
-        summed = sum_per_moe_layer(rows, pl_module, trainer.strategy, extra_columns=EXTRA_COLUMNS)  # one collective for every layer, every stage's
+        summed = sum_per_moe_layer(
+            rows, pl_module, trainer.strategy, extra_columns=EXTRA_COLUMNS
+        )  # one collective for every layer, every stage's
         metrics = {}
         for name, row in summed.items():
             name = name.removesuffix(".ffn")
-            routed, (dropped, entropy, ranks, aux_loss, ranks_with_aux_loss) = row[:-EXTRA_COLUMNS], row[-EXTRA_COLUMNS:].tolist()
+            routed, (dropped, entropy, ranks, aux_loss, ranks_with_aux_loss) = (
+                row[:-EXTRA_COLUMNS],
+                row[-EXTRA_COLUMNS:].tolist(),
+            )
             if not ranks:
                 continue  # no rank ran the layer in this step
             self._count_idle(trainer, name, routed)
@@ -86,5 +93,8 @@ class ExpertLoad(Callback):
             for expert in (idle == self.dead_after_steps).nonzero().flatten().tolist():
                 log.warning(
                     "MoE layer %s: expert %d got no tokens for %d steps in a row (step %d); it is not learning",
-                    name, expert, self.dead_after_steps, trainer.global_step,
+                    name,
+                    expert,
+                    self.dead_after_steps,
+                    trainer.global_step,
                 )

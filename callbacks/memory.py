@@ -110,7 +110,11 @@ class MemoryMonitor(Callback):
             if growth is not None:
                 log.warning(
                     "memory leak suspected: %s grew %.2f MiB per step over the last %d samples (now %.0f MiB, step %d)",
-                    name, growth, detector.window, value, step,
+                    name,
+                    growth,
+                    detector.window,
+                    value,
+                    step,
                 )
                 metrics[f"memory/{name}_leak_mib_per_step"] = growth
         log_step_metrics(trainer, metrics)

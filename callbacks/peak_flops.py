@@ -72,7 +72,9 @@ def matmul_dtype(precision: str) -> str:
 
 def probe_tflops(device: torch.device, dtype: str = "fp32", size: int = 1024, seconds: float = 0.3) -> float:
     """Best observed TFLOP/s of a square matmul on ``device``, measured for about ``seconds``."""
-    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        dtype, torch.float32
+    )
     a = torch.randn(size, size, device=device, dtype=torch_dtype)
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
     torch.mm(a, b)  # warm-up: library initialisation and kernel selection
@@ -112,7 +114,9 @@ def probed_peak(device: torch.device, device_name: str, dtype: str) -> tuple[flo
     """The probe's TFLOP/s for this host, device, dtype and thread count, measured now or read from
     the cache; and which of the two, for the log."""
     path = default_cache_dir() / PROBE_CACHE
-    key = " | ".join((socket.gethostname(), device_name, dtype, f"{torch.get_num_threads()} threads", f"torch {torch.__version__}"))
+    key = " | ".join(
+        (socket.gethostname(), device_name, dtype, f"{torch.get_num_threads()} threads", f"torch {torch.__version__}")
+    )
     known = _read_probes(path)
     if key in known:
         return known[key], f"measured earlier on this host ({path})"

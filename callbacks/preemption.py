@@ -116,8 +116,11 @@ class Preemption(Callback):
                 raise KeyboardInterrupt  # Ctrl+C twice: stop without waiting for the checkpoint
             return
         self._received = signum
-        log.info("received %s: saving a checkpoint at the next step boundary, then exiting (grace period %.0f s)",
-                 signal.Signals(signum).name, self.grace_period_s)
+        log.info(
+            "received %s: saving a checkpoint at the next step boundary, then exiting (grace period %.0f s)",
+            signal.Signals(signum).name,
+            self.grace_period_s,
+        )
         self._timer = threading.Timer(self.grace_period_s, self._grace_period_over, args=(signum,))
         self._timer.daemon = True
         self._timer.start()
@@ -134,8 +137,11 @@ class Preemption(Callback):
         if self._committed:
             log.error("%s: teardown did not end within the %.0f s grace period; exiting now", name, self.grace_period_s)
         else:
-            log.error("%s: no step boundary within the %.0f s grace period; exiting without a new checkpoint",
-                      name, self.grace_period_s)
+            log.error(
+                "%s: no step boundary within the %.0f s grace period; exiting without a new checkpoint",
+                name,
+                self.grace_period_s,
+            )
         job = self._requeue_job(signum)
         if job is not None:
             requeue(job)
@@ -150,7 +156,11 @@ class Preemption(Callback):
         """The Slurm job to requeue after ``signum``, on global rank zero; None when none is."""
         trainer = self._trainer
         environment = cluster_environment(trainer)
-        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue and signum == environment.requeue_signal):
+        if not (
+            isinstance(environment, SLURMEnvironment)
+            and environment.auto_requeue
+            and signum == environment.requeue_signal
+        ):
             return None
         if not trainer.is_global_zero:
             return None

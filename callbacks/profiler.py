@@ -57,8 +57,13 @@ class ProfilerTraces(Callback):
             memory_snapshot: On a GPU, also record a CUDA memory snapshot over the first window.
             table_rows: Rows of the key-averages table.
         """
-        for name, value, least in (("skip_first", skip_first, 0), ("wait", wait, 0), ("warmup", warmup, 0),
-                                   ("active", active, 1), ("repeat", repeat, 0)):
+        for name, value, least in (
+            ("skip_first", skip_first, 0),
+            ("wait", wait, 0),
+            ("warmup", warmup, 0),
+            ("active", active, 1),
+            ("repeat", repeat, 0),
+        ):
             if value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         self.schedule = dict(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
@@ -76,18 +81,25 @@ class ProfilerTraces(Callback):
         self._out_dir.mkdir(parents=True, exist_ok=True)
         on_cuda = pl_module.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-        self._profiler = profile(activities=activities, schedule=schedule(**self.schedule),
-                                 on_trace_ready=self._save, **self.options)
+        self._profiler = profile(
+            activities=activities, schedule=schedule(**self.schedule), on_trace_ready=self._save, **self.options
+        )
         self._profiler.start()
         self.memory_snapshot = self.memory_snapshot and on_cuda
         if trainer.is_global_zero:
-            log.info("profiler: %s, traces in %s", ", ".join(f"{k} {v}" for k, v in self.schedule.items()), self._out_dir)
+            log.info(
+                "profiler: %s, traces in %s", ", ".join(f"{k} {v}" for k, v in self.schedule.items()), self._out_dir
+            )
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if self._profiler is None:
             return
         self._profiler.step()
-        if self.memory_snapshot and not self._recording_memory and self._profiler.current_action == ProfilerAction.WARMUP:
+        if (
+            self.memory_snapshot
+            and not self._recording_memory
+            and self._profiler.current_action == ProfilerAction.WARMUP
+        ):
             torch.cuda.memory._record_memory_history(max_entries=200_000)
             self._recording_memory = True
 
@@ -106,8 +118,9 @@ class ProfilerTraces(Callback):
         trace = self._out_dir / f"trace_{name}.json"
         prof.export_chrome_trace(str(trace))
         on_cuda = ProfilerActivity.CUDA in prof.activities
-        table = prof.key_averages().table(sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total",
-                                          row_limit=self.table_rows)
+        table = prof.key_averages().table(
+            sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=self.table_rows
+        )
         files = [trace, self._out_dir / f"key_averages_{name}.txt"]
         files[1].write_text(table + "\n")
         if self._recording_memory:

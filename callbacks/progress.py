@@ -42,8 +42,13 @@ class ProgressLog(Callback):
         elapsed = time.monotonic() - self._start
         metrics = trainer.callback_metrics
         parts = [f"step {step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
-        for name, fmt in (("train/loss", "loss {:.4f}"), ("lr", "lr {:.2e}"), ("grad_norm", "grad_norm {:.3f}"),
-                          ("throughput/samples_per_sec", "{:.1f} samples/s"), ("throughput/mfu_percent", "mfu {:.1f}%")):
+        for name, fmt in (
+            ("train/loss", "loss {:.4f}"),
+            ("lr", "lr {:.2e}"),
+            ("grad_norm", "grad_norm {:.3f}"),
+            ("throughput/samples_per_sec", "{:.1f} samples/s"),
+            ("throughput/mfu_percent", "mfu {:.1f}%"),
+        ):
             if name in metrics:
                 parts.append(fmt.format(float(metrics[name])))
         if trainer.max_steps > 0:
@@ -62,8 +67,11 @@ class ProgressLog(Callback):
         # Lightning skips the training loop (and its start and end hooks) when a resumed run is
         # already at max_steps, e.g. after a crash between the last checkpoint and the exit.
         if self._start is None and 0 < trainer.max_steps <= trainer.global_step:
-            log.info("trained 0 steps: the run is already at step %d (trainer.max_steps %d); raise max_steps to train on",
-                     trainer.global_step, trainer.max_steps)
+            log.info(
+                "trained 0 steps: the run is already at step %d (trainer.max_steps %d); raise max_steps to train on",
+                trainer.global_step,
+                trainer.max_steps,
+            )
 
     @rank_zero_only
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -71,8 +79,11 @@ class ProgressLog(Callback):
             return
         # Headline metrics only (val/loss, val/action_mse, ...); the per-dimension and per-step
         # breakdowns (val/action_mse/dq1, ...) would fill the line and stay in MLflow.
-        values = [f"{name} {float(value):.4f}" for name, value in sorted(trainer.callback_metrics.items())
-                  if name.startswith("val/") and name.count("/") == 1]
+        values = [
+            f"{name} {float(value):.4f}"
+            for name, value in sorted(trainer.callback_metrics.items())
+            if name.startswith("val/") and name.count("/") == 1
+        ]
         if values:
             log.info("validation at step %d: %s", trainer.global_step, " | ".join(values))
 

@@ -41,8 +41,12 @@ class RolloutProgressLog(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = time.monotonic()
         self._start_steps = float(getattr(trainer.datamodule, "env_steps", 0) * trainer.world_size)
-        log.info("training: %s env steps, %d learner process(es)%s", _total(trainer), trainer.world_size,
-                 f", resuming at {self._start_steps:.0f}" if self._start_steps else "")
+        log.info(
+            "training: %s env steps, %d learner process(es)%s",
+            _total(trainer),
+            trainer.world_size,
+            f", resuming at {self._start_steps:.0f}" if self._start_steps else "",
+        )
 
     @rank_zero_only
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -51,7 +55,11 @@ class RolloutProgressLog(Callback):
         total = _total(trainer)
         steps = float(metrics.get("rollout/env_steps", 0.0))
         last = trainer.should_stop or (total is not None and steps >= total)
-        if self._start is None or "rollout/env_steps" not in metrics or (iteration % self.every_n_iterations and not last):
+        if (
+            self._start is None
+            or "rollout/env_steps" not in metrics
+            or (iteration % self.every_n_iterations and not last)
+        ):
             return
         parts = [f"iteration {iteration}", f"env steps {steps:.0f}" + (f"/{total}" if total else "")]
         parts += [fmt.format(float(metrics[name])) for name, fmt in _FIELDS if name in metrics]

@@ -121,7 +121,9 @@ class StepTimeBreakdown(Callback):
     def _register_comm_hook(self, trainer: Trainer) -> Optional[_CommTimer]:
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
-            log.info("step time: communication is not separated under %s (only DDP's is)", type(trainer.strategy).__name__)
+            log.info(
+                "step time: communication is not separated under %s (only DDP's is)", type(trainer.strategy).__name__
+            )
             return None
         timer = _CommTimer(model.process_group, self._on_cuda)
         try:
@@ -151,8 +153,14 @@ class StepTimeBreakdown(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self._marks["end"] = _mark(self._on_cuda)
         pipeline = pipeline_of(pl_module)
-        step = _Step(log_step(trainer), self._marks, self._data_wait, self._overhead,
-                     self._comm.take() if self._comm else [], pipeline.bubble_fraction if pipeline else None)
+        step = _Step(
+            log_step(trainer),
+            self._marks,
+            self._data_wait,
+            self._overhead,
+            self._comm.take() if self._comm else [],
+            pipeline.bubble_fraction if pipeline else None,
+        )
         if self._on_cuda:
             ready, self._pending = self._pending, step
         else:

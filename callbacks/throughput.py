@@ -69,7 +69,11 @@ class ThroughputLogger(Callback):
                 # the CPU, or a wrong peak_tflops. The achieved rate is the better bound from now on.
                 log.warning(
                     "MFU: %.3g TFLOP/s per device achieved, above the peak of %.3g (%s); using the achieved rate as the peak",
-                    tflops, self._peak, "the configured peak_tflops" if self.peak_tflops else "a matmul probe taken while the machine was busy",
+                    tflops,
+                    self._peak,
+                    "the configured peak_tflops"
+                    if self.peak_tflops
+                    else "a matmul probe taken while the machine was busy",
                 )
                 self._peak = tflops
             rates["throughput/tflops_per_device"] = tflops
@@ -87,4 +91,3 @@ class ThroughputLogger(Callback):
         if self._last is not None and self._validation_start is not None:
             self._last += time.perf_counter() - self._validation_start
         self._validation_start = None
-

@@ -90,8 +90,12 @@ class HangWatchdog(Callback):
         self._thread = threading.Thread(target=self._watch, name="uma-hang-watchdog", daemon=True)
         self._thread.start()
         if trainer.is_global_zero:
-            log.info("hang watchdog: a rank without progress for %g s dumps its stacks into %s and exits with status %d",
-                     self.timeout_s, self._dump_dir, self.exit_code)
+            log.info(
+                "hang watchdog: a rank without progress for %g s dumps its stacks into %s and exits with status %d",
+                self.timeout_s,
+                self._dump_dir,
+                self.exit_code,
+            )
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop.set()
@@ -143,12 +147,21 @@ class HangWatchdog(Callback):
         rank = trainer.global_rank
         out = self._dump_dir
         out.mkdir(parents=True, exist_ok=True)
-        event = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "step": trainer.global_step,
-                 "seconds_without_progress": round(idle, 1), "timeout_s": self.timeout_s, "time": time.time()}
+        event = {
+            "rank": rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "step": trainer.global_step,
+            "seconds_without_progress": round(idle, 1),
+            "timeout_s": self.timeout_s,
+            "time": time.time(),
+        }
         stacks = out / f"stacks_rank{rank}.txt"
         with open(stacks, "w") as f:
-            f.write(f"rank {rank} on {event['host']} (pid {event['pid']}): no progress for {idle:.1f} s "
-                    f"after step {event['step']}\n\n")
+            f.write(
+                f"rank {rank} on {event['host']} (pid {event['pid']}): no progress for {idle:.1f} s "
+                f"after step {event['step']}\n\n"
+            )
             f.flush()
             if cause is not None:
                 f.write("".join(traceback.format_exception(cause)) + "\n")
@@ -169,8 +182,14 @@ class HangWatchdog(Callback):
             event["lost_peer"] = str(cause).splitlines()[0][:500]
             what = f"lost a peer in a collective ({type(cause).__name__})"
         (out / f"event_rank{rank}.json").write_text(json.dumps(event, indent=2) + "\n")
-        log.error("hang: rank %d %s after step %d; stacks and collectives in %s; exiting with status %d",
-                  rank, what, event["step"], out, self.exit_code)
+        log.error(
+            "hang: rank %d %s after step %d; stacks and collectives in %s; exiting with status %d",
+            rank,
+            what,
+            event["step"],
+            out,
+            self.exit_code,
+        )
         reporter = threading.Thread(target=self._report_to_mlflow, args=(event,), daemon=True)
         reporter.start()
         reporter.join(MLFLOW_REPORT_TIMEOUT_S)  # a tracking server that hangs too must not keep the job alive

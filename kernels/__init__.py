@@ -21,4 +21,13 @@ from uma_lightning.kernels.rms_norm import rms_norm
 from uma_lightning.kernels.rotary import apply_rotary
 from uma_lightning.kernels.swiglu import swiglu
 
-__all__ = ["KernelConfig", "apply_rotary", "attention", "convert_to_float8", "expert_feed_forward", "linear_cross_entropy", "rms_norm", "swiglu"]
+__all__ = [
+    "KernelConfig",
+    "apply_rotary",
+    "attention",
+    "convert_to_float8",
+    "expert_feed_forward",
+    "linear_cross_entropy",
+    "rms_norm",
+    "swiglu",
+]

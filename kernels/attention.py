@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from uma_lightning.kernels import flash
-from uma_lightning.kernels.dispatch import ATTENTION_BACKENDS, SDPA_KERNELS, assume_constant_result, did_you_mean, log_once
+from uma_lightning.kernels.dispatch import (
+    ATTENTION_BACKENDS,
+    SDPA_KERNELS,
+    assume_constant_result,
+    did_you_mean,
+    log_once,
+)
 
 
 def attention(
@@ -49,8 +55,10 @@ def attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}{did_you_mean(backend, ATTENTION_BACKENDS)}; "
-                         f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {backend!r}{did_you_mean(backend, ATTENTION_BACKENDS)}; "
+            f"choose one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if not 0 <= prefix_len <= q.shape[2]:
@@ -61,8 +69,12 @@ def attention(
     if backend in flash.PACKAGES:
         functions = flash.load(backend)
         flash.check_inputs(backend, q)
-        return flash.flash_attention(q, k, v, causal=causal, prefix_len=prefix_len, key_padding_mask=key_padding_mask, functions=functions)
-    mask = build_mask(q.shape[2], causal=causal, prefix_len=prefix_len, key_padding_mask=key_padding_mask, device=q.device)
+        return flash.flash_attention(
+            q, k, v, causal=causal, prefix_len=prefix_len, key_padding_mask=key_padding_mask, functions=functions
+        )
+    mask = build_mask(
+        q.shape[2], causal=causal, prefix_len=prefix_len, key_padding_mask=key_padding_mask, device=q.device
+    )
     if backend == "reference":
         return reference_attention(q, k, v, mask=mask, causal=causal)
     return _sdpa(q, k, v, mask=mask, causal=causal, backend=backend)
@@ -80,7 +92,9 @@ def _sdpa(q, k, v, *, mask: torch.Tensor | None, causal: bool, backend: str) -> 
         if backend not in SDPA_KERNELS:
             raise
         what = f"{q.dtype} head_dim {q.shape[-1]} on {q.device.type}, {'a mask' if mask is not None else 'causal' if causal else 'no mask'}"
-        raise RuntimeError(f"attention backend {backend!r} cannot run {what}: {str(err).splitlines()[0]}; use 'sdpa' to let PyTorch choose") from None
+        raise RuntimeError(
+            f"attention backend {backend!r} cannot run {what}: {str(err).splitlines()[0]}; use 'sdpa' to let PyTorch choose"
+        ) from None
 
 
 def build_mask(
@@ -131,7 +145,10 @@ def reference_attention(q, k, v, *, mask: torch.Tensor | None, causal: bool) -> 
 @assume_constant_result
 def auto_backend(device_type: str, device_index: int, dtype: torch.dtype, head_dim: int) -> str:
     """The fastest backend for these inputs; logged once per distinct decision. Runs eagerly under torch.compile."""
-    choice, why = "sdpa", "PyTorch picks its fused kernel per call: flash for causal, memory-efficient or cuDNN under a mask"
+    choice, why = (
+        "sdpa",
+        "PyTorch picks its fused kernel per call: flash for causal, memory-efficient or cuDNN under a mask",
+    )
     if device_type == "cuda":
         usable = [name for name in flash.PACKAGES if flash.usable(name, device_index, dtype, head_dim)]
         if usable:

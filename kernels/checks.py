@@ -55,45 +55,69 @@ def _values_and_grads(label: str, dtype, out, expected, inputs, reference_inputs
     grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7)).to(expected.device)
     got = torch.autograd.grad(out, inputs, grad.to(out.dtype))
     want = torch.autograd.grad(expected, reference_inputs, grad)
-    return [compare(label, out, expected, dtype)] + [compare(f"{label} d{n}", g, w, dtype) for g, w, n in zip(got, want, names)]
+    return [compare(label, out, expected, dtype)] + [
+        compare(f"{label} d{n}", g, w, dtype) for g, w, n in zip(got, want, names)
+    ]
 
 
 def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device, backend: str = "triton") -> list[Check]:
     gen = torch.Generator().manual_seed(0)
-    (x, w), (xr, wr) = _leaves(dtype, device, torch.randn(shape, generator=gen), 1 + 0.1 * torch.randn(shape[-1], generator=gen))
+    (x, w), (xr, wr) = _leaves(
+        dtype, device, torch.randn(shape, generator=gen), 1 + 0.1 * torch.randn(shape[-1], generator=gen)
+    )
     out = rms_norm(x, w, 1e-5, backend=backend)
     expected = F.rms_norm(xr, (shape[-1],), wr, 1e-5)
-    return _values_and_grads(f"rms_norm {backend} {_dtype(dtype)} {shape}", dtype, out, expected, (x, w), (xr, wr), "xw")
+    return _values_and_grads(
+        f"rms_norm {backend} {_dtype(dtype)} {shape}", dtype, out, expected, (x, w), (xr, wr), "xw"
+    )
 
 
 def check_swiglu(shape: tuple[int, ...], dtype: torch.dtype, device, backend: str = "triton") -> list[Check]:
     gen = torch.Generator().manual_seed(1)
-    (gate, up), (gr, ur) = _leaves(dtype, device, 3 * torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    (gate, up), (gr, ur) = _leaves(
+        dtype, device, 3 * torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    )
     out = swiglu(gate, up, backend=backend)
     expected = F.silu(gr) * ur
-    return _values_and_grads(f"swiglu {backend} {_dtype(dtype)} {shape}", dtype, out, expected, (gate, up), (gr, ur), ("gate", "up"))
+    return _values_and_grads(
+        f"swiglu {backend} {_dtype(dtype)} {shape}", dtype, out, expected, (gate, up), (gr, ur), ("gate", "up")
+    )
 
 
-def check_rotary(shape: tuple[int, int, int, int], dtype: torch.dtype, device, backend: str = "triton", heads_last: bool = False) -> list[Check]:
+def check_rotary(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, device, backend: str = "triton", heads_last: bool = False
+) -> list[Check]:
     """x [B, H, S, D]; ``heads_last`` lays it out as projections viewed as heads ([B, S, H, D] memory)."""
     batch, heads, seq, head_dim = shape
     gen = torch.Generator().manual_seed(2)
     angles = torch.outer(torch.arange(seq + 5, dtype=torch.float32), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
     cos, sin = angles.cos().to(device), angles.sin().to(device)  # longer than the sequence, as in the model
-    base = torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2) if heads_last else torch.randn(shape, generator=gen)
+    base = (
+        torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2)
+        if heads_last
+        else torch.randn(shape, generator=gen)
+    )
     (x,), (xr,) = _leaves(dtype, device, base)
     out = apply_rotary(x, cos, sin, backend=backend)
     half = head_dim // 2
     # Reference as complex multiplication by e^{iθ}: an independent statement of the rotation.
-    turned = torch.complex(xr[..., :half], xr[..., half:]) * torch.polar(torch.ones_like(cos[:seq]), angles[:seq].to(device))
+    turned = torch.complex(xr[..., :half], xr[..., half:]) * torch.polar(
+        torch.ones_like(cos[:seq]), angles[:seq].to(device)
+    )
     expected = torch.cat((turned.real, turned.imag), dim=-1)
     layout = "bshd" if heads_last else "bhsd"
-    return _values_and_grads(f"rotary {backend} {_dtype(dtype)} {shape} {layout}", dtype, out, expected, (x,), (xr,), "x")
+    return _values_and_grads(
+        f"rotary {backend} {_dtype(dtype)} {shape} {layout}", dtype, out, expected, (x,), (xr,), "x"
+    )
 
 
-def check_linear_cross_entropy(rows: int, dim: int, vocab: int, dtype: torch.dtype, device, backend: str = "triton") -> list[Check]:
+def check_linear_cross_entropy(
+    rows: int, dim: int, vocab: int, dtype: torch.dtype, device, backend: str = "triton"
+) -> list[Check]:
     gen = torch.Generator().manual_seed(3)
-    (h, w), (hr, wr) = _leaves(dtype, device, torch.randn(rows, dim, generator=gen), torch.randn(vocab, dim, generator=gen) / dim**0.5)
+    (h, w), (hr, wr) = _leaves(
+        dtype, device, torch.randn(rows, dim, generator=gen), torch.randn(vocab, dim, generator=gen) / dim**0.5
+    )
     targets = torch.randint(0, vocab, (rows,), generator=gen)
     targets[1::4] = -100
     targets = targets.to(device)
@@ -107,16 +131,34 @@ def check_linear_cross_entropy(rows: int, dim: int, vocab: int, dtype: torch.dty
     checks += [compare(f"{label} d{name}", g, r, dtype) for g, r, name in zip(got, want, ("hidden", "weight"))]
     # Predictions must be an argmax: their logit at most the tolerance below the row's maximum (ties may go either way).
     shortfall = logits.max(dim=-1).values - logits.gather(1, predicted[:, None]).squeeze(1)
-    checks.append(Check(f"{label} predictions are the argmax", shortfall.max().item(), TOLERANCE[dtype] * logits.abs().max().item()))
+    checks.append(
+        Check(
+            f"{label} predictions are the argmax", shortfall.max().item(), TOLERANCE[dtype] * logits.abs().max().item()
+        )
+    )
     return checks
 
 
 def check_attention(
-    backend: str, dtype: torch.dtype, device, *, kv_heads: int, causal: bool, prefix_len: int, padded: bool, seq: int = 11, head_dim: int = 16
+    backend: str,
+    dtype: torch.dtype,
+    device,
+    *,
+    kv_heads: int,
+    causal: bool,
+    prefix_len: int,
+    padded: bool,
+    seq: int = 11,
+    head_dim: int = 16,
 ) -> list[Check]:
     """``backend`` against ``reference``; outputs and gradients compared at real (unpadded) positions only."""
     gen = torch.Generator().manual_seed(4)
-    (q, k, v), _ = _leaves(dtype, device, torch.randn(2, 4, seq, head_dim, generator=gen), *torch.randn(2, 2, kv_heads, seq, head_dim, generator=gen))
+    (q, k, v), _ = _leaves(
+        dtype,
+        device,
+        torch.randn(2, 4, seq, head_dim, generator=gen),
+        *torch.randn(2, 2, kv_heads, seq, head_dim, generator=gen),
+    )
     mask = None
     real = torch.ones(2, seq, dtype=torch.bool, device=device)
     if padded:
@@ -131,7 +173,9 @@ def check_attention(
         results.append((out * keep, *torch.autograd.grad((out.float() * weight).sum(), (q, k, v))))
     mask_name = "block-causal" if causal and prefix_len > 1 else "causal" if causal else "full"
     label = f"attention {backend} {_dtype(dtype)} kv_heads={kv_heads} {mask_name}{' padded' if padded else ''}"
-    return [compare(f"{label} {part}", got, want, dtype) for got, want, part in zip(*results, ("out", "dq", "dk", "dv"))]
+    return [
+        compare(f"{label} {part}", got, want, dtype) for got, want, part in zip(*results, ("out", "dq", "dk", "dv"))
+    ]
 
 
 def _dtype(dtype: torch.dtype) -> str:

@@ -22,7 +22,12 @@ MIN_CHUNK_ROWS = 128  # below this the chunk's matmuls get too thin to run well
 
 
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, backend: str = "auto",
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    ignore_index: int = -100,
+    backend: str = "auto",
     per_sample: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(mean loss over targets != ignore_index, argmax predictions shaped like targets).
@@ -46,8 +51,13 @@ def linear_cross_entropy(
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):
         loss, predictions, _, _ = torch.ops.uma.linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-            _row_weights(targets, ignore_index, per_sample, _accumulation_dtype(hidden.dtype)), ignore_index, use_triton, needs_grad,
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            targets.reshape(-1),
+            _row_weights(targets, ignore_index, per_sample, _accumulation_dtype(hidden.dtype)),
+            ignore_index,
+            use_triton,
+            needs_grad,
         )
     return loss, predictions.view(targets.shape)
 
@@ -74,14 +84,24 @@ def chunk_rows(n_rows: int, dim: int, vocab: int) -> int:
 
 @torch.library.custom_op("uma::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, row_weights: Tensor, ignore_index: int, use_triton: bool, needs_grad: bool
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    row_weights: Tensor,
+    ignore_index: int,
+    use_triton: bool,
+    needs_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, predictions, d loss/d hidden, d loss/d weight); the gradients are empty unless ``needs_grad``."""
     n_rows = hidden.shape[0]
     losses = torch.empty(n_rows, dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
     predictions = torch.empty(n_rows, dtype=torch.int64, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if needs_grad else hidden.new_empty(0)
-    grad_weight = torch.zeros(weight.shape, dtype=_accumulation_dtype(weight.dtype), device=weight.device) if needs_grad else weight.new_empty(0)
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=_accumulation_dtype(weight.dtype), device=weight.device)
+        if needs_grad
+        else weight.new_empty(0)
+    )
     rows_in_place = _triton_rows if use_triton else _torch_rows
     step = chunk_rows(n_rows, hidden.shape[1], weight.shape[0])
     for start in range(0, n_rows, step):
@@ -95,14 +115,24 @@ def _linear_cross_entropy(
                 grad_weight.addmm_(logits.T, chunk)  # in place: no vocabulary-sized temporary
             else:
                 grad_weight.add_(logits.T @ chunk)  # half precision products, float32 sum over chunks
-    return (losses * row_weights).sum(), predictions, grad_hidden, grad_weight.to(weight.dtype) if needs_grad else grad_weight
+    return (
+        (losses * row_weights).sum(),
+        predictions,
+        grad_hidden,
+        grad_weight.to(weight.dtype) if needs_grad else grad_weight,
+    )
 
 
 @_linear_cross_entropy.register_fake
 def _(hidden, weight, targets, row_weights, ignore_index, use_triton, needs_grad):
     grad_hidden = hidden.new_empty(hidden.shape if needs_grad else (0,))
     grad_weight = weight.new_empty(weight.shape if needs_grad else (0,))
-    return hidden.new_empty((), dtype=_accumulation_dtype(hidden.dtype)), targets.new_empty(targets.shape, dtype=torch.int64), grad_hidden, grad_weight
+    return (
+        hidden.new_empty((), dtype=_accumulation_dtype(hidden.dtype)),
+        targets.new_empty(targets.shape, dtype=torch.int64),
+        grad_hidden,
+        grad_weight,
+    )
 
 
 def _save(ctx, inputs, output) -> None:
@@ -115,7 +145,15 @@ def _backward(ctx, grad_loss, _predictions, _grad_hidden, _grad_weight):
         raise RuntimeError("linear_cross_entropy ran without gradients (grad mode was off or no input required grad)")
     # Scaled out of place, so a second backward through the same graph gets the same gradients: the
     # zero-bubble pipeline schedules run one for the input's gradient, then one for the weight's.
-    return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None, None, None, None
+    return (
+        grad_hidden * grad_loss.to(grad_hidden.dtype),
+        grad_weight * grad_loss.to(grad_weight.dtype),
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save)
@@ -127,7 +165,9 @@ def _triton_rows(logits, targets, row_weights, losses, predictions, ignore_index
     kernel.rows_in_place(logits, targets, row_weights.contiguous(), losses, predictions, ignore_index)
 
 
-def _torch_rows(logits: Tensor, targets: Tensor, row_weights: Tensor, losses: Tensor, predictions: Tensor, ignore_index: int) -> None:
+def _torch_rows(
+    logits: Tensor, targets: Tensor, row_weights: Tensor, losses: Tensor, predictions: Tensor, ignore_index: int
+) -> None:
     """The Triton kernel's contract in eager PyTorch: losses, argmax, and logits := d loss/d logits."""
     x = logits.to(losses.dtype)
     lse = x.logsumexp(dim=-1)

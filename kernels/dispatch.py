@@ -55,7 +55,9 @@ class KernelConfig:
             value = getattr(self, field.name)
             choices = allowed.get(field.name, OP_BACKENDS)
             if value not in choices:
-                raise ValueError(f"kernels.{field.name}: unknown backend {value!r}{did_you_mean(value, choices)} (choose from {', '.join(choices)})")
+                raise ValueError(
+                    f"kernels.{field.name}: unknown backend {value!r}{did_you_mean(value, choices)} (choose from {', '.join(choices)})"
+                )
         self._check_installed()
 
     def _check_installed(self) -> None:
@@ -101,10 +103,12 @@ def resolve(op: str, backend: str, device_type: str, dtype: torch.dtype) -> str:
     return _resolve(op, backend, device_type, dtype, triton_interpreting())
 
 
-@functools.lru_cache(maxsize=None)  # called for every op of every forward: decide once per case
+@functools.cache  # called for every op of every forward: decide once per case
 def _resolve(op: str, backend: str, device_type: str, dtype: torch.dtype, interpreting: bool) -> str:
     if backend not in OP_BACKENDS:
-        raise ValueError(f"kernels.{op}: unknown backend {backend!r}{did_you_mean(backend, OP_BACKENDS)} (choose from {', '.join(OP_BACKENDS)})")
+        raise ValueError(
+            f"kernels.{op}: unknown backend {backend!r}{did_you_mean(backend, OP_BACKENDS)} (choose from {', '.join(OP_BACKENDS)})"
+        )
     if backend == "torch":
         return "torch"
     if backend == "triton":

@@ -22,7 +22,9 @@ _ALIGNMENT_BYTES = 16
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def expert_feed_forward(x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, backend: str = "auto", swiglu_backend: str = "auto") -> Tensor:
+def expert_feed_forward(
+    x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, backend: str = "auto", swiglu_backend: str = "auto"
+) -> Tensor:
     """[T, dim] outputs of tokens x [T, dim], sorted by expert with ``counts`` [E] tokens each."""
     if _resolve(backend, x, w1) == "grouped":
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -54,7 +56,13 @@ def _resolve(backend: str, x: Tensor, w1: Tensor) -> str:
         return "grouped"
     supported = x.dtype in _GROUPED_DTYPES
     choice = "grouped" if aligned and supported else "loop"
-    why = "aligned shapes" if choice == "grouped" else "rows not 16-byte aligned" if supported else f"grouped_mm has no {x.dtype}"
+    why = (
+        "aligned shapes"
+        if choice == "grouped"
+        else "rows not 16-byte aligned"
+        if supported
+        else f"grouped_mm has no {x.dtype}"
+    )
     log_once(f"kernel experts: {choice} (auto: {why})")
     return choice
 

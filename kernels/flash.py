@@ -36,7 +36,7 @@ class FlashFunctions:
     varlen_func: Callable
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> FlashFunctions:
     module_name = PACKAGES[name][0]
     try:
@@ -55,7 +55,9 @@ def check_inputs(name: str, q: torch.Tensor) -> None:
     if q.device.type != "cuda":
         raise RuntimeError(f"attention backend {name!r} needs a CUDA GPU, got a {q.device.type} tensor")
     if q.dtype not in HALF_DTYPES:
-        raise RuntimeError(f"attention backend {name!r} supports float16 and bfloat16, got {q.dtype} (train with precision bf16-mixed)")
+        raise RuntimeError(
+            f"attention backend {name!r} supports float16 and bfloat16, got {q.dtype} (train with precision bf16-mixed)"
+        )
     if q.shape[-1] not in head_dims:
         raise RuntimeError(f"attention backend {name!r} does not support head_dim {q.shape[-1]}")
     if torch.cuda.get_device_capability(q.device) < capability:
@@ -88,13 +90,23 @@ def why_not(device_index: int, dtype: torch.dtype, head_dim: int) -> str:
     return f"head_dim {head_dim} or compute capability {torch.cuda.get_device_capability(max(device_index, 0))} unsupported"
 
 
-def flash_attention(q, k, v, *, causal: bool, prefix_len: int, key_padding_mask: torch.Tensor | None, functions: FlashFunctions) -> torch.Tensor:
+def flash_attention(
+    q, k, v, *, causal: bool, prefix_len: int, key_padding_mask: torch.Tensor | None, functions: FlashFunctions
+) -> torch.Tensor:
     """Attention with the masks of ``uma_lightning.kernels.attention``, on [B, H, S, D] tensors."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D], contiguous for projections viewed as heads
     block_causal = causal and 1 < prefix_len < q.shape[1]
     causal = causal and prefix_len < q.shape[1]  # a prefix spanning every token means no causal part
     if key_padding_mask is not None:
-        out = _padded(q, k, v, key_padding_mask.to(torch.bool), causal=causal, prefix_len=prefix_len if block_causal else 0, functions=functions)
+        out = _padded(
+            q,
+            k,
+            v,
+            key_padding_mask.to(torch.bool),
+            causal=causal,
+            prefix_len=prefix_len if block_causal else 0,
+            functions=functions,
+        )
     elif block_causal:
         prefix = _call(functions.func, q[:, :prefix_len], k[:, :prefix_len], v[:, :prefix_len], causal=False)
         rest = _call(functions.func, q[:, prefix_len:], k, v, causal=True)
@@ -118,20 +130,37 @@ def _padded(q, k, v, mask: torch.Tensor, *, causal: bool, prefix_len: int, funct
         prefix_lengths = mask[:, :prefix_len].sum(dim=1, dtype=torch.int32)
         pq, pk, pv = (t.index_select(0, prefix_rows) for t in packed)
         prefix = _varlen(functions, pq, pk, pv, prefix_lengths, prefix_lengths, causal=False)
-        rest = _varlen(functions, packed[0].index_select(0, rest_rows), packed[1], packed[2], lengths - prefix_lengths, lengths, causal=True)
+        rest = _varlen(
+            functions,
+            packed[0].index_select(0, rest_rows),
+            packed[1],
+            packed[2],
+            lengths - prefix_lengths,
+            lengths,
+            causal=True,
+        )
         out = torch.zeros_like(packed[0]).index_copy(0, prefix_rows, prefix).index_copy(0, rest_rows, rest)
     full = q.new_zeros(batch * seq, *q.shape[2:]).index_copy(0, real, out)
     return full.view(batch, seq, *q.shape[2:])
 
 
-def _varlen(functions: FlashFunctions, q, k, v, q_lengths: torch.Tensor, k_lengths: torch.Tensor, *, causal: bool) -> torch.Tensor:
+def _varlen(
+    functions: FlashFunctions, q, k, v, q_lengths: torch.Tensor, k_lengths: torch.Tensor, *, causal: bool
+) -> torch.Tensor:
     if q.shape[0] == 0:
         return q
     cu_q = F.pad(q_lengths.cumsum(0, dtype=torch.int32), (1, 0))
     cu_k = F.pad(k_lengths.cumsum(0, dtype=torch.int32), (1, 0))
     return _call(
-        functions.varlen_func, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=int(q_lengths.max()), max_seqlen_k=int(k_lengths.max()),
+        functions.varlen_func,
+        q,
+        k,
+        v,
+        causal=causal,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=int(q_lengths.max()),
+        max_seqlen_k=int(k_lengths.max()),
     )
 
 

@@ -25,7 +25,9 @@ def convert_to_float8(model: nn.Module, device: torch.device | None = None) -> n
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
         found = torch.cuda.get_device_capability(device) if device.type == "cuda" else device.type
-        raise RuntimeError(f"kernels.linear=float8 needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper), found {found}")
+        raise RuntimeError(
+            f"kernels.linear=float8 needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper), found {found}"
+        )
     from torchao.float8 import convert_to_float8_training
 
     converted = []

@@ -35,7 +35,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: i
     optimizer.zero_grad()
 
 
-def save_module(root: Path, step: int, model, optimizer, async_save: bool = False, keep_last: int = 10, process_group=None) -> None:
+def save_module(
+    root: Path, step: int, model, optimizer, async_save: bool = False, keep_last: int = 10, process_group=None
+) -> None:
     """A checkpoint of a module and its optimizer, written as the training callback writes them."""
     state, tensors = encode_parts(model_and_optimizer(model, [optimizer]))
     writer = CheckpointWriter(root, keep_last, None, async_save, process_group)
@@ -56,6 +58,8 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     entries = tensor_metadata(checkpoint)
-    tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(("model/", "optimizer/"))}
+    tensors = {
+        key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(("model/", "optimizer/"))
+    }
     load_tensors(tensors, checkpoint, None)
     return tensors

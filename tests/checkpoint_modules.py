@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule
-
 from suite import RECIPE, TINY
+
 from uma_lightning.callbacks import ExpertLoad
 from uma_lightning.modules import PretrainModule
 from uma_lightning.parallel.pipeline import pipeline_of
@@ -134,12 +134,21 @@ class RollbackAt(Callback):
 
 
 # Post-training's flow model, small, trained from scratch, with its EMA.
-TINY_POSTTRAIN = {"class_path": "uma_lightning.modules.PosttrainModule",
-                  "init_args": {"network": {"size": TINY}, "expert": {"dim": 32, "ffn_dim": 64}, "init_from": None}}
+TINY_POSTTRAIN = {
+    "class_path": "uma_lightning.modules.PosttrainModule",
+    "init_args": {"network": {"size": TINY}, "expert": {"dim": 32, "ffn_dim": 64}, "init_from": None},
+}
 
 
-def resume_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_steps: int = 4, trainer: dict | None = None,
-                  base: str = RECIPE, model: dict | None = None) -> str:
+def resume_recipe(
+    path: Path,
+    record_dir: Path,
+    extra_callbacks=(),
+    every_n_steps: int = 4,
+    trainer: dict | None = None,
+    base: str = RECIPE,
+    model: dict | None = None,
+) -> str:
     """A recipe for the resume tests: ``base`` with ``model`` (NoisyPretrain by default), deterministic,
     checkpoints every ``every_n_steps``, each step recorded to ``record_dir``; ``trainer`` overrides trainer keys."""
     recipe = {
@@ -155,7 +164,10 @@ def resume_recipe(path: Path, record_dir: Path, extra_callbacks=(), every_n_step
             "val_check_interval": 5,
             "limit_val_batches": 2,
             "callbacks": [
-                {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": every_n_steps, "keep_last": 2}},
+                {
+                    "class_path": "uma_lightning.callbacks.ShardedCheckpoint",
+                    "init_args": {"every_n_steps": every_n_steps, "keep_last": 2},
+                },
                 {"class_path": "checkpoint_modules.RecordSteps", "init_args": {"dir": str(record_dir)}},
                 *extra_callbacks,
             ],

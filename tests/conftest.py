@@ -84,7 +84,10 @@ def pytest_runtest_protocol(item, nextitem):
     folder = Path(item.config.option.basetemp).parent
     alone = item.get_closest_marker("alone") is not None
     crowd = item.get_closest_marker("crowd") is not None
-    with locked(folder / "tests-crowd.lock") if crowd else nullcontext(), open(folder / "tests-running.lock", "a") as running:
+    with (
+        locked(folder / "tests-crowd.lock") if crowd else nullcontext(),
+        open(folder / "tests-running.lock", "a") as running,
+    ):
         with locked(folder / "tests-gate.lock"):
             fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         try:
@@ -189,17 +192,39 @@ def parity_on_two_processes():
     model shapes drawn at random; the pipeline with two interleaved stages per rank; a mixture of
     experts under ep, in 1F1B pipeline stages and under tp; and one injected bug per case."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case, recipe
+
     from uma_lightning.parallel.parity import check_parity, random_network
 
     def fault(name, strategies, *overrides):
         return parity_case(name, strategies, *overrides, "--model.init_args.fault", name, module=FAULT)
 
     vision = {"tokenizer": "keypoints", "film": True, "n_keypoints": 8, "channels": 8}
-    expert = ["--model.init_from", "null", "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}), "--data.action_horizon", "4"]
+    expert = [
+        "--model.init_from",
+        "null",
+        "--model.expert",
+        json.dumps({"dim": 32, "ffn_dim": 64}),
+        "--data.action_horizon",
+        "4",
+    ]
     cases = [
         parity_case("posttrain", "ddp,fsdp,tp", *expert, config=recipe("posttrain")),
-        parity_case("recipe", "ddp,fsdp,tp", "--model.network.environment_state_weight", "0.5", activation_checkpointing="ops", ac_every_n_blocks=2),
-        parity_case("keypoints", "tp", "--model.network.vision", json.dumps(vision), "--model.network.environment_state_weight", "0.5"),
+        parity_case(
+            "recipe",
+            "ddp,fsdp,tp",
+            "--model.network.environment_state_weight",
+            "0.5",
+            activation_checkpointing="ops",
+            ac_every_n_blocks=2,
+        ),
+        parity_case(
+            "keypoints",
+            "tp",
+            "--model.network.vision",
+            json.dumps(vision),
+            "--model.network.environment_state_weight",
+            "0.5",
+        ),
         *(parity_case(f"shape {seed}", "ddp,fsdp,tp", *random_network(seed)) for seed in (0, 1)),
         # Shapes 0 and 1 cannot be pipelined (an environment-state head; one layer): 2 can. The small
         # model's 1F1B pipeline runs in the experts case (a MoE layer in each stage).
@@ -208,8 +233,15 @@ def parity_on_two_processes():
         fault("rank_seed", "ddp,fsdp"),
         fault("wrong_dim", "tp"),
         fault("unreduced_norm", "tp"),
-        parity_case("interleaved", "pp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
-                    pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),
+        parity_case(
+            "interleaved",
+            "pp",
+            "--model.network.size",
+            json.dumps({**PARITY_SIZE, "n_layers": 4}),
+            pp_schedule="Interleaved1F1B",
+            pp_virtual_stages=2,
+            pp_microbatches=4,
+        ),
         fault("unscaled_microbatches", "pp"),
         parity_case("experts", "ep,pp", *PARITY_MOE),
         fault("wrong_rank", "ep", *PARITY_MOE),
@@ -228,18 +260,39 @@ def parity_on_four_processes():
     each rank's experts FSDP-sharded over 2), pp_fsdp, fsdp_tp and pp_fsdp_tp; gradients averaged over the wrong group; pipeline
     stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case
+
     from uma_lightning.parallel.parity import check_parity, random_network
 
-    switches = {"activation_checkpointing": "full", "compile": "blocks", "compile_backend": "aot_eager", "reshard_after_forward": False, "cpu_offload": True}
+    switches = {
+        "activation_checkpointing": "full",
+        "compile": "blocks",
+        "compile_backend": "aot_eager",
+        "reshard_after_forward": False,
+        "cpu_offload": True,
+    }
     cases = [
         parity_case("switches", "hsdp,fsdp_tp", **switches),
         parity_case("shape 2", "hsdp,fsdp_tp,pp_fsdp,pp_fsdp_tp", *random_network(2)),
         parity_case("experts 4", "ep_fsdp,pp_fsdp", *PARITY_MOE),
         parity_case("experts tp 4", "fsdp_tp,pp_fsdp_tp", *PARITY_MOE_TP),
         parity_case("wrong_group", "hsdp", "--model.init_args.fault", "wrong_group", module=FAULT),
-        parity_case("pipeline fsdp", "pp_fsdp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
-                    pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=4),
-        parity_case("pipeline tp", "pp_fsdp_tp", "--model.network.size", json.dumps({**PARITY_SIZE, "n_layers": 4}),
-                    pp_schedule="ZBVZeroBubble", pp_virtual_stages=2, pp_microbatches=2),
+        parity_case(
+            "pipeline fsdp",
+            "pp_fsdp",
+            "--model.network.size",
+            json.dumps({**PARITY_SIZE, "n_layers": 4}),
+            pp_schedule="Interleaved1F1B",
+            pp_virtual_stages=2,
+            pp_microbatches=4,
+        ),
+        parity_case(
+            "pipeline tp",
+            "pp_fsdp_tp",
+            "--model.network.size",
+            json.dumps({**PARITY_SIZE, "n_layers": 4}),
+            pp_schedule="ZBVZeroBubble",
+            pp_virtual_stages=2,
+            pp_microbatches=2,
+        ),
     ]
     return check_parity(cases)

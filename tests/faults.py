@@ -112,7 +112,9 @@ class HoldUntilSignalled(Callback):
     passes), so a test that signals a job once it logs that step meets it mid-training however fast it
     trains. List it after Preemption: its handler is chained, and Preemption acts at the next step."""
 
-    def __init__(self, at_step: int, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"), timeout_s: float = 120.0):
+    def __init__(
+        self, at_step: int, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"), timeout_s: float = 120.0
+    ):
         self.at_step = at_step
         self.signals = [getattr(signal, name) for name in signals]
         self.timeout_s = timeout_s

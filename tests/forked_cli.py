@@ -43,11 +43,15 @@ def _main(argv: list[str], log_path: str, cwd: str, env: dict, process_group: in
     main(argv)
 
 
-def start(argv: list[str], log_path: Path, cwd: Path, env: dict | None = None, process_group: int | None = None) -> multiprocessing.Process:
+def start(
+    argv: list[str], log_path: Path, cwd: Path, env: dict | None = None, process_group: int | None = None
+) -> multiprocessing.Process:
     """Start ``uma <argv>`` in ``cwd`` with ``env`` added to the environment, output appended to ``log_path``,
     in the process group ``process_group`` if given (its children, loader workers, then join it too)."""
     environment = {**os.environ, **(env or {})}
-    process = _CONTEXT.Process(target=_main, args=(argv, str(log_path), str(cwd), environment, process_group), daemon=False)
+    process = _CONTEXT.Process(
+        target=_main, args=(argv, str(log_path), str(cwd), environment, process_group), daemon=False
+    )
     process.start()
     return process
 
@@ -73,10 +77,15 @@ def start_ranks(argv: list[str], log_path: Path, cwd: Path, world_size: int = 2,
     output goes to ``rank_log(log_path, r)``."""
     job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size), "NODE_RANK": "0",
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size))}  # fmt: skip
-    return [start(argv, rank_log(log_path, rank), cwd, {**(env or {}), **job, "LOCAL_RANK": str(rank)}) for rank in range(world_size)]
+    return [
+        start(argv, rank_log(log_path, rank), cwd, {**(env or {}), **job, "LOCAL_RANK": str(rank)})
+        for rank in range(world_size)
+    ]
 
 
-def run_as_ranks(argv: list[str], log_path: Path, cwd: Path, world_size: int = 2, env: dict | None = None, timeout: float = 300) -> list:
+def run_as_ranks(
+    argv: list[str], log_path: Path, cwd: Path, world_size: int = 2, env: dict | None = None, timeout: float = 300
+) -> list:
     """Run ``uma <argv>`` as the ranks of one job (``start_ranks``) to completion; returns their exit
     statuses (-9: killed after ``timeout`` s) and writes their outputs, rank by rank, to ``log_path``."""
     ranks = start_ranks(argv, log_path, cwd, world_size, env)
@@ -87,7 +96,9 @@ def run_as_ranks(argv: list[str], log_path: Path, cwd: Path, world_size: int = 2
         if process.is_alive():
             process.kill()
             process.join()
-    Path(log_path).write_text("".join(rank_log(log_path, rank).read_text() for rank in range(world_size) if rank_log(log_path, rank).exists()))
+    Path(log_path).write_text(
+        "".join(rank_log(log_path, rank).read_text() for rank in range(world_size) if rank_log(log_path, rank).exists())
+    )
     return [process.exitcode for process in ranks]
 
 

@@ -86,7 +86,9 @@ def frame(camera: Camera, episode: int, t: int) -> np.ndarray:
 def vectors(episode: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """The state and action an episode records (float32, any values: they must come back exactly)."""
     rng = np.random.default_rng(1000 + episode)
-    return rng.normal(size=(length, STATE_DIM)).astype(np.float32), rng.normal(size=(length, ACTION_DIM)).astype(np.float32) * 3
+    return rng.normal(size=(length, STATE_DIM)).astype(np.float32), rng.normal(size=(length, ACTION_DIM)).astype(
+        np.float32
+    ) * 3
 
 
 def task_of(episode: int) -> str:
@@ -120,7 +122,11 @@ def _features(variant: Variant) -> dict[str, Any]:
             "names": ["height", "width", "channels"],
             "info": None,  # filled from the first episode's video, as lerobot does
         }
-    features["observation.state"] = {"dtype": "float32", "shape": [STATE_DIM], "names": _names(variant, "joint", STATE_DIM)}
+    features["observation.state"] = {
+        "dtype": "float32",
+        "shape": [STATE_DIM],
+        "names": _names(variant, "joint", STATE_DIM),
+    }
     features["action"] = {"dtype": "float32", "shape": [ACTION_DIM], "names": _names(variant, "motor", ACTION_DIM)}
     features["timestamp"] = {"dtype": "float32", "shape": [1], "names": None}
     for key in ("frame_index", "episode_index", "index", "task_index"):
@@ -142,7 +148,10 @@ def _stats(values: np.ndarray, image: bool) -> dict[str, np.ndarray]:
         flat = values.reshape(len(values), -1).astype(np.float64)
         shape = (flat.shape[1],)
     stats = {
-        "min": flat.min(axis=0), "max": flat.max(axis=0), "mean": flat.mean(axis=0), "std": flat.std(axis=0),
+        "min": flat.min(axis=0),
+        "max": flat.max(axis=0),
+        "mean": flat.mean(axis=0),
+        "std": flat.std(axis=0),
         **{f"q{round(q * 100):02d}": np.quantile(flat, q, axis=0) for q in QUANTILES},
     }
     stats = {name: value.reshape(shape) for name, value in stats.items()}
@@ -158,10 +167,15 @@ def _aggregate(per_episode: list[dict[str, dict[str, np.ndarray]]]) -> dict[str,
         counts = np.array([p["count"][0] for p in parts], dtype=np.float64)
         weights = counts.reshape(-1, *([1] * parts[0]["mean"].ndim)) / counts.sum()
         mean = (np.stack([p["mean"] for p in parts]) * weights).sum(axis=0)
-        variance = ((np.stack([p["std"] for p in parts]) ** 2 + (np.stack([p["mean"] for p in parts]) - mean) ** 2) * weights).sum(axis=0)
+        variance = (
+            (np.stack([p["std"] for p in parts]) ** 2 + (np.stack([p["mean"] for p in parts]) - mean) ** 2) * weights
+        ).sum(axis=0)
         agg = {
-            "min": np.min([p["min"] for p in parts], axis=0), "max": np.max([p["max"] for p in parts], axis=0),
-            "mean": mean, "std": np.sqrt(variance), "count": np.array([int(counts.sum())]),
+            "min": np.min([p["min"] for p in parts], axis=0),
+            "max": np.max([p["max"] for p in parts], axis=0),
+            "mean": mean,
+            "std": np.sqrt(variance),
+            "count": np.array([int(counts.sum())]),
         }
         for name in (n for n in parts[0] if n.startswith("q")):
             agg[name] = (np.stack([p[name] for p in parts]) * weights).sum(axis=0)
@@ -235,7 +249,9 @@ class _Writer:
         self.features = _features(variant)
         self.schema = pa.schema(
             [pa.field(k, _arrow_type(f)) for k, f in self.features.items() if f["dtype"] != "video"],
-            metadata={"huggingface": json.dumps({"info": {"features": {k: {"_type": "Value"} for k in self.features}}})},
+            metadata={
+                "huggingface": json.dumps({"info": {"features": {k: {"_type": "Value"} for k in self.features}}})
+            },
         )
         self.tasks: dict[str, int] = {}
         self.episode_stats: list[dict[str, dict[str, np.ndarray]]] = []
@@ -269,7 +285,8 @@ class _Writer:
         for camera in v.cameras:
             stats[camera.key] = _stats(np.stack([frame(camera, episode, t) for t in range(length)]), image=True)
         table = pa.table(
-            {k: pa.array(list(c) if c.ndim > 1 else c, type=self.schema.field(k).type) for k, c in columns.items()}, schema=self.schema
+            {k: pa.array(list(c) if c.ndim > 1 else c, type=self.schema.field(k).type) for k, c in columns.items()},
+            schema=self.schema,
         )
         row: dict[str, Any] = {"episode_index": episode, "tasks": [task], "length": length}
         if v.version == "v3.0":
@@ -297,8 +314,10 @@ class _Writer:
             self.data_writer = pq.ParquetWriter(path, schema=self.schema, compression="snappy", use_dictionary=True)
         self.data_writer.write_table(table)
         return {
-            "data/chunk_index": self.data_file[0], "data/file_index": self.data_file[1],
-            "dataset_from_index": self.frames, "dataset_to_index": self.frames + table.num_rows,
+            "data/chunk_index": self.data_file[0],
+            "data/file_index": self.data_file[1],
+            "dataset_from_index": self.frames,
+            "dataset_to_index": self.frames + table.num_rows,
         }
 
     def _append_video(self, camera: Camera, episode: int, length: int) -> dict[str, Any]:
@@ -321,8 +340,10 @@ class _Writer:
         self.videos[camera.key] = (chunk, file, start + duration)
         prefix = f"videos/{camera.key}"
         return {
-            f"{prefix}/chunk_index": chunk, f"{prefix}/file_index": file,
-            f"{prefix}/from_timestamp": start, f"{prefix}/to_timestamp": start + duration,
+            f"{prefix}/chunk_index": chunk,
+            f"{prefix}/file_index": file,
+            f"{prefix}/from_timestamp": start,
+            f"{prefix}/to_timestamp": start + duration,
         }
 
     def _buffer_meta(self, row: dict[str, Any]) -> None:
@@ -342,7 +363,13 @@ class _Writer:
             return
         table = pa.Table.from_pylist(self.meta_buffer)
         if self.meta_writer is None:
-            path = self.root / "meta" / "episodes" / f"chunk-{self.meta_file[0]:03d}" / f"file-{self.meta_file[1]:03d}.parquet"
+            path = (
+                self.root
+                / "meta"
+                / "episodes"
+                / f"chunk-{self.meta_file[0]:03d}"
+                / f"file-{self.meta_file[1]:03d}.parquet"
+            )
             path.parent.mkdir(parents=True, exist_ok=True)
             self.meta_writer = pq.ParquetWriter(path, schema=table.schema, compression="snappy", use_dictionary=True)
         self.meta_writer.write_table(table)
@@ -368,9 +395,14 @@ class _Writer:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
             self.features[camera.key]["info"] = {
-                "video.height": stream.height, "video.width": stream.width, "video.codec": stream.codec.canonical_name,
-                "video.pix_fmt": stream.pix_fmt, "video.is_depth_map": camera.depth, "video.fps": int(stream.base_rate),
-                "video.channels": 3, "has_audio": False,
+                "video.height": stream.height,
+                "video.width": stream.width,
+                "video.codec": stream.codec.canonical_name,
+                "video.pix_fmt": stream.pix_fmt,
+                "video.is_depth_map": camera.depth,
+                "video.fps": int(stream.base_rate),
+                "video.channels": 3,
+                "has_audio": False,
             }
 
     def finalize(self) -> None:
@@ -382,9 +414,14 @@ class _Writer:
             del stats[key]
         (meta / "stats.json").write_text(json.dumps(_json(stats), indent=4))
         info: dict[str, Any] = {
-            "codebase_version": v.version, "robot_type": "so100_follower",
-            "total_episodes": len(v.lengths), "total_frames": self.frames, "total_tasks": len(self.tasks),
-            "chunks_size": v.chunks_size, "fps": v.fps, "splits": {"train": f"0:{len(v.lengths)}"},
+            "codebase_version": v.version,
+            "robot_type": "so100_follower",
+            "total_episodes": len(v.lengths),
+            "total_frames": self.frames,
+            "total_tasks": len(self.tasks),
+            "chunks_size": v.chunks_size,
+            "fps": v.fps,
+            "splits": {"train": f"0:{len(v.lengths)}"},
         }
         if v.version == "v3.0":
             self.data_writer.close()
@@ -393,7 +430,8 @@ class _Writer:
             tasks = pd.DataFrame({"task_index": list(self.tasks.values())}, index=list(self.tasks))
             tasks.to_parquet(meta / "tasks.parquet")
             info.update(
-                data_files_size_in_mb=100, video_files_size_in_mb=200,
+                data_files_size_in_mb=100,
+                video_files_size_in_mb=200,
                 data_path="data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
                 video_path="videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
             )
@@ -404,7 +442,8 @@ class _Writer:
                 lines({"episode_index": e, "stats": _json(s)} for e, s in enumerate(self.episode_stats))
             )
             info.update(
-                total_chunks=(len(v.lengths) - 1) // v.chunks_size + 1, total_videos=len(v.lengths) * len(v.cameras),
+                total_chunks=(len(v.lengths) - 1) // v.chunks_size + 1,
+                total_videos=len(v.lengths) * len(v.cameras),
                 data_path="data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
                 video_path="videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
             )

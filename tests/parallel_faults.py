@@ -77,7 +77,9 @@ class InjectedFault(PretrainModule):
         super().configure_model()
         if self.fault == "unreduced_gradient":
             # Its pre-hook runs after FSDP's (registered on the block, around it): the weight it sees is the unsharded one.
-            self.model.get_submodule(self.UNREDUCED.removeprefix("model.").removesuffix(".weight")).register_forward_pre_hook(self._keep_local_grad)
+            self.model.get_submodule(
+                self.UNREDUCED.removeprefix("model.").removesuffix(".weight")
+            ).register_forward_pre_hook(self._keep_local_grad)
 
     def _keep_local_grad(self, linear, args):
         if linear.weight.requires_grad:
@@ -91,7 +93,9 @@ class InjectedFault(PretrainModule):
         if self.fault == "unscaled_microbatches" and pipeline is not None:
             for param in self.parameters():
                 if param.grad is not None:
-                    (param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad).mul_(pipeline.microbatches)
+                    (param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad).mul_(
+                        pipeline.microbatches
+                    )
         if self.fault == "unreduced_gradient" and self.trainer.world_size > 1:
             param = self.get_parameter(self.UNREDUCED)
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
@@ -152,7 +156,9 @@ def _parallelize_with_fault(model: FaultyRobot, mesh, config):
     if model.fault == "wrong_rank":
         block.ffn.dispatch = _ToNextRank(block.ffn.dispatch)
     if model.fault == "unsummed_experts":
-        block.ffn.experts.forward = functools.partial(local_experts_forward, block.ffn.experts, lambda param: param.to_local())
+        block.ffn.experts.forward = functools.partial(
+            local_experts_forward, block.ffn.experts, lambda param: param.to_local()
+        )
     return applied
 
 

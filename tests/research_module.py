@@ -37,7 +37,9 @@ class DeeperPretrain(PretrainModule):
 
     def build_model(self):
         backbone = self.model_config.backbone
-        self.model_config = dataclasses.replace(self.model_config, backbone=dataclasses.replace(backbone, n_layers=backbone.n_layers + self.extra_layers))
+        self.model_config = dataclasses.replace(
+            self.model_config, backbone=dataclasses.replace(backbone, n_layers=backbone.n_layers + self.extra_layers)
+        )
         return RobotTransformer(self.model_config)
 
 
@@ -57,4 +59,7 @@ class ProgressRobot(RobotFlowTransformer):
 
 
 # Wrapped on its own under FSDP and DDP, replicated under tensor parallelism.
-register_head(ProgressRobot, HeadPlan("progress", blocks=lambda model: [model.progress_head], tp_layout=replicated("progress_head")))
+register_head(
+    ProgressRobot,
+    HeadPlan("progress", blocks=lambda model: [model.progress_head], tp_layout=replicated("progress_head")),
+)

@@ -54,8 +54,15 @@ class PolicyDigest(Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         state = pl_module.policy.state_dict()
-        digest = hashlib.sha256(b"".join(state[name].detach().cpu().numpy().tobytes() for name in sorted(state))).hexdigest()
-        facts = {"digest": digest, "env_steps": trainer.datamodule.env_steps, "global_step": trainer.global_step,
-                 "policy_version": pl_module.policy_version, "world_size": trainer.world_size}
+        digest = hashlib.sha256(
+            b"".join(state[name].detach().cpu().numpy().tobytes() for name in sorted(state))
+        ).hexdigest()
+        facts = {
+            "digest": digest,
+            "env_steps": trainer.datamodule.env_steps,
+            "global_step": trainer.global_step,
+            "policy_version": pl_module.policy_version,
+            "world_size": trainer.world_size,
+        }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(facts))

@@ -50,9 +50,19 @@ class SlurmCluster:
         for name in ("state", "spool"):
             (self.root / name).mkdir()
         self.conf.write_text(self._config())
-        self._spawn([binaries["munged"], "--force", f"--socket={self.socket}", f"--key-file={key}",
-                     f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
-                     f"--seed-file={munge / 'munged.seed'}", "--foreground"], "munged")
+        self._spawn(
+            [
+                binaries["munged"],
+                "--force",
+                f"--socket={self.socket}",
+                f"--key-file={key}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'munged.seed'}",
+                "--foreground",
+            ],
+            "munged",
+        )
         self._wait_for(self.socket.exists, "munged", munge / "munged.log")
         self._spawn([binaries["slurmctld"], "-D", "-i", "-f", str(self.conf)], "slurmctld")
         self._spawn([binaries["slurmd"], "-D", "-N", self.node, "-f", str(self.conf)], "slurmd")
@@ -124,12 +134,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.socket},cred_expire={CRED_EXPIRE_S}
-StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}
-SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.pid'}
-SlurmctldLogFile={root / 'slurmctld.log'}
-SlurmdLogFile={root / 'slurmd.log'}
+StateSaveLocation={root / "state"}
+SlurmdSpoolDir={root / "spool"}
+SlurmctldPidFile={root / "slurmctld.pid"}
+SlurmdPidFile={root / "slurmd.pid"}
+SlurmctldLogFile={root / "slurmctld.log"}
+SlurmdLogFile={root / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

@@ -13,8 +13,8 @@ import torch
 
 from uma_lightning.cli import main
 from uma_lightning.data.spec import DataSpec
-from uma_lightning.ports import free_port  # noqa: F401  (the tests import it from here)
 from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size
+from uma_lightning.ports import free_port  # noqa: F401  (the tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -35,7 +35,16 @@ QUICK = [
 
 # Small data for the stage recipes run end to end (pretrain, midtrain, posttrain); validation runs
 # once, at the end of each stage.
-STAGE_DATA = ["--data.generation.n_episodes", "24", "--data.val_episodes", "4", "--data.loader.num_workers", "0", "--trainer.limit_val_batches", "4"]
+STAGE_DATA = [
+    "--data.generation.n_episodes",
+    "24",
+    "--data.val_episodes",
+    "4",
+    "--data.loader.num_workers",
+    "0",
+    "--trainer.limit_val_batches",
+    "4",
+]
 
 
 def recipe(name: str) -> str:
@@ -62,7 +71,9 @@ def assert_short_error(code, err, *fragments):
 
 # ---- a small robot model and inputs for it, without data or Lightning ------------------------------
 
-SPEC = DataSpec(cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10)
+SPEC = DataSpec(
+    cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10
+)
 
 
 def small_config(**overrides) -> RobotModelConfig:
@@ -75,7 +86,9 @@ def random_inputs(model: RobotTransformer, batch: int = 3, seed: int = 0):
     """Images, state, instruction tokens and binned action targets for ``model``, from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     spec = model.cfg.spec
-    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    images = torch.randint(
+        0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen
+    )
     state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
     text_ids, text_mask = model.text_tokenizer(["reach the red square", "go", "touch blue"][:batch])
     actions = torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
@@ -101,14 +114,29 @@ def counted_training_flops(model: RobotTransformer) -> int:
 PARITY_SIZE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
 # The same with 4 experts (top-2, one shared) in both layers, for the expert-parallel strategies and
 # pipeline stages; with a sequence loss and proportional bias steps, which move with every count.
-PARITY_EXPERTS = {"n_experts": 4, "top_k": 2, "n_shared": 1, "expert_dim": 32, "bias_update": "proportional", "bias_update_rate": 0.05}
+PARITY_EXPERTS = {
+    "n_experts": 4,
+    "top_k": 2,
+    "n_shared": 1,
+    "expert_dim": 32,
+    "bias_update": "proportional",
+    "bias_update_rate": 0.05,
+}
 PARITY_MOE = ["--model.network.size", json.dumps({**PARITY_SIZE, "moe": {**PARITY_EXPERTS, "aux_loss_weight": 0.01}})]
 # Without the sequence-level loss, which needs whole sequences: tensor parallelism splits them.
 PARITY_MOE_TP = ["--model.network.size", json.dumps({**PARITY_SIZE, "moe": PARITY_EXPERTS})]
 PARITY_DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0", "--data.batch_size", "8"]
 
 
-def parity_case(label: str, strategies: str, *overrides: str, module: str | None = None, config: str = RECIPE, steps: int = 3, **strategy_args):
+def parity_case(
+    label: str,
+    strategies: str,
+    *overrides: str,
+    module: str | None = None,
+    config: str = RECIPE,
+    steps: int = 3,
+    **strategy_args,
+):
     """A ``uma parity`` case: the recipe ``config`` (pretrain) with the small model, ``overrides`` and the
     LightningModule class ``module`` (with its init args as ``--model.init_args.KEY`` overrides)."""
     from uma_lightning.parallel.parity import Case, resolve

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from mlflow import MlflowClient
-
 from checkpoint_helpers import checkpoint_tensors
 from faults import Arrivals, Probe
+from mlflow import MlflowClient
 from suite import QUICK, RECIPE
+
 from uma_lightning.callbacks.anomalies import RollingZScore
 from uma_lightning.cli import UmaCLI, main
 from uma_lightning.tracking.mlflow_logger import local_store_uri
@@ -29,11 +29,18 @@ def callbacks(*specs) -> str:
 
 def uma_args(run_dir: Path, store: Path, experiment: str, *extra: str) -> list[str]:
     return [
-        "fit", "--config", RECIPE, *QUICK,
-        "--model", "faults.FaultyPretrain",
-        "--trainer.default_root_dir", str(run_dir),
-        "--trainer.logger.init_args.store_dir", str(store),
-        "--trainer.logger.init_args.experiment_name", experiment,
+        "fit",
+        "--config",
+        RECIPE,
+        *QUICK,
+        "--model",
+        "faults.FaultyPretrain",
+        "--trainer.default_root_dir",
+        str(run_dir),
+        "--trainer.logger.init_args.store_dir",
+        str(store),
+        "--trainer.logger.init_args.experiment_name",
+        experiment,
         *extra,
     ]
 
@@ -49,16 +56,29 @@ def halted(tmp_path_factory, mlflow_store):
     """NaN in the batch of step 3 (action: skip), then the loss times 20 at step 13 (action: halt)."""
     run_dir = tmp_path_factory.mktemp("anomalies") / "run"
     args = uma_args(
-        run_dir, mlflow_store, "anomalies",
-        "--model.nan_at_step", str(NAN_STEP),
-        "--model.spike_at_step", str(SPIKE_STEP),
-        "--trainer.max_steps", "20",
-        "--trainer.val_check_interval", "100",
-        "--trainer.callbacks", callbacks(
-            ("uma_lightning.callbacks.GradientAnomalies", {
-                "nonfinite_action": "skip", "loss_spike_action": "halt", "grad_norm_spike_action": "warn",
-                "min_history": 6, "window": 32,
-            }),
+        run_dir,
+        mlflow_store,
+        "anomalies",
+        "--model.nan_at_step",
+        str(NAN_STEP),
+        "--model.spike_at_step",
+        str(SPIKE_STEP),
+        "--trainer.max_steps",
+        "20",
+        "--trainer.val_check_interval",
+        "100",
+        "--trainer.callbacks",
+        callbacks(
+            (
+                "uma_lightning.callbacks.GradientAnomalies",
+                {
+                    "nonfinite_action": "skip",
+                    "loss_spike_action": "halt",
+                    "grad_norm_spike_action": "warn",
+                    "min_history": 6,
+                    "window": 32,
+                },
+            ),
             ("faults.Probe", {"steps": [NAN_STEP, SPIKE_STEP]}),
         ),
     )
@@ -67,8 +87,16 @@ def halted(tmp_path_factory, mlflow_store):
         main(args)
     client, run = only_run(mlflow_store, "anomalies")
     events = [json.loads(line) for line in (run_dir / "anomalies.jsonl").read_text().splitlines()]
-    return SimpleNamespace(code=exit_info.value.code, stderr=stderr.getvalue(), client=client, run=run, events=events,
-                           dir=run_dir, probe=Probe.records, tmp=run_dir.parent)
+    return SimpleNamespace(
+        code=exit_info.value.code,
+        stderr=stderr.getvalue(),
+        client=client,
+        run=run,
+        events=events,
+        dir=run_dir,
+        probe=Probe.records,
+        tmp=run_dir.parent,
+    )
 
 
 def same_weights(a: dict, b: dict) -> bool:
@@ -122,16 +150,26 @@ def test_rollback_returns_to_the_last_checkpoint_and_skips_the_batch(tmp_path, m
     run_dir, rollback_step, max_steps = tmp_path / "run", 5, 20
     cli = UmaCLI(
         uma_args(
-            run_dir, mlflow_store, "rollback",
-            "--model.nan_at_step", str(rollback_step),
-            "--data.val_episodes", "5",  # one training episode: its samples come round again within a few steps
-            "--trainer.max_steps", str(max_steps),
-            "--trainer.val_check_interval", "100",
-            "--trainer.callbacks", callbacks(
+            run_dir,
+            mlflow_store,
+            "rollback",
+            "--model.nan_at_step",
+            str(rollback_step),
+            "--data.val_episodes",
+            "5",  # one training episode: its samples come round again within a few steps
+            "--trainer.max_steps",
+            str(max_steps),
+            "--trainer.val_check_interval",
+            "100",
+            "--trainer.callbacks",
+            callbacks(
                 ("faults.Arrivals", {}),
                 ("uma_lightning.callbacks.GradientAnomalies", {"nonfinite_action": "rollback"}),
                 ("faults.Probe", {"steps": [rollback_step]}),
-                ("uma_lightning.callbacks.ShardedCheckpoint", {"every_n_steps": 3, "keep_last": 100, "async_save": False}),
+                (
+                    "uma_lightning.callbacks.ShardedCheckpoint",
+                    {"every_n_steps": 3, "keep_last": 100, "async_save": False},
+                ),
             ),
         )
     )
@@ -143,7 +181,10 @@ def test_rollback_returns_to_the_last_checkpoint_and_skips_the_batch(tmp_path, m
     # Right after the step: the weights and the step counter are those of the step-3 checkpoint.
     saved = checkpoint_tensors(run_dir / "checkpoints" / "step-000000003")
     assert Probe.records["global_step_after"][rollback_step] == 3
-    assert same_weights(Probe.records["after"][rollback_step], {k.removeprefix("model/"): v for k, v in saved.items() if k.startswith("model/")})
+    assert same_weights(
+        Probe.records["after"][rollback_step],
+        {k.removeprefix("model/"): v for k, v in saved.items() if k.startswith("model/")},
+    )
     # Training resumed at step 3 and ran to max_steps: steps 3..5 were trained twice.
     steps = [step for step, _ in cli.model.trained]
     assert steps == list(range(rollback_step + 1)) + list(range(3, max_steps))
@@ -151,8 +192,8 @@ def test_rollback_returns_to_the_last_checkpoint_and_skips_the_batch(tmp_path, m
 
     # The poisoned samples arrived again in later batches, and were left out of training every time.
     index = steps.index(rollback_step)
-    arrived_later = {i for _, ids in Arrivals.records[index + 1:] for i in ids}
-    trained_later = {i for _, ids in cli.model.trained[index + 1:] for i in ids}
+    arrived_later = {i for _, ids in Arrivals.records[index + 1 :] for i in ids}
+    trained_later = {i for _, ids in cli.model.trained[index + 1 :] for i in ids}
     assert blocked & arrived_later, "the test needs the poisoned samples to come round again"
     assert not blocked & trained_later
     assert cli.trainer.callbacks[1].state_dict()["blocked_samples"] == sorted(blocked)
@@ -173,4 +214,3 @@ def test_rolling_z_score_needs_history_and_ignores_a_flat_series():
     for _ in range(4):
         z.add(5.0)
     assert z.score(6.0) is None  # no spread: no z-score rather than an infinite one
-

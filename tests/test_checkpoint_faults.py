@@ -8,12 +8,12 @@ import random
 import time
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
+from checkpoint_modules import resume_recipe
 from mlflow import MlflowClient
 
-import forked_cli
-from checkpoint_modules import resume_recipe
 from uma_lightning.checkpoint import committed, read_manifest, verify
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
 from uma_lightning.cli import UmaCLI
@@ -24,7 +24,12 @@ ARGS = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.
 
 def write_recipe(path: Path) -> str:
     progress = {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}}
-    trainer = {"max_steps": MAX_STEPS, "val_check_interval": 7, "limit_val_batches": 1, "logger": {"init_args": {"experiment_name": "faults"}}}
+    trainer = {
+        "max_steps": MAX_STEPS,
+        "val_check_interval": 7,
+        "limit_val_batches": 1,
+        "logger": {"init_args": {"experiment_name": "faults"}},
+    }
     return resume_recipe(path, path.parent / "record", [progress], every_n_steps=2, trainer=trainer)
 
 
@@ -73,7 +78,18 @@ def test_a_checkpoint_commits_only_after_the_metrics_of_the_steps_before_it_are_
     real_commit, real_flush = writer.commit, mlflow_logger.flush_async_logging
     monkeypatch.setattr(writer, "commit", commit)
     monkeypatch.setattr(mlflow_logger, "flush_async_logging", slow_flush)
-    UmaCLI(["fit", "--config", recipe, *ARGS, "--trainer.max_steps", "6", "--trainer.default_root_dir", str(tmp_path / "run")])
+    UmaCLI(
+        [
+            "fit",
+            "--config",
+            recipe,
+            *ARGS,
+            "--trainer.max_steps",
+            "6",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert stored_at_commit == {f"step-{step:09d}": set(range(step)) for step in (2, 4, 6)}
 
 
@@ -82,7 +98,18 @@ def test_a_checkpoint_commits_only_after_the_metrics_of_the_steps_before_it_are_
 def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result(tmp_path, monkeypatch):
     recipe = write_recipe(tmp_path / "recipe.yaml")
     monkeypatch.chdir(tmp_path)  # the MLflow store (./mlruns) of both runs
-    reference = UmaCLI(["fit", "--config", recipe, *ARGS, "--trainer.default_root_dir", str(tmp_path / "reference"), "--trainer.logger", "false"])
+    reference = UmaCLI(
+        [
+            "fit",
+            "--config",
+            recipe,
+            *ARGS,
+            "--trainer.default_root_dir",
+            str(tmp_path / "reference"),
+            "--trainer.logger",
+            "false",
+        ]
+    )
     assert reference.trainer.global_step == MAX_STEPS
 
     run_dir = tmp_path / "run"
@@ -115,7 +142,9 @@ def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result
         process.kill()  # SIGKILL
         process.join()
         newest = max([step for step, _ in committed(checkpoints)], default=0)
-        kills.append((attempt, kind, round(time.monotonic() - began, 3), newest, [p.name for p in staging_dirs(checkpoints)]))
+        kills.append(
+            (attempt, kind, round(time.monotonic() - began, 3), newest, [p.name for p in staging_dirs(checkpoints)])
+        )
         assert_committed_checkpoints_are_valid(checkpoints)
     print("kills:", json.dumps(kills))
 
@@ -155,7 +184,10 @@ def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result
     checkpoints_before = file_stamps(checkpoints)
     rerun_log = tmp_path / "rerun.log"
     assert forked_cli.run(command, rerun_log, tmp_path, timeout=300) == 0, rerun_log.read_text()[-3000:]
-    assert f"trained 0 steps: the run is already at step {MAX_STEPS} (trainer.max_steps {MAX_STEPS})" in rerun_log.read_text()
+    assert (
+        f"trained 0 steps: the run is already at step {MAX_STEPS} (trainer.max_steps {MAX_STEPS})"
+        in rerun_log.read_text()
+    )
     assert file_stamps(checkpoints) == checkpoints_before
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == len(losses)

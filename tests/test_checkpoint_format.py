@@ -9,16 +9,23 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from checkpoint_helpers import backbone, full_state, optimizer_for, save_module, train_step
 from checkpoint_modules import RunsCommand
 from suite import REPO
-from uma_lightning.checkpoint import CheckpointError, CheckpointWriter, choose_checkpoint, committed, read_manifest, steps_to_keep, verify
+
+from uma_lightning.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    choose_checkpoint,
+    committed,
+    read_manifest,
+    steps_to_keep,
+    verify,
+)
 from uma_lightning.checkpoint.codec import decode, encode
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.cli import main
-
 
 
 def trained(seed: int = 0, steps: int = 2):
@@ -120,7 +127,9 @@ def test_loading_never_unpickles_objects(tmp_path):
     # A checkpoint index that would run a command if it were unpickled.
     RunsCommand.marker = tmp_path / "pwned"
     (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCommand()))
-    with pytest.raises(CheckpointError, match=r"\.metadata: not a valid checkpoint index: refusing to load posix.system"):
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata: not a valid checkpoint index: refusing to load posix.system"
+    ):
         load_module(backbone(), checkpoint)
     assert not RunsCommand.marker.exists()
     # Entries that torch.distributed.checkpoint stores as pickled bytes are refused too.

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
-
 from checkpoint_modules import LinearRegression, RunsCommand
+from lightning.pytorch import Callback, Trainer
 from suite import QUICK, RECIPE
+
 from uma_lightning.callbacks import ShardedCheckpoint
 from uma_lightning.checkpoint.manifest import MANIFEST, describe_files, read_manifest, write_json_durably
 from uma_lightning.cli import UmaCLI, main
@@ -62,8 +62,15 @@ def re_sign(checkpoint: Path) -> None:
 
 def fit(root: Path, max_steps: int) -> tuple[Trainer, NotesSteps, CountsBatches]:
     module, counter = NotesSteps(), CountsBatches()
-    trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                      callbacks=[counter, ShardedCheckpoint(every_n_steps=2)], default_root_dir=root)
+    trainer = Trainer(
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        callbacks=[counter, ShardedCheckpoint(every_n_steps=2)],
+        default_root_dir=root,
+    )
     trainer.fit(module)
     return trainer, module, counter
 
@@ -114,14 +121,19 @@ def test_a_checkpoint_that_verifies_but_cannot_load_is_skipped_then_refused(tmp_
     assert cli.trainer.checkpoint_callback.resumed_from == checkpoints / "step-000000002"
     assert cli.trainer.global_step == 4
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert re.search(r"skipping checkpoint .*step-000000003.*\.metadata: not a valid checkpoint index: refusing to load posix\.system", warnings)
+    assert re.search(
+        r"skipping checkpoint .*step-000000003.*\.metadata: not a valid checkpoint index: refusing to load posix\.system",
+        warnings,
+    )
     # Retention kept steps 3 and 4; `uma ckpt inspect` judges them as the resume does.
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step-000000003", "step-000000004"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main(["ckpt", "inspect", str(checkpoints)])
     listing = capsys.readouterr().out
-    assert exit_info.value.code == 0 and re.search(r"step-000000003  step 3 .* UNUSABLE: .*refusing to load posix\.system", listing), listing
+    assert exit_info.value.code == 0 and re.search(
+        r"step-000000003  step 3 .* UNUSABLE: .*refusing to load posix\.system", listing
+    ), listing
     assert f"resume would continue from: {checkpoints / 'step-000000004'}" in listing
     # With neither loadable: one error line and exit status 2, not a traceback.
     plant_command_index(checkpoints / "step-000000004", marker)
@@ -129,5 +141,7 @@ def test_a_checkpoint_that_verifies_but_cannot_load_is_skipped_then_refused(tmp_
         main([*run, "--trainer.max_steps", "6"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "uma: error" in line]
     assert exit_info.value.code == 2
-    assert len(errors) == 1 and re.match(rf"uma: error: {re.escape(str(checkpoints))}: none of the 2 checkpoint\(s\) is usable", errors[0]), errors
+    assert len(errors) == 1 and re.match(
+        rf"uma: error: {re.escape(str(checkpoints))}: none of the 2 checkpoint\(s\) is usable", errors[0]
+    ), errors
     assert not marker.exists()

@@ -10,12 +10,12 @@ parallelize_module, as the parallel strategies build them.
 import os
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
-
-import forked_cli
 from checkpoint_helpers import backbone, full_state, save_module, train_step
 from suite import free_port
+
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.checkpoint.storage import tensor_metadata
 
@@ -52,8 +52,15 @@ def tensor_parallel(model, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for layer in model.layers:
-        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(), "ffn.w1": ColwiseParallel(), "ffn.w3": ColwiseParallel(), "ffn.w2": RowwiseParallel()}
+        plan = {
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(),
+            "ffn.w1": ColwiseParallel(),
+            "ffn.w3": ColwiseParallel(),
+            "ffn.w2": RowwiseParallel(),
+        }
         parallelize_module(layer, mesh, plan)
     return model
 
@@ -124,7 +131,9 @@ def test_fsdp_on_two_ranks_loads_into_one_process(saved):
 def test_compiled_checkpointed_fsdp_checkpoint_loads_into_the_plain_model(saved):
     checkpoint = saved / "compiled" / "step-000000001"
     names = [key.removeprefix("model/") for key in tensor_metadata(checkpoint) if key.startswith("model/")]
-    assert names and not any(wrapper in name for name in names for wrapper in ("_orig_mod", "_checkpoint_wrapped", "_fsdp"))
+    assert names and not any(
+        wrapper in name for name in names for wrapper in ("_orig_mod", "_checkpoint_wrapped", "_fsdp")
+    )
     plain = backbone(seed=1)
     load_module(plain, checkpoint)
     expected = torch.load(saved / "compiled.pt", weights_only=True)

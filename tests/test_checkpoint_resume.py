@@ -3,18 +3,18 @@
 import json
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
-from safetensors.torch import load_file
-
-import forked_cli
-from suite import recipe
 from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
 from checkpoint_modules import MAX_STEPS, TINY_POSTTRAIN, crash_at, recorded_steps
 from checkpoint_modules import resume_recipe as write_recipe
+from safetensors.torch import load_file
+from suite import recipe
+
 from uma_lightning.cli import UmaCLI, main
-from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size
 
 # 16 batches per epoch: the runs cross an epoch boundary, and a checkpoint falls on its last batch.
 DATA = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "2"]
@@ -76,8 +76,11 @@ def test_exported_weights_load_into_a_plain_model_with_the_same_outputs(referenc
     with safe_open(output, "pt") as file:
         hparams = json.loads(file.metadata()["hyper_parameters"])
     config = RobotModelConfig(
-        backbone=load_size(hparams["network"]["size"]), spec=DataSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hparams["spec"].items()}),
-        vision=VisionConfig(**hparams["network"]["vision"]), max_text_len=hparams["network"]["max_text_len"], n_action_bins=hparams["n_action_bins"],
+        backbone=load_size(hparams["network"]["size"]),
+        spec=DataSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in hparams["spec"].items()}),
+        vision=VisionConfig(**hparams["network"]["vision"]),
+        max_text_len=hparams["network"]["max_text_len"],
+        n_action_bins=hparams["n_action_bins"],
     )
     plain = RobotTransformer(config)
     plain.load_state_dict(weights, strict=True)
@@ -99,17 +102,25 @@ def _launch_as_ranks(argv, log, cwd):
 
 PARALLEL = {
     # Lightning's DDP, its two processes forked by Lightning.
-    "ddp": ({"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2}, {},
-            lambda argv, log, cwd: forked_cli.run(argv, log, cwd, timeout=300)),
+    "ddp": (
+        {"strategy": "ddp_fork", "accelerator": "cpu", "devices": 2},
+        {},
+        lambda argv, log, cwd: forked_cli.run(argv, log, cwd, timeout=300),
+    ),
     # FSDP2 through the project's mesh strategy and the robot model's parallel plan.
     # Its two ranks started the way torchrun starts them (Lightning joins them instead of launching its own).
     "fsdp": ({"strategy": "fsdp", "accelerator": "cpu", "devices": 2}, {}, _launch_as_ranks),
     # Post-training's flow model and its EMA copy, laid out alike. The validation at step 5 runs the
     # EMA copy alone, and only backward puts what a forward gathered back in its DTensor form, so the
     # EMA update after it must.
-    **{f"{strategy} posttrain": ({"strategy": strategy, "accelerator": "cpu", "devices": 2},
-                                 {"base": recipe("posttrain"), "model": TINY_POSTTRAIN}, _launch_as_ranks)
-       for strategy in ("ddp", "fsdp")},
+    **{
+        f"{strategy} posttrain": (
+            {"strategy": strategy, "accelerator": "cpu", "devices": 2},
+            {"base": recipe("posttrain"), "model": TINY_POSTTRAIN},
+            _launch_as_ranks,
+        )
+        for strategy in ("ddp", "fsdp")
+    },
 }
 
 
@@ -121,8 +132,24 @@ def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
     status = {}
     for name, callbacks in (("reference", []), ("interrupted", [crash_at(11)]), ("resumed", [])):
         job = tmp_path / ("reference" if name == "reference" else "interrupted")
-        recipe_file = write_recipe(tmp_path / f"{name}.yaml", job / "record", callbacks, every_n_steps=3, trainer={**trainer, "max_steps": 14}, **stage)
-        argv = ["fit", "--config", recipe_file, *DATA, "--data.loader.num_workers", "1", "--trainer.default_root_dir", str(job / "run")]
+        recipe_file = write_recipe(
+            tmp_path / f"{name}.yaml",
+            job / "record",
+            callbacks,
+            every_n_steps=3,
+            trainer={**trainer, "max_steps": 14},
+            **stage,
+        )
+        argv = [
+            "fit",
+            "--config",
+            recipe_file,
+            *DATA,
+            "--data.loader.num_workers",
+            "1",
+            "--trainer.default_root_dir",
+            str(job / "run"),
+        ]
         status[name] = launch(argv, tmp_path / f"{name}.log", tmp_path)
     assert status["reference"] == 0 and status["resumed"] == 0 and status["interrupted"] != 0
     log = (tmp_path / "resumed.log").read_text()
@@ -133,7 +160,10 @@ def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
         seen = recorded_steps(tmp_path / "interrupted" / "record", rank)
         assert [r["step"] for r in seen] == list(range(1, 12)) + list(range(10, 15))
         for record in seen:
-            assert record["samples"] == expected[record["step"]]["samples"] and record["loss"] == expected[record["step"]]["loss"], (rank, record["step"])
+            assert (
+                record["samples"] == expected[record["step"]]["samples"]
+                and record["loss"] == expected[record["step"]]["loss"]
+            ), (rank, record["step"])
     final = "run/checkpoints/step-000000014"
     tensors = checkpoint_tensors(tmp_path / "interrupted" / final)
     assert_bitwise_equal(tensors, checkpoint_tensors(tmp_path / "reference" / final))
@@ -143,9 +173,17 @@ def test_two_processes_resume_bit_for_bit(tmp_path, parallel):
 
 def test_rollback_mid_training_restores_the_newest_checkpoint(tmp_path):
     rollback = {"class_path": "checkpoint_modules.RollbackAt", "init_args": {"step": 10}}
-    cli = fit(write_recipe(tmp_path / "recipe.yaml", tmp_path / "record", [rollback]), tmp_path / "run", "--trainer.max_steps", "12")
+    cli = fit(
+        write_recipe(tmp_path / "recipe.yaml", tmp_path / "record", [rollback]),
+        tmp_path / "run",
+        "--trainer.max_steps",
+        "12",
+    )
     callback = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RollbackAt")
     assert callback.rolled_back_to == 8  # checkpoints every 4 steps
     saved = checkpoint_tensors(tmp_path / "run" / "checkpoints" / "step-000000008")
-    assert_bitwise_equal({f"model/{k}": v for k, v in callback.weights_after.items()}, {k: v for k, v in saved.items() if k.startswith("model/")})
+    assert_bitwise_equal(
+        {f"model/{k}": v for k, v in callback.weights_after.items()},
+        {k: v for k, v in saved.items() if k.startswith("model/")},
+    )
     assert cli.trainer.global_step == 12  # training went on

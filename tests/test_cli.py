@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from suite import QUICK, RECIPE, REPO, assert_short_error, recipe, run_main
-from uma_lightning.data.generate import RealisticPreset, generate_realistic
+
 from uma_lightning.cli import UmaCLI, expand_includes
+from uma_lightning.data.generate import RealisticPreset, generate_realistic
 
 
 def resolved_config(args, capsys) -> dict:
@@ -46,24 +46,49 @@ def test_print_config_is_fully_resolved(capsys):
     assert config["trainer"]["logger"]["init_args"]["experiment_name"] == "pretrain"
     # ...and the size preset expanded to its dimensions.
     assert config["model"]["init_args"]["network"]["size"] == {
-        "dim": 192, "n_layers": 4, "n_heads": 6, "n_kv_heads": 2, "ffn_dim": 512,
-        "norm_eps": 1e-5, "rope_theta": 10000.0, "name": "tiny", "moe": None,
+        "dim": 192,
+        "n_layers": 4,
+        "n_heads": 6,
+        "n_kv_heads": 2,
+        "ffn_dim": 512,
+        "norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "name": "tiny",
+        "moe": None,
     }
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "midtrain", "posttrain"])
 def test_grounded_vision_fragment_adds_to_every_stage_recipe(stage, capsys):
-    code, out, err = run_main(["fit", "--config", str(REPO / f"recipes/{stage}.yaml"), "--config", str(REPO / "configs/vision/grounded.yaml"), "--print_config"], capsys)
+    code, out, err = run_main(
+        [
+            "fit",
+            "--config",
+            str(REPO / f"recipes/{stage}.yaml"),
+            "--config",
+            str(REPO / "configs/vision/grounded.yaml"),
+            "--print_config",
+        ],
+        capsys,
+    )
     assert code in (0, None), err
     model, data = (yaml.safe_load(out)[key]["init_args"] for key in ("model", "data"))
     network = model["network"]
-    assert network["vision"]["tokenizer"] == "keypoints" and network["vision"]["film"] and network["environment_state_weight"] == 10.0
+    assert (
+        network["vision"]["tokenizer"] == "keypoints"
+        and network["vision"]["film"]
+        and network["environment_state_weight"] == 10.0
+    )
     assert model["optimizer"]["lr"] == 1e-3 and data["generation"]["n_episodes"] == 2000
-    assert model["optimizer"]["warmup_steps"] == {"pretrain": 30, "midtrain": 30, "posttrain": 50}[stage]  # the recipe's, kept
+    assert (
+        model["optimizer"]["warmup_steps"] == {"pretrain": 30, "midtrain": 30, "posttrain": 50}[stage]
+    )  # the recipe's, kept
 
 
 def test_any_key_can_be_overridden_on_the_command_line(capsys):
-    config = resolved_config(["--model.network.size", "small", "--trainer.max_steps", "50", "--data.batch_size", "8"], capsys)
+    config = resolved_config(
+        ["--model.network.size", "small", "--trainer.max_steps", "50", "--data.batch_size", "8"], capsys
+    )
     assert config["model"]["init_args"]["network"]["size"]["dim"] == 768
     assert config["model"]["init_args"]["network"]["size"]["name"] == "small"
     assert config["trainer"]["max_steps"] == 50
@@ -115,7 +140,13 @@ def test_a_setting_that_moved_into_a_section_says_where_it_went(tmp_path, capsys
 def test_unknown_key_of_a_dataclass_argument_names_it_and_suggests(tmp_path, capsys):
     recipe = write_recipe(tmp_path, {"model": {"init_args": {"network": {"vision": {"tokenizr": "keypoints"}}}}})
     code, _, err = run_main(["fit", "--config", recipe], capsys)
-    assert_short_error(code, err, recipe, "unknown key 'model.network.vision.tokenizr': model.network.vision takes no key 'tokenizr'", "did you mean 'tokenizer'?")
+    assert_short_error(
+        code,
+        err,
+        recipe,
+        "unknown key 'model.network.vision.tokenizr': model.network.vision takes no key 'tokenizr'",
+        "did you mean 'tokenizer'?",
+    )
     code, _, err = run_main(["fit", "--config", RECIPE, "--model.optimizer", '{"lrr": 1}'], capsys)
     assert_short_error(code, err, "model.optimizer takes no key 'lrr'", "did you mean 'lr'?")
 
@@ -140,7 +171,12 @@ def test_missing_included_fragment_names_both_files(tmp_path, capsys):
 
 def test_unknown_class_suggests_the_close_one(capsys):
     code, _, err = run_main(["fit", "--config", RECIPE, "--model", "uma_lightning.modules.PretrainModul"], capsys)
-    assert_short_error(code, err, "command line: model: unknown class 'uma_lightning.modules.PretrainModul'", "did you mean 'uma_lightning.modules.PretrainModule'?")
+    assert_short_error(
+        code,
+        err,
+        "command line: model: unknown class 'uma_lightning.modules.PretrainModul'",
+        "did you mean 'uma_lightning.modules.PretrainModule'?",
+    )
 
 
 def test_unknown_model_size_suggests(capsys):
@@ -164,11 +200,18 @@ def test_bad_value_found_while_building_objects_is_a_config_error(tmp_path, caps
 def test_research_subclass_trains_through_class_path(tmp_path):
     cli = UmaCLI(
         [
-            "fit", "--config", RECIPE, *QUICK,
-            "--model", "research_module.LabelSmoothedPretrain",
-            "--model.smoothing", "0.2",
-            "--trainer.default_root_dir", str(tmp_path / "run"),
-            "--trainer.logger", "false",
+            "fit",
+            "--config",
+            RECIPE,
+            *QUICK,
+            "--model",
+            "research_module.LabelSmoothedPretrain",
+            "--model.smoothing",
+            "0.2",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--trainer.logger",
+            "false",
         ]
     )
     from research_module import LabelSmoothedPretrain
@@ -179,23 +222,45 @@ def test_research_subclass_trains_through_class_path(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert float(metrics["train/plain_loss"]) < float(metrics["train/loss"])  # smoothing adds a penalty
     assert (tmp_path / "run" / "config.yaml").is_file()
-    assert (tmp_path / "run" / "checkpoints" / "step-000000004" / "manifest.json").is_file()  # saved when training ended
+    assert (
+        tmp_path / "run" / "checkpoints" / "step-000000004" / "manifest.json"
+    ).is_file()  # saved when training ended
 
 
 @pytest.mark.slow  # a new interpreter
 def test_console_script_runs(tmp_path):
     result = subprocess.run(
         [Path(sys.executable).parent / "uma", "fit", "--config", RECIPE, "--print_config"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["trainer"]["max_steps"] == 300
 
 
-def test_post_training_on_several_cameras_is_refused_before_a_step_when_it_evaluates_in_the_one_camera_simulator(tmp_path, capsys):
+def test_post_training_on_several_cameras_is_refused_before_a_step_when_it_evaluates_in_the_one_camera_simulator(
+    tmp_path, capsys
+):
     preset = RealisticPreset(n_episodes=2, seconds=8 / 30, image_size=32, n_cameras=2, codec="h264", gop=2)
     root = generate_realistic(tmp_path / "two-cameras", preset)
-    code, out, err = run_main(["fit", "--config", recipe("posttrain"), "--data.init_args.root", str(root), "--data.init_args.val_episodes", "1",
-                               "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"], capsys)
-    assert_short_error(code, err, "trainer.callbacks: ClosedLoopEval", "2 cameras (observation.images.cam_0, observation.images.cam_1)")
+    code, out, err = run_main(
+        [
+            "fit",
+            "--config",
+            recipe("posttrain"),
+            "--data.init_args.root",
+            str(root),
+            "--data.init_args.val_episodes",
+            "1",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--trainer.logger",
+            "false",
+        ],
+        capsys,
+    )
+    assert_short_error(
+        code, err, "trainer.callbacks: ClosedLoopEval", "2 cameras (observation.images.cam_0, observation.images.cam_1)"
+    )
     assert not (tmp_path / "run" / "checkpoints").exists()

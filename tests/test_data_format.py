@@ -15,8 +15,8 @@ import pytest
 
 from uma_lightning.data.generate import CAMERA, Rollout, rollout_expert
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, DatasetError, LeRobotMetadata
-from uma_lightning.data.writer import LeRobotWriter
 from uma_lightning.data.video import VideoError, decode_frames_at, decode_video, encode_video, rgb_to_yuv420p
+from uma_lightning.data.writer import LeRobotWriter
 from uma_lightning.sim import PlanarArmConfig, PlanarArmEnv
 
 FPS = 10.0
@@ -90,7 +90,9 @@ def test_av1_encoding_prints_only_errors_unless_svt_log_asks_for_more(tmp_path, 
         "encode_video(np.zeros((4, 32, 32, 3), np.uint8), sys.argv[1], 30, codec='av1')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "SVT_LOG"} | ({"SVT_LOG": user_level} if user_level else {})
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "a.mp4")], env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a.mp4")], env=env, capture_output=True, text=True, check=True
+    )
     printed = done.stdout + done.stderr
     assert ("Svt[info]" in printed) == (user_level == "3"), printed[-2000:]
 
@@ -103,7 +105,13 @@ def test_video_encoding_is_deterministic(tmp_path, rollouts):
 
 def test_colour_conversion_gives_bt601_limited_range_with_block_mean_chroma():
     red, green, blue, white = (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)
-    expected_yuv = {red: (81, 90, 240), green: (145, 54, 34), blue: (41, 240, 110), white: (235, 128, 128), (0, 0, 0): (16, 128, 128)}
+    expected_yuv = {
+        red: (81, 90, 240),
+        green: (145, 54, 34),
+        blue: (41, 240, 110),
+        white: (235, 128, 128),
+        (0, 0, 0): (16, 128, 128),
+    }
     for rgb, (y, cb, cr) in expected_yuv.items():
         planes = rgb_to_yuv420p(np.full((2, 4, 3), rgb, dtype=np.uint8))
         assert planes.shape == (3, 4)
@@ -250,7 +258,10 @@ def rewrite_parquet(path, transform):
     "damage, message",
     [
         (lambda path: path.unlink(), r"episode 1: data file .*episode_000001\.parquet is missing"),
-        (lambda path: path.write_bytes(b"not a parquet file"), r"episode 1: cannot read parquet file .*episode_000001\.parquet"),
+        (
+            lambda path: path.write_bytes(b"not a parquet file"),
+            r"episode 1: cannot read parquet file .*episode_000001\.parquet",
+        ),
         (
             lambda path: path.write_bytes(path.read_bytes()[:-100]),
             r"episode 1: cannot read parquet file .*episode_000001\.parquet",

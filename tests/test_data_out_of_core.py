@@ -19,8 +19,14 @@ def synthetic_dataset(root, episodes: int, frames: int, size: int):
     blocks = rng.integers(0, 256, (size // 8, size // 8, 3), dtype=np.uint8)
     texture = np.kron(blocks, np.ones((16, 16, 1), dtype=np.uint8))  # [2 size, 2 size, 3]
     with LeRobotWriter(
-        root, fps=10, cameras=(CAMERA,), image_size=(size, size), state_names=list("abcde"), action_names=list("xyz"),
-        version="v3.0", video_file_mb=0.5,
+        root,
+        fps=10,
+        cameras=(CAMERA,),
+        image_size=(size, size),
+        state_names=list("abcde"),
+        action_names=list("xyz"),
+        version="v3.0",
+        video_file_mb=0.5,
     ) as writer:
         for episode in range(episodes):
             shifts = [(episode * 7 + t * 3) % size for t in range(frames)]
@@ -37,15 +43,18 @@ def test_streaming_a_dataset_much_larger_than_the_caches_keeps_rss_bounded(tmp_p
     decoded_bytes = episodes * frames * size * size * 3
     cache_mb, slack_mb = 2, 8  # slack: allocator and decoder buffers that come and go
     dm = RobotDataModule(
-        root=str(root), batch_size=16, val_episodes=0, order={"shuffle_buffer": 64},
+        root=str(root),
+        batch_size=16,
+        val_episodes=0,
+        order={"shuffle_buffer": 64},
         loader={"num_workers": 1, "decode_cache_mb": cache_mb, "max_open_files": 4, "persistent_workers": True},
     )
     dm.setup("fit")
     assert decoded_bytes > 4 * (cache_mb + slack_mb) * 2**20  # the data is several times the whole allowance
     loader = dm.train_dataloader()
     rss = []
-    for epoch in range(2):
-        for batch in loader:
+    for _epoch in range(2):
+        for _batch in loader:
             worker = psutil.Process().children()[0]
             rss.append(worker.memory_info().rss)
     baseline, peak = max(rss[:5]), max(rss[5:])
@@ -70,8 +79,10 @@ def test_s3_dataset_streams_through_a_bounded_checked_cache(s3, tmp_path, caplog
     settings = dict(batch_size=8, val_episodes=1, order={"shuffle_buffer": 32})
     with caplog.at_level(logging.INFO, logger="uma_lightning.data.datamodule"):
         remote = RobotDataModule(
-            root="s3://robots/arm", storage={"options": options, "cache_dir": str(tmp_path / "cache"), "cache_gb": limit / 2**30},
-            loader={"num_workers": 1, "persistent_workers": False}, **settings,
+            root="s3://robots/arm",
+            storage={"options": options, "cache_dir": str(tmp_path / "cache"), "cache_gb": limit / 2**30},
+            loader={"num_workers": 1, "persistent_workers": False},
+            **settings,
         )
         remote.setup("fit")
         remote_batches = list(remote.train_dataloader())
@@ -113,5 +124,8 @@ def test_s3_dataset_streams_through_a_bounded_checked_cache(s3, tmp_path, caplog
         ShardCache(tmp_path / "tiny", 100, fs).get(video)
     fs.rm("robots/arm/data/chunk-000/episode_000002.parquet")
     meta = LeRobotMetadata.load(Storage("s3://robots/arm", tmp_path / "cache2", storage_options=options))
-    with pytest.raises(DatasetError, match=r"episode 2: data file s3://robots/arm/data/chunk-000/episode_000002\.parquet: .* is missing"):
+    with pytest.raises(
+        DatasetError,
+        match=r"episode 2: data file s3://robots/arm/data/chunk-000/episode_000002\.parquet: .* is missing",
+    ):
         meta.read_episode(2)

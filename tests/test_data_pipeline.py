@@ -58,7 +58,9 @@ def keys_of(batches):
 
 def datamodule(root, loader=(), order=(), **overrides):
     loader = {"num_workers": 0, "persistent_workers": False, **dict(loader)}
-    settings = dict(root=str(root), batch_size=8, val_episodes=1, loader=loader, order={"shuffle_buffer": 32, **dict(order)})
+    settings = dict(
+        root=str(root), batch_size=8, val_episodes=1, loader=loader, order={"shuffle_buffer": 32, **dict(order)}
+    )
     settings.update(overrides)
     dm = RobotDataModule(**settings)
     dm.setup("fit")
@@ -83,7 +85,16 @@ def test_v30_holds_many_episodes_per_file_and_reads_the_same_samples_as_v21(v21,
     a, b = (FrameDataset(meta, n_obs_steps=2, action_horizon=3, environment_state=True) for meta in (old, new))
     for row in range(0, len(a), 7):
         x, y = a[row], b[row]
-        for key in ("state", "actions", "obs_mask", "action_mask", "episode_index", "frame_index", "sample_id", "environment_state"):
+        for key in (
+            "state",
+            "actions",
+            "obs_mask",
+            "action_mask",
+            "episode_index",
+            "frame_index",
+            "sample_id",
+            "environment_state",
+        ):
             assert torch.equal(x[key], y[key]), key
         assert x["instruction"] == y["instruction"]
         # Re-encoded once more by the conversion: close, not equal.
@@ -110,7 +121,9 @@ def test_uma_data_info_stats_and_preview(v30, tmp_path, capsys, monkeypatch):
     stats = json.loads(capsys.readouterr().out)
     meta = LeRobotMetadata.load(v30)
     actions = np.concatenate([meta.read_episode(e).action for e in range(4)]).astype(np.float64)
-    assert np.allclose(stats["action"]["mean"], actions.mean(0)) and np.allclose(stats["action"]["q99"], np.quantile(actions, 0.99, axis=0))
+    assert np.allclose(stats["action"]["mean"], actions.mean(0)) and np.allclose(
+        stats["action"]["q99"], np.quantile(actions, 0.99, axis=0)
+    )
 
     assert data_tool(["info", str(tmp_path / "nothing")]) == 1
     assert "is not a directory" in capsys.readouterr().out
@@ -154,9 +167,14 @@ def test_order_is_seeded_and_covers_each_sample_once_per_epoch():
 
 
 def test_mixture_frequencies_match_the_weights():
-    layouts = [SourceLayout((30,) * 10, tuple((i,) for i in range(10))), SourceLayout((20,) * 5, ((0, 1), (2, 3), (4,)))]
+    layouts = [
+        SourceLayout((30,) * 10, tuple((i,) for i in range(10))),
+        SourceLayout((20,) * 5, ((0, 1), (2, 3), (4,))),
+    ]
     weights = (3.0, 1.0)
-    order = EpochOrder(layouts, OrderConfig(seed=0, batch_size=50, partitions=4, weights=weights, samples_per_epoch=20000), 0)
+    order = EpochOrder(
+        layouts, OrderConfig(seed=0, batch_size=50, partitions=4, weights=weights, samples_per_epoch=20000), 0
+    )
     datasets = np.concatenate([order.batch(b)[0] for b in range(order.n_batches)])
     n, p = len(datasets), 0.25
     assert n == 20000
@@ -190,7 +208,9 @@ def test_mixture_from_yaml_draws_each_dataset_with_its_weight_and_its_own_statis
     for batch in batches[:4]:
         for k, (d, e, f) in enumerate(zip(batch["dataset_index"], batch["episode_index"], batch["frame_index"])):
             raw = metas[d].read_episode(int(e)).action[int(f)]
-            assert torch.allclose(dm.denormalize_actions(batch["actions"][k, 0], dataset=int(d)), torch.from_numpy(raw.copy()), atol=1e-5)
+            assert torch.allclose(
+                dm.denormalize_actions(batch["actions"][k, 0], dataset=int(d)), torch.from_numpy(raw.copy()), atol=1e-5
+            )
     assert dm.normalizers[0][1].mode == "min_max" and dm.normalizers[1][1].mode == "mean_std"
 
 
@@ -241,7 +261,9 @@ def test_validation_gives_every_rank_the_same_number_of_batches(v21):
     config = dm.val_dataloader().stream.config
     single = list(RobotDataLoader(BatchStream(dm.val_sets, config), resumable=False))
     assert len(single) % 3 == 1, "the test needs a batch count that 3 ranks do not divide"
-    ranks = [list(RobotDataLoader(BatchStream(dm.val_sets, config, rank=r, world_size=3), resumable=False)) for r in range(3)]
+    ranks = [
+        list(RobotDataLoader(BatchStream(dm.val_sets, config, rank=r, world_size=3), resumable=False)) for r in range(3)
+    ]
     # Equal counts (a sharded forward would otherwise wait forever on the ranks with one batch less);
     # every batch is seen, and the ranks past the end repeat the first ones.
     assert [len(batches) for batches in ranks] == [(len(single) + 2) // 3] * 3
@@ -269,10 +291,20 @@ def fit(root, steps, workdir, ckpt_path=None, logger=False, callbacks=(), checkp
     dm = datamodule(root, loader={"num_workers": 1, "persistent_workers": True}, val_episodes=0)
     module = RecordingModule()
     if checkpoints:
-        callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=workdir, every_n_train_steps=1, save_top_k=-1), *callbacks]
+        callbacks = [
+            L.pytorch.callbacks.ModelCheckpoint(dirpath=workdir, every_n_train_steps=1, save_top_k=-1),
+            *callbacks,
+        ]
     trainer = L.Trainer(
-        max_steps=steps, logger=logger, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=list(callbacks), enable_checkpointing=checkpoints, default_root_dir=workdir, log_every_n_steps=1,
+        max_steps=steps,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        enable_checkpointing=checkpoints,
+        default_root_dir=workdir,
+        log_every_n_steps=1,
     )
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module.seen
@@ -311,13 +343,22 @@ def damage_parquet_type(root):
 
 
 DAMAGE = {
-    "missing-parquet": (lambda r: (r / "data/chunk-000/episode_000001.parquet").unlink(), r"episode 1: data file .*episode_000001\.parquet is missing"),
+    "missing-parquet": (
+        lambda r: (r / "data/chunk-000/episode_000001.parquet").unlink(),
+        r"episode 1: data file .*episode_000001\.parquet is missing",
+    ),
     "corrupt-parquet": (
         lambda r: (r / "data/chunk-000/episode_000001.parquet").write_bytes(b"PAR1 not really"),
         r"episode 1: cannot read parquet file .*episode_000001\.parquet",
     ),
-    "schema-disagrees": (damage_parquet_type, r"episode 1: .*episode_000001\.parquet: column 'action' has type .*double.*, meta/info.json declares"),
-    "missing-mp4": (lambda r: (r / f"videos/chunk-000/{CAMERA}/episode_000001.mp4").unlink(), r"episode 1: video file .*episode_000001\.mp4 is missing"),
+    "schema-disagrees": (
+        damage_parquet_type,
+        r"episode 1: .*episode_000001\.parquet: column 'action' has type .*double.*, meta/info.json declares",
+    ),
+    "missing-mp4": (
+        lambda r: (r / f"videos/chunk-000/{CAMERA}/episode_000001.mp4").unlink(),
+        r"episode 1: video file .*episode_000001\.mp4 is missing",
+    ),
     "truncated-mp4": (
         lambda r: (p := r / f"videos/chunk-000/{CAMERA}/episode_000001.mp4").write_bytes(p.read_bytes()[:300]),
         r"episode 1: .*episode_000001\.mp4",
@@ -334,7 +375,9 @@ def test_bad_data_is_an_error_naming_episode_and_file_or_is_skipped_and_counted(
     with pytest.raises((DatasetError, VideoError), match=message):
         list(loader)
 
-    skipping = datamodule(root, val_episodes=0, order={"shuffle_buffer": 0}, loader={"on_bad_data": "skip"}).train_dataloader()
+    skipping = datamodule(
+        root, val_episodes=0, order={"shuffle_buffer": 0}, loader={"on_bad_data": "skip"}
+    ).train_dataloader()
     with caplog.at_level(logging.WARNING, logger="uma_lightning.data.loader"):
         samples = keys_of(skipping)
     episode_1 = LeRobotMetadata.load(v21).episodes[1].length
@@ -351,7 +394,9 @@ def test_device_prefetcher_is_a_no_op_on_cpu():
     assert all(a is b for a, b in zip(DevicePrefetcher(batches, "cpu"), batches))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the prefetcher copies on a side CUDA stream")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: the prefetcher copies on a side CUDA stream"
+)
 def test_device_prefetcher_copies_on_a_side_stream_from_pinned_memory(v21):
     dm = datamodule(v21, loader={"num_workers": 1, "pin_memory": True})
     host = list(dm.train_dataloader())

@@ -31,14 +31,19 @@ def datasets(tmp_path_factory):
     base = tmp_path_factory.mktemp("realistic")
     presets = {
         "h264-gop2": RealisticPreset(n_episodes=3, seconds=20 / 30, image_size=32, n_cameras=2, codec="h264", gop=2),
-        "av1-gop10": RealisticPreset(n_episodes=3, seconds=20 / 30, image_size=32, n_cameras=2, codec="av1", gop=10, version="v3.0"),
+        "av1-gop10": RealisticPreset(
+            n_episodes=3, seconds=20 / 30, image_size=32, n_cameras=2, codec="av1", gop=10, version="v3.0"
+        ),
     }
     return {name: generate_realistic(base / name, preset) for name, preset in presets.items()}
 
 
 def datamodule(root, **loader):
     dm = RobotDataModule(
-        root=str(root), batch_size=4, n_obs_steps=2, val_episodes=0,
+        root=str(root),
+        batch_size=4,
+        n_obs_steps=2,
+        val_episodes=0,
         loader={"num_workers": 0, "persistent_workers": False, "plan_batches": 3, **loader},
         order={"shuffle_buffer": 8, "partitions": 2},
     )
@@ -53,7 +58,9 @@ def expected_images(meta, batch, size=None):
         timestamps = meta.read_episode(episode).timestamp.astype(np.float64)
         steps = timestamps[np.clip(t + np.array([-1, 0]), 0, len(timestamps) - 1)]
         per_camera = [
-            decode_frames_at(meta.video_path(episode, camera), meta.episodes[episode].videos[camera][1] + steps, size=size)
+            decode_frames_at(
+                meta.video_path(episode, camera), meta.episodes[episode].videos[camera][1] + steps, size=size
+            )
             for camera in meta.cameras
         ]
         images.append(np.stack(per_camera, axis=1))
@@ -76,7 +83,9 @@ def test_loader_returns_the_decoders_frames_bit_for_bit(datasets, name, workers)
 def test_a_worker_refills_an_image_buffer_only_once_training_has_let_go_of_it(datasets, start):
     """Persistent workers reuse their shared-memory image buffers across batches and epochs, and never
     one a batch still held in the training process uses: kept batches keep their frames."""
-    dm = datamodule(datasets["h264-gop2"], num_workers=1, persistent_workers=True, frame_store="off", multiprocessing_context=start)
+    dm = datamodule(
+        datasets["h264-gop2"], num_workers=1, persistent_workers=True, frame_store="off", multiprocessing_context=start
+    )
     meta, loader = dm.metadata[0], dm.train_dataloader()
     kept = list(loader) + list(loader)  # two epochs, every batch held
     pool = loader.stream.buffer_pool
@@ -84,14 +93,14 @@ def test_a_worker_refills_an_image_buffer_only_once_training_has_let_go_of_it(da
     for batch in kept:
         assert torch.equal(batch["images"], expected_images(meta, batch))
     del kept, batch
-    for epoch in range(3):  # now each batch is dropped after its check: the buffers go round
+    for _epoch in range(3):  # now each batch is dropped after its check: the buffers go round
         for batch in loader:
             assert torch.equal(batch["images"], expected_images(meta, batch))
         del batch
     # 42 batches more, none made: the training side holds at most 2, the worker has 2 in hand (of 6 slots).
     assert int(pool.allocations.sum()) == 28
     for stop_after in (2, 5):  # a pass stopped early leaves its loaded-ahead batches' slots to the next
-        for k, batch in enumerate(loader):
+        for k, _batch in enumerate(loader):
             if k == stop_after:
                 break
     for batch in loader:
@@ -105,7 +114,9 @@ def test_a_cache_too_small_for_an_epoch_still_decodes_each_frame_once(datasets, 
     once. Plain least-recently-used eviction converted 136."""
     converted = []
     to_rgb = VideoReader._rgb
-    monkeypatch.setattr(VideoReader, "_rgb", lambda reader, frame: converted.append((reader.path, frame.pts)) or to_rgb(reader, frame))
+    monkeypatch.setattr(
+        VideoReader, "_rgb", lambda reader, frame: converted.append((reader.path, frame.pts)) or to_rgb(reader, frame)
+    )
     dm = datamodule(datasets["h264-gop2"], frame_store="off", decode_cache_mb=0.2)
     meta = dm.metadata[0]
     batches = list(dm.train_dataloader())
@@ -183,9 +194,13 @@ def test_the_store_finds_frames_by_timestamp_within_the_tolerance_and_refuses_ot
     expected = decode_frames_at(meta.video_path(1, meta.cameras[1]), start + frames / 30)
     jitter = np.array([0, 4e-5, -4e-5, 0, 0, 9e-5])
     assert np.array_equal(store.frames(relative, start + frames / 30 + jitter, 1e-4), expected)
-    assert np.array_equal(store.frames(relative, start + np.array([2, 3]) / 30, 1e-4), expected[[1, 4]])  # a run: one slice
+    assert np.array_equal(
+        store.frames(relative, start + np.array([2, 3]) / 30, 1e-4), expected[[1, 4]]
+    )  # a run: one slice
     for missing in (start + 2.5 / 30, start + 100 / 30, -1.0):
-        with pytest.raises(VideoError, match=rf"{re.escape(str(store.directory))}.*no stored frame at timestamp {missing:.6f}s"):
+        with pytest.raises(
+            VideoError, match=rf"{re.escape(str(store.directory))}.*no stored frame at timestamp {missing:.6f}s"
+        ):
             store.frames(relative, np.array([start, missing]), 1e-4)
 
 
@@ -277,7 +292,9 @@ def test_reader_reaches_ahead_by_the_longest_gop_instead_of_seeking(datasets):
 
 def test_gpu_decode_script_cpu_smoke_falls_back_to_the_cpu_and_says_why(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "video_decode.py"
-    out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script), "--cpu-smoke"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "=== decoder choice: cpu (no GPU decoder" in out.stdout
     assert "all checks passed" in out.stdout and "FAILED" not in out.stdout
@@ -305,8 +322,12 @@ def test_the_frame_store_works_behind_the_s3_shard_cache(datasets, cache_dir, s3
 
     def remote_datamodule():
         dm = RobotDataModule(
-            root="s3://robots/store-source", batch_size=4, n_obs_steps=2, val_episodes=0,
-            loader={"num_workers": 0, "persistent_workers": False}, order={"shuffle_buffer": 8, "partitions": 2},
+            root="s3://robots/store-source",
+            batch_size=4,
+            n_obs_steps=2,
+            val_episodes=0,
+            loader={"num_workers": 0, "persistent_workers": False},
+            order={"shuffle_buffer": 8, "partitions": 2},
             storage={"options": options, "cache_dir": str(tmp_path / "shards")},
         )
         dm.setup("fit")

@@ -16,8 +16,8 @@ import uma_lightning.data.dataset as dataset_module
 import uma_lightning.data.generate as generate_module
 from uma_lightning.data import (
     CAMERA,
-    DataSpec,
     DatasetError,
+    DataSpec,
     FrameDataset,
     LeRobotMetadata,
     Normalizer,
@@ -105,12 +105,16 @@ def test_history_and_chunk_are_padded_and_masked_at_episode_edges(meta):
 def test_sample_dtypes_and_shapes(meta):
     sample = FrameDataset(meta, n_obs_steps=2, action_horizon=4, environment_state=True)[0]
     assert set(sample) == BATCH_KEYS
-    assert set(FrameDataset(meta, n_obs_steps=2, action_horizon=4)[0]) == BATCH_KEYS - {"environment_state"}  # only when asked for
+    assert set(FrameDataset(meta, n_obs_steps=2, action_horizon=4)[0]) == BATCH_KEYS - {
+        "environment_state"
+    }  # only when asked for
     assert sample["images"].dtype == torch.uint8 and sample["images"].shape == (2, 1, 32, 32, 3)
     assert sample["state"].dtype == torch.float32 and sample["state"].shape == (2, 5)
     assert sample["actions"].dtype == torch.float32 and sample["actions"].shape == (4, 3)
     assert sample["obs_mask"].dtype == torch.bool and sample["action_mask"].dtype == torch.bool
-    assert all(sample[k].dtype == torch.int64 and sample[k].shape == () for k in ("episode_index", "frame_index", "sample_id"))
+    assert all(
+        sample[k].dtype == torch.int64 and sample[k].shape == () for k in ("episode_index", "frame_index", "sample_id")
+    )
 
 
 @pytest.mark.parametrize(
@@ -221,7 +225,9 @@ def test_missing_video_frame_is_an_error_naming_file_and_timestamp(tiny_root, tm
     ds = FrameDataset(meta, episodes=[0])
     ds[0]
     last = len(frames) - 1
-    with pytest.raises(VideoError, match=rf"{re.escape(str(video_path))}: no frame at timestamp {last / meta.fps:.6f}s"):
+    with pytest.raises(
+        VideoError, match=rf"{re.escape(str(video_path))}: no frame at timestamp {last / meta.fps:.6f}s"
+    ):
         ds[last]
 
 
@@ -269,12 +275,16 @@ def test_concurrent_processes_generate_the_dataset_once(tmp_path):
     with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         processes = [
-            subprocess.Popen([sys.executable, "-c", script, str(cache)], stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(cache)], stdout=subprocess.PIPE, stderr=log.open("w"), text=True
+            )
             for log in logs
         ]
         deadline = time.monotonic() + 120
         while not all("waiting for another process" in log.read_text() for log in logs):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), [l.read_text() for l in logs]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), [
+                text.read_text() for text in logs
+            ]
             time.sleep(0.1)
         fcntl.flock(lock, fcntl.LOCK_UN)
     outputs = [p.communicate(timeout=120)[0].strip() for p in processes]
@@ -291,11 +301,21 @@ def test_concurrent_processes_generate_the_dataset_once(tmp_path):
 # ---------------------------------------------------------------------------------------- data module
 def test_datamodule_worker_batches_follow_the_contract(tiny_root):
     dm = RobotDataModule(
-        root=str(tiny_root), n_obs_steps=2, action_horizon=4, batch_size=8, val_episodes=1,
+        root=str(tiny_root),
+        n_obs_steps=2,
+        action_horizon=4,
+        batch_size=8,
+        val_episodes=1,
         loader={"num_workers": 2, "persistent_workers": False},
     )
     assert dm.spec == DataSpec(
-        cameras=(CAMERA,), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10.0,
+        cameras=(CAMERA,),
+        image_size=(32, 32),
+        state_dim=5,
+        action_dim=3,
+        n_obs_steps=2,
+        action_horizon=4,
+        fps=10.0,
         environment_state_dim=2,
     )
     dm.setup("fit")
@@ -319,7 +339,9 @@ def test_datamodule_worker_batches_follow_the_contract(tiny_root):
 
 def test_datamodule_splits_shuffles_reproducibly_and_denormalises(tiny_root, meta):
     def datamodule(seed):
-        dm = RobotDataModule(root=str(tiny_root), batch_size=16, loader={"num_workers": 0}, val_episodes=1, order={"seed": seed})
+        dm = RobotDataModule(
+            root=str(tiny_root), batch_size=16, loader={"num_workers": 0}, val_episodes=1, order={"seed": seed}
+        )
         dm.setup("fit")
         return dm
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from mlflow import MlflowClient
-
 from suite import QUICK, RECIPE
+
 from uma_lightning.callbacks import StepTimeBreakdown, ThroughputLogger
-from uma_lightning.callbacks.peak_flops import matmul_dtype, resolve_peak, table_entry, PEAK_TFLOPS
+from uma_lightning.callbacks.peak_flops import PEAK_TFLOPS, matmul_dtype, resolve_peak, table_entry
 from uma_lightning.cli import UmaCLI
 from uma_lightning.tracking.mlflow_logger import local_store_uri
 from uma_lightning.tracking.provenance import PACKAGE_DIR, git_diff, git_root
@@ -42,13 +42,21 @@ def run(tmp_path_factory, mlflow_store):
     try:
         cli = UmaCLI(
             [
-                "fit", "--config", RECIPE, *QUICK,
-                "--trainer.max_steps", str(STEPS),
-                "--trainer.default_root_dir", str(root / "run"),
-                "--trainer.logger.init_args.store_dir", str(mlflow_store),
+                "fit",
+                "--config",
+                RECIPE,
+                *QUICK,
+                "--trainer.max_steps",
+                str(STEPS),
+                "--trainer.default_root_dir",
+                str(root / "run"),
+                "--trainer.logger.init_args.store_dir",
+                str(mlflow_store),
                 "--trainer.callbacks+=uma_lightning.callbacks.ProfilerTraces",
-                "--trainer.callbacks.init_args.skip_first", "2",
-                "--trainer.callbacks.init_args.active", "1",
+                "--trainer.callbacks.init_args.skip_first",
+                "2",
+                "--trainer.callbacks.init_args.active",
+                "1",
             ]
         )
     finally:
@@ -133,15 +141,21 @@ def test_precision_picks_the_matmul_dtype():
 
 def test_a_peak_below_the_achieved_rate_is_raised_to_it(caplog):
     logger = ThroughputLogger(peak_tflops=1e-9)  # far below any real machine, like a probe on a busy one
-    module = SimpleNamespace(flops_per_sample=1e9, device=torch.device("cpu"), log_dict=lambda rates, batch_size: logged.append(rates))
-    trainer = SimpleNamespace(world_size=1, global_rank=0, strategy=None, precision="32-true", is_global_zero=True, loggers=[], logger=None)
+    module = SimpleNamespace(
+        flops_per_sample=1e9, device=torch.device("cpu"), log_dict=lambda rates, batch_size: logged.append(rates)
+    )
+    trainer = SimpleNamespace(
+        world_size=1, global_rank=0, strategy=None, precision="32-true", is_global_zero=True, loggers=[], logger=None
+    )
     logger.on_train_start(trainer, module)
     logged = []
     batch = {"sample_id": torch.arange(4)}
     for _ in range(3):
         logger.on_train_batch_end(trainer, module, None, batch, 0)
         time.sleep(0.01)
-    assert len(logged) == 2 and logged[0]["throughput/mfu_percent"] == pytest.approx(100.0)  # the first interval sets the peak
+    assert len(logged) == 2 and logged[0]["throughput/mfu_percent"] == pytest.approx(
+        100.0
+    )  # the first interval sets the peak
     assert logged[1]["throughput/mfu_percent"] <= 100.0 + 1e-9
     assert "above the peak of 1e-09 (the configured peak_tflops); using the achieved rate as the peak" in caplog.text
 
@@ -158,8 +172,14 @@ def test_a_probed_peak_is_measured_once_per_host_dtype_and_thread_count_then_rea
     monkeypatch.setattr(peak_flops, "probe_tflops", probe)
     cpu, cache, threads = torch.device("cpu"), tmp_path / "peak_tflops.json", torch.get_num_threads()
     peak, source = resolve_peak(cpu, "bf16-true")
-    assert peak == 3.0 and source == f"matmul probe on cpu (bf16) measured now, kept in {cache}; set peak_tflops to override"
-    assert resolve_peak(cpu, "bf16-true") == (3.0, f"matmul probe on cpu (bf16) measured earlier on this host ({cache}); set peak_tflops to override")
+    assert (
+        peak == 3.0
+        and source == f"matmul probe on cpu (bf16) measured now, kept in {cache}; set peak_tflops to override"
+    )
+    assert resolve_peak(cpu, "bf16-true") == (
+        3.0,
+        f"matmul probe on cpu (bf16) measured earlier on this host ({cache}); set peak_tflops to override",
+    )
     assert resolve_peak(cpu, "64-true")[0] == 0.5
     torch.set_num_threads(threads + 1)
     try:
@@ -190,7 +210,9 @@ def test_configured_peak_wins_and_a_bad_one_is_refused():
 @pytest.mark.alone
 def test_step_time_phases_add_up_to_the_measured_step(run):
     samples = history(run, "throughput/samples_per_sec")
-    phases = {name: history(run, f"time/{name}_ms") for name in ("overhead", "data_wait", "forward", "backward", "optimizer")}
+    phases = {
+        name: history(run, f"time/{name}_ms") for name in ("overhead", "data_wait", "forward", "backward", "optimizer")
+    }
     assert sorted(phases["forward"]) == list(range(STEPS))
     for name in ("forward", "backward", "optimizer"):
         assert all(value > 0 for value in phases[name].values()), name
@@ -243,8 +265,13 @@ class _Regression(L.LightningModule):
 def test_data_wait_is_the_loaders_time_not_the_work_between_steps(tmp_path):
     breakdown = StepTimeBreakdown()
     trainer = L.Trainer(
-        max_steps=6, logger=CSVLogger(tmp_path), log_every_n_steps=1, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[breakdown, _SlowBatchEnd()],
+        max_steps=6,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[breakdown, _SlowBatchEnd()],
     )
     trainer.fit(_Regression(), torch.utils.data.DataLoader(_SlowBatches(), batch_size=1))
     rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
@@ -319,5 +346,7 @@ def test_provenance_is_on_the_run_page(run):
 @pytest.mark.alone
 def test_a_healthy_run_reports_no_anomaly_and_leaves_no_watchdog_running(run):
     assert not (run.dir / "anomalies.jsonl").exists() and not (run.dir / "hang").exists()
-    assert not any(name.startswith("anomaly/") and name.endswith(("nonfinite", "spike")) for name in run.run.data.metrics)
+    assert not any(
+        name.startswith("anomaly/") and name.endswith(("nonfinite", "spike")) for name in run.run.data.metrics
+    )
     assert not [t for t in threading.enumerate() if t.name == "uma-hang-watchdog"]

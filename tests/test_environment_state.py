@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from suite import random_inputs, small_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from uma_lightning.checkpoint.weights import CheckpointWeights, load_weights
@@ -25,13 +26,13 @@ from uma_lightning.models.flow import ActionExpertConfig, RobotFlowTransformer
 from uma_lightning.modules import PosttrainModule, PretrainModule
 from uma_lightning.sim import PlanarArmConfig
 
-from suite import random_inputs, small_config
-
 MICRO = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
 
 
 def with_head(cfg: RobotModelConfig) -> RobotModelConfig:
-    return dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, environment_state_dim=2), environment_state_head=True)
+    return dataclasses.replace(
+        cfg, spec=dataclasses.replace(cfg.spec, environment_state_dim=2), environment_state_head=True
+    )
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -53,7 +54,12 @@ def test_generated_episodes_record_where_the_named_target_is(tmp_path):
 
 
 def test_batches_carry_the_normalised_environment_state(tmp_path):
-    dm = RobotDataModule(generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path)}, batch_size=6, loader={"num_workers": 0}, val_episodes=1)
+    dm = RobotDataModule(
+        generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path)},
+        batch_size=6,
+        loader={"num_workers": 0},
+        val_episodes=1,
+    )
     assert dm.spec.environment_state_dim == 2
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
@@ -74,7 +80,9 @@ def write_planar_dataset(root, environment_state_names=(), **episode):
 
 
 def test_writer_checks_the_environment_state(tmp_path):
-    with pytest.raises(ValueError, match=f"episode 0: {ENV_STATE_KEY} given, but the writer was created without its names"):
+    with pytest.raises(
+        ValueError, match=f"episode 0: {ENV_STATE_KEY} given, but the writer was created without its names"
+    ):
         write_planar_dataset(tmp_path / "a", environment_state=np.zeros((3, 2)))
     with pytest.raises(ValueError, match=f"episode 0: {ENV_STATE_KEY} is missing"):
         write_planar_dataset(tmp_path / "b", environment_state_names=["x", "y"])
@@ -94,10 +102,15 @@ def test_data_without_environment_state_cannot_feed_the_loss(tmp_path):
         FrameDataset(meta, environment_state=True)
     spec = RobotDataModule(root=str(root), loader={"num_workers": 0}, val_episodes=0, action_horizon=2).spec
     assert spec.environment_state_dim == 0
-    with pytest.raises(ValueError, match="environment_state_weight 0.5 needs data that records observation.environment_state"):
+    with pytest.raises(
+        ValueError, match="environment_state_weight 0.5 needs data that records observation.environment_state"
+    ):
         PretrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": 0.5})
     with pytest.raises(ValueError, match="environment_state_weight must be >= 0, got -1"):
-        PretrainModule(spec=dataclasses.replace(spec, environment_state_dim=2), network={"size": MICRO, "environment_state_weight": -1})
+        PretrainModule(
+            spec=dataclasses.replace(spec, environment_state_dim=2),
+            network={"size": MICRO, "environment_state_weight": -1},
+        )
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -113,17 +126,25 @@ def test_the_head_reads_the_observations_only():
         # The same as from the prefix encoded alone: the actions after it do not leak in.
         hidden, _ = model.encode_prefix(images, state, text_ids, text_mask)
         torch.testing.assert_close(predicted, model.predict_environment_state(hidden[:, -1]), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(model(images, state, text_ids, text_mask, actions.flip(1), with_environment_state=True)[1], predicted)
+        torch.testing.assert_close(
+            model(images, state, text_ids, text_mask, actions.flip(1), with_environment_state=True)[1], predicted
+        )
         garbage = text_ids.masked_fill(~text_mask, 17)
-        torch.testing.assert_close(model(images, state, garbage, text_mask, actions, with_environment_state=True)[1], predicted)
-        assert not torch.allclose(model(images.flip(0), state, text_ids, text_mask, actions, with_environment_state=True)[1], predicted)
+        torch.testing.assert_close(
+            model(images, state, garbage, text_mask, actions, with_environment_state=True)[1], predicted
+        )
+        assert not torch.allclose(
+            model(images.flip(0), state, text_ids, text_mask, actions, with_environment_state=True)[1], predicted
+        )
 
     flow = RobotFlowTransformer(with_head(small_config()), ActionExpertConfig(dim=32)).eval()
     noisy, t = torch.randn(3, 4, 3), torch.rand(3)
     with torch.no_grad():
         velocity, predicted = flow(images, state, text_ids, text_mask, noisy, t, with_environment_state=True)
         torch.testing.assert_close(velocity, flow(images, state, text_ids, text_mask, noisy, t))
-        torch.testing.assert_close(flow(images, state, text_ids, text_mask, -noisy, 1 - t, with_environment_state=True)[1], predicted)
+        torch.testing.assert_close(
+            flow(images, state, text_ids, text_mask, -noisy, 1 - t, with_environment_state=True)[1], predicted
+        )
     assert flow.backbone.norm.weight.requires_grad  # the head reads the final hidden states, through the final norm
     with pytest.raises(ValueError, match="environment_state_head needs data that records an environment state"):
         RobotModelConfig(backbone=small_config().backbone, spec=small_config().spec, environment_state_head=True)
@@ -132,7 +153,9 @@ def test_the_head_reads_the_observations_only():
 def test_the_head_is_counted_in_parameters_and_training_flops():
     cfg = with_head(small_config())
     model = RobotTransformer(cfg)
-    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters()) == count_parameters(small_config()) + 65 * 2
+    assert (
+        count_parameters(cfg) == sum(p.numel() for p in model.parameters()) == count_parameters(small_config()) + 65 * 2
+    )
     model.backbone.set_kernels(KernelConfig(attention="reference"))  # plain matmuls, which the counter sees one by one
     images, state, text_ids, text_mask, actions = random_inputs(model)
     with FlopCounterMode(display=False) as counter:
@@ -154,7 +177,12 @@ def test_the_head_is_counted_in_parameters_and_training_flops():
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
-    dm = RobotDataModule(generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path_factory.mktemp("cache"))}, batch_size=5, loader={"num_workers": 0}, val_episodes=1)
+    dm = RobotDataModule(
+        generation={"n_episodes": 4, "image_size": 32, "cache_dir": str(tmp_path_factory.mktemp("cache"))},
+        batch_size=5,
+        loader={"num_workers": 0},
+        val_episodes=1,
+    )
     dm.setup("fit")
     return dm, next(iter(dm.train_dataloader()))
 
@@ -165,7 +193,9 @@ def test_the_loss_adds_the_weighted_environment_state_error(embedded, module_cla
     modules = {}
     for weight in (0.0, 0.5):
         torch.manual_seed(0)
-        modules[weight] = module_class(spec=dm.spec, network={"size": MICRO, "environment_state_weight": weight}, normalization=dm.normalization())
+        modules[weight] = module_class(
+            spec=dm.spec, network={"size": MICRO, "environment_state_weight": weight}, normalization=dm.normalization()
+        )
         modules[weight].configure_model()
     plain, weighted = modules[0.0], modules[0.5]
     plain.model.load_state_dict(weighted.model.state_dict(), strict=False)  # the same weights, less the head
@@ -191,7 +221,9 @@ def test_stages_with_and_without_the_head_start_from_each_other(embedded):
     spec = dm.spec
     torch.manual_seed(0)
     pretrained = PretrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": 1.0}).build_model()
-    source = CheckpointWeights("pretrain.ckpt", {}, {k: v.clone() for k, v in pretrained.state_dict().items()}, ema=False, module_class=None)
+    source = CheckpointWeights(
+        "pretrain.ckpt", {}, {k: v.clone() for k, v in pretrained.state_dict().items()}, ema=False, module_class=None
+    )
     for weight in (1.0, 0.0):
         module = PosttrainModule(spec=spec, network={"size": MICRO, "environment_state_weight": weight})
         model = module.build_model()

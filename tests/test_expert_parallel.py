@@ -12,13 +12,13 @@ import os
 import time
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
-
-import forked_cli
 from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors, full_state, save_module
 from checkpoint_modules import resume_recipe
 from suite import REPO, free_port
+
 from uma_lightning.checkpoint import committed
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.models import MoEConfig, Transformer, TransformerConfig
@@ -51,7 +51,9 @@ def sharded(model: Transformer, mesh, ep: bool) -> Transformer:
     """The layout of ep_fsdp (experts over ep, the rest FSDP) or, without ``ep``, of plain fsdp."""
     if ep:
         apply_expert_parallel(model, mesh["ep"])
-    apply_fsdp(list(model.layers), model, mesh["dp_shard"], ParallelConfig(), ignored=expert_parameters(model) if ep else None)
+    apply_fsdp(
+        list(model.layers), model, mesh["dp_shard"], ParallelConfig(), ignored=expert_parameters(model) if ep else None
+    )
     return model
 
 
@@ -83,14 +85,20 @@ def ep_rank(rank: int, world_size: int, port: int, root: str) -> None:
     for (name, parameter), (_, whole) in zip(model.named_parameters(), reference.named_parameters()):
         if ".experts." in name:
             assert parameter.to_local().shape[0] == 2
-            torch.testing.assert_close(parameter.grad.to_local(), whole.grad[owned] / world_size, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                parameter.grad.to_local(), whole.grad[owned] / world_size, rtol=1e-5, atol=1e-6, msg=name
+            )
         else:
-            torch.testing.assert_close(parameter.grad.full_tensor(), whole.grad / world_size, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                parameter.grad.full_tensor(), whole.grad / world_size, rtol=1e-5, atol=1e-6, msg=name
+            )
     # The clipping norm spans both meshes (experts on ep, the rest on dp_shard): one process's norm,
     # in either order (the experts' part is small: first, a norm that missed the rest would show).
     expected_norm = torch.nn.utils.get_total_norm([p.grad / world_size for p in reference.parameters()])
     experts = expert_parameters(model)
-    experts_first = [p for p in model.parameters() if p in experts] + [p for p in model.parameters() if p not in experts]
+    experts_first = [p for p in model.parameters() if p in experts] + [
+        p for p in model.parameters() if p not in experts
+    ]
     for order in (list(model.parameters()), experts_first):
         torch.testing.assert_close(clip_grad_norm(order, math.inf), expected_norm)
     clip_grad_norm(list(model.parameters()), float(expected_norm) / 2)
@@ -174,7 +182,10 @@ def test_uma_fit_under_ep_fsdp_resumes_bit_for_bit_after_sigkill(tmp_path):
         runs[name] = ["fit", "--config", recipe, "--config", str(REPO / "configs" / "strategy" / "ep_fsdp.yaml"), "--trainer.strategy.init_args.ep", "2",
                       "--model.network.size", json.dumps(SMALL_MOE), *FIT_DATA, "--trainer.default_root_dir", str(tmp_path / name / "run")]  # fmt: skip
     assert forked_cli.run_as_ranks(runs["reference"], tmp_path / "reference.log", tmp_path, world_size=4) == [0] * 4
-    assert "strategy: FSDP x EP on mesh dp_replicate 1 x dp_shard 4 x tp 1 (ep 2: experts split over 2 ranks, held by 2)" in (tmp_path / "reference.log").read_text()
+    assert (
+        "strategy: FSDP x EP on mesh dp_replicate 1 x dp_shard 4 x tp 1 (ep 2: experts split over 2 ranks, held by 2)"
+        in (tmp_path / "reference.log").read_text()
+    )
 
     checkpoints = tmp_path / "interrupted" / "run" / "checkpoints"
     ranks = forked_cli.start_ranks(runs["interrupted"], tmp_path / "killed.log", tmp_path, world_size=4)
@@ -189,7 +200,10 @@ def test_uma_fit_under_ep_fsdp_resumes_bit_for_bit_after_sigkill(tmp_path):
     assert killed_at < FIT_STEPS
 
     assert forked_cli.run_as_ranks(runs["interrupted"], tmp_path / "resumed.log", tmp_path, world_size=4) == [0] * 4
-    assert f"resumed from {checkpoints / f'step-{killed_at:09d}'}: step {killed_at}" in (tmp_path / "resumed.log").read_text()
+    assert (
+        f"resumed from {checkpoints / f'step-{killed_at:09d}'}: step {killed_at}"
+        in (tmp_path / "resumed.log").read_text()
+    )
     final = f"run/checkpoints/step-{FIT_STEPS:09d}"
     expected = checkpoint_tensors(tmp_path / "reference" / final)
     assert expected["model/model.backbone.layers.1.ffn.experts.w1"].shape == (4, 32, 32)  # whole, under its plain name

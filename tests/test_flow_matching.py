@@ -27,7 +27,9 @@ def sample_mixture(n: int, generator: torch.Generator) -> torch.Tensor:
 class VelocityNet(nn.Module):
     def __init__(self, width: int = 128):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(2 + 32, width), nn.SiLU(), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, 2))
+        self.net = nn.Sequential(
+            nn.Linear(2 + 32, width), nn.SiLU(), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, 2)
+        )
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat((x, time_embedding(t, 32)), dim=-1))
@@ -101,7 +103,9 @@ def test_sampling_recovers_a_known_2d_mixture():
     # Few samples fall between the modes; a single Euler step, by contrast, lands near the data mean.
     off_modes = float((torch.cdist(samples, MEANS).min(dim=1).values > 4 * STD).float().mean())
     off_modes_one_step = float((torch.cdist(one_step, MEANS).min(dim=1).values > 4 * STD).float().mean())
-    print(f"samples off every mode: {off_modes:.3f} with {cfg.sample_steps} steps, {off_modes_one_step:.3f} with 1 step")
+    print(
+        f"samples off every mode: {off_modes:.3f} with {cfg.sample_steps} steps, {off_modes_one_step:.3f} with 1 step"
+    )
     assert off_modes < 0.1 and off_modes_one_step > 0.5
 
 

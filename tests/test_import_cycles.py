@@ -5,7 +5,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # callbacks/ and kernels/ ship inside the package (pyproject.toml's package-dir).
-PACKAGE_DIRS = {"uma_lightning": REPO / "uma_lightning", "uma_lightning.callbacks": REPO / "callbacks", "uma_lightning.kernels": REPO / "kernels"}
+PACKAGE_DIRS = {
+    "uma_lightning": REPO / "uma_lightning",
+    "uma_lightning.callbacks": REPO / "callbacks",
+    "uma_lightning.kernels": REPO / "kernels",
+}
 
 
 def modules_of(package_dirs: dict[str, Path]) -> dict[str, tuple[Path, bool]]:
@@ -17,7 +21,11 @@ def modules_of(package_dirs: dict[str, Path]) -> dict[str, tuple[Path, bool]]:
             parts = source.relative_to(directory).with_suffix("").parts
             is_package = parts[-1] == "__init__"
             name = ".".join((package, *(parts[:-1] if is_package else parts)))
-            if not any(name == other or name.startswith(other + ".") for other in package_dirs if other != package and other.startswith(package + ".")):
+            if not any(
+                name == other or name.startswith(other + ".")
+                for other in package_dirs
+                if other != package and other.startswith(package + ".")
+            ):
                 found[name] = (source, is_package)
     return found
 
@@ -58,8 +66,8 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             elif target in on_stack:
                 low[module] = min(low[module], index[target])
         if low[module] == index[module]:
-            group = set()
-            while not group or member != module:
+            group, member = set(), None
+            while member != module:
                 member = stack.pop()
                 on_stack.discard(member)
                 group.add(member)
@@ -96,7 +104,9 @@ def describe(cycles: list[list[str]]) -> str:
 
 def test_the_package_has_no_import_cycles():
     graph = import_graph(PACKAGE_DIRS)
-    assert {"uma_lightning.callbacks.checkpointing", "uma_lightning.kernels.attention", "uma_lightning.cli"} <= set(graph)
+    assert {"uma_lightning.callbacks.checkpointing", "uma_lightning.kernels.attention", "uma_lightning.cli"} <= set(
+        graph
+    )
     cycles = import_cycles(graph)
     assert not cycles, describe(cycles)
 

@@ -14,13 +14,22 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from suite import REPO, SPEC, random_inputs, small_config
-from uma_lightning.kernels import KernelConfig, apply_rotary, attention, checks, convert_to_float8, linear_cross_entropy, rms_norm, swiglu
+
+from uma_lightning.kernels import (
+    KernelConfig,
+    apply_rotary,
+    attention,
+    checks,
+    convert_to_float8,
+    dispatch,
+    linear_cross_entropy,
+    rms_norm,
+    swiglu,
+)
 from uma_lightning.kernels import cross_entropy as cross_entropy_module
-from uma_lightning.kernels import dispatch
-from uma_lightning.kernels.checks import TOLERANCE
 from uma_lightning.kernels.attention import build_mask, reference_attention
+from uma_lightning.kernels.checks import TOLERANCE
 from uma_lightning.kernels.dispatch import resolve, triton_installed
 from uma_lightning.kernels.flash import FlashFunctions, flash_attention
 from uma_lightning.models import RobotTransformer
@@ -43,7 +52,9 @@ def assert_all_ok(results):
 @needs_triton
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 8), (7, 97), (2, 5, 130), (3, 1000), (300, 40)])  # the last: several programs, ragged
+@pytest.mark.parametrize(
+    "shape", [(1, 8), (7, 97), (2, 5, 130), (3, 1000), (300, 40)]
+)  # the last: several programs, ragged
 def test_rms_norm_matches_reference(shape, dtype, backend):
     assert_all_ok(checks.check_rms_norm(shape, dtype, "cpu", backend))
 
@@ -68,7 +79,9 @@ def test_rotary_matches_reference(shape, heads_last, dtype, backend):
 @needs_triton
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,dim,vocab", [(1, 8, 5), (45, 24, 300), (20, 16, 5000)])  # 5000: two column blocks per row
+@pytest.mark.parametrize(
+    "rows,dim,vocab", [(1, 8, 5), (45, 24, 300), (20, 16, 5000)]
+)  # 5000: two column blocks per row
 def test_linear_cross_entropy_matches_unfused_loss(rows, dim, vocab, dtype, backend, monkeypatch):
     monkeypatch.setattr(cross_entropy_module, "MIN_CHUNK_ROWS", 16)  # several ragged chunks at test sizes
     assert_all_ok(checks.check_linear_cross_entropy(rows, dim, vocab, dtype, "cpu", backend))
@@ -156,7 +169,17 @@ def qkv(kv_heads: int, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("masks", MASKS)
 def test_sdpa_backends_match_reference_with_grads(backend, kv_heads, padded, masks):
-    assert_all_ok(checks.check_attention(backend, torch.float32, "cpu", kv_heads=kv_heads, padded=padded, prefix_len=masks.get("prefix_len", 0), causal=masks["causal"]))
+    assert_all_ok(
+        checks.check_attention(
+            backend,
+            torch.float32,
+            "cpu",
+            kv_heads=kv_heads,
+            padded=padded,
+            prefix_len=masks.get("prefix_len", 0),
+            causal=masks["causal"],
+        )
+    )
 
 
 def emulated_flash_functions() -> FlashFunctions:
@@ -190,7 +213,15 @@ def test_flash_attention_masks_match_reference(kv_heads, padded, masks):
     mask = padding_mask(2, 11) if padded else None
     real = mask if padded else torch.ones(2, 11, dtype=torch.bool)
     functions = emulated_flash_functions()
-    out = flash_attention(q, k, v, key_padding_mask=mask, functions=functions, prefix_len=masks.get("prefix_len", 0), causal=masks["causal"])
+    out = flash_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=mask,
+        functions=functions,
+        prefix_len=masks.get("prefix_len", 0),
+        causal=masks["causal"],
+    )
     expected = attention(q, k, v, key_padding_mask=mask, backend="reference", **masks)
     keep = real[:, None, :, None]
     torch.testing.assert_close(out * keep, expected * keep, atol=1e-5, rtol=1e-5)
@@ -253,9 +284,14 @@ def test_auto_logs_its_choice_once(caplog, monkeypatch):
 
 
 def test_kernel_config_names_the_bad_key_and_the_close_match():
-    with pytest.raises(ValueError, match=r"kernels.rms_norm: unknown backend 'trition'; did you mean 'triton'\? \(choose from auto, triton, torch\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"kernels.rms_norm: unknown backend 'trition'; did you mean 'triton'\? \(choose from auto, triton, torch\)",
+    ):
         KernelConfig(rms_norm="trition")
-    with pytest.raises(ValueError, match=r"kernels.attention: unknown backend 'sdpa_flsh'; did you mean 'sdpa_flash'\?"):
+    with pytest.raises(
+        ValueError, match=r"kernels.attention: unknown backend 'sdpa_flsh'; did you mean 'sdpa_flash'\?"
+    ):
         KernelConfig(attention="sdpa_flsh")
     with pytest.raises(ValueError, match=r"kernels.linear: unknown backend 'fp8'"):
         KernelConfig(linear="fp8")
@@ -264,24 +300,36 @@ def test_kernel_config_names_the_bad_key_and_the_close_match():
 @needs_triton
 def test_triton_on_cpu_outside_the_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="kernels.swiglu=triton needs a CUDA tensor, got cpu; set TRITON_INTERPRET=1"):
+    with pytest.raises(
+        RuntimeError, match="kernels.swiglu=triton needs a CUDA tensor, got cpu; set TRITON_INTERPRET=1"
+    ):
         resolve("swiglu", "triton", "cpu", torch.float32)
 
 
 def test_float8_without_its_requirements_is_a_clear_error():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    with pytest.raises(RuntimeError, match=r"kernels.linear=float8 needs (torchao: pip install 'uma-lightning\[float8\]'|a CUDA GPU with compute capability 8.9)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"kernels.linear=float8 needs (torchao: pip install 'uma-lightning\[float8\]'|a CUDA GPU with compute capability 8.9)",
+    ):
         convert_to_float8(model, torch.device("cpu"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="float8 training needs a CUDA GPU with compute capability 8.9+ (Ada, Hopper)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="float8 training needs a CUDA GPU with compute capability 8.9+ (Ada, Hopper)",
+)
 def test_float8_linears_train_close_to_bf16():
     pytest.importorskip("torchao", reason="float8 training needs torchao: pip install 'uma-lightning[float8]'")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256), torch.nn.Linear(256, 10)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256), torch.nn.Linear(256, 10)
+    ).cuda()
     reference = copy.deepcopy(model)
     convert_to_float8(model)
-    assert type(model[0]).__name__ == "Float8Linear" and type(model[3]).__name__ == "Linear"  # 10 outputs: not a multiple of 16
+    assert (
+        type(model[0]).__name__ == "Float8Linear" and type(model[3]).__name__ == "Linear"
+    )  # 10 outputs: not a multiple of 16
     x = torch.randn(64, 256, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got, want = model(x).float(), reference(x).float()
@@ -331,7 +379,9 @@ def test_model_with_every_op_in_triton_matches_reference():
 @needs_triton
 def test_bf16_mixed_with_triton_ops_keeps_fp32_master_weights():
     """bf16 autocast (Lightning's bf16-mixed) with every op in Triton: float32 gradients, bf16-level agreement."""
-    assert_same_training_signal(model_loss_and_grads(TRITON, autocast=True), model_loss_and_grads(REFERENCE, autocast=True), tol=5e-2)
+    assert_same_training_signal(
+        model_loss_and_grads(TRITON, autocast=True), model_loss_and_grads(REFERENCE, autocast=True), tol=5e-2
+    )
 
 
 def test_pretrain_module_loss_is_the_per_sample_masked_mean_cross_entropy():
@@ -339,13 +389,19 @@ def test_pretrain_module_loss_is_the_per_sample_masked_mean_cross_entropy():
 
     size = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
     # kernels as a checkpoint's hyperparameters give it back: a plain dict
-    module = PretrainModule(spec=SPEC, network={"size": size, "max_text_len": 16, "kernels": {"attention": "sdpa_math", "rms_norm": "torch"}}, n_action_bins=32)
+    module = PretrainModule(
+        spec=SPEC,
+        network={"size": size, "max_text_len": 16, "kernels": {"attention": "sdpa_math", "rms_norm": "torch"}},
+        n_action_bins=32,
+    )
     module.configure_model()
     assert module.hparams["network"]["kernels"]["attention"] == "sdpa_math"
     assert {m.kernels.attention for m in module.model.modules() if hasattr(m, "kernels")} == {"sdpa_math"}
     gen = torch.Generator().manual_seed(0)
     batch = {
-        "images": torch.randint(0, 256, (3, SPEC.n_obs_steps, len(SPEC.cameras), *SPEC.image_size, 3), dtype=torch.uint8, generator=gen),
+        "images": torch.randint(
+            0, 256, (3, SPEC.n_obs_steps, len(SPEC.cameras), *SPEC.image_size, 3), dtype=torch.uint8, generator=gen
+        ),
         "state": torch.randn(3, SPEC.n_obs_steps, SPEC.state_dim, generator=gen),
         "actions": torch.rand(3, SPEC.action_horizon, SPEC.action_dim, generator=gen) * 2 - 1,
         "action_mask": torch.tensor([[True] * 4, [True] * 4, [True, True, False, False]]),
@@ -379,7 +435,10 @@ def test_triton_ops_compile_without_graph_breaks():
         return normed.sum() + gated.sum() + turned.square().sum() + loss, predicted
 
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(*shape, generator=gen).requires_grad_() for shape in ((5, 24), (24,), (5, 40), (5, 40), (2, 2, 9, 8), (30, 8), (50, 8))]
+    inputs = [
+        torch.randn(*shape, generator=gen).requires_grad_()
+        for shape in ((5, 24), (24,), (5, 40), (5, 40), (2, 2, 9, 8), (30, 8), (50, 8))
+    ]
     targets = torch.randint(0, 50, (30,), generator=gen)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     got, got_pred = compiled(*inputs, targets)
@@ -395,8 +454,17 @@ def test_triton_ops_compile_without_graph_breaks():
 def test_attention_backends_compile_without_graph_breaks(backend):
     q, k, v = qkv(2)
     mask = padding_mask(2, 11)
-    compiled = torch.compile(lambda *t: attention(*t, causal=True, prefix_len=5, key_padding_mask=mask, backend=backend), fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(q, k, v), attention(q, k, v, causal=True, prefix_len=5, key_padding_mask=mask, backend="reference"), atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(
+        lambda *t: attention(*t, causal=True, prefix_len=5, key_padding_mask=mask, backend=backend),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    torch.testing.assert_close(
+        compiled(q, k, v),
+        attention(q, k, v, causal=True, prefix_len=5, key_padding_mask=mask, backend="reference"),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 # ---- the GPU script -----------------------------------------------------------------------
@@ -413,7 +481,16 @@ def test_gpu_script_cpu_smoke_runs_cleanly_without_the_package_installed(tmp_pat
     # -S: no site hooks, so the editable install's import hook is not there.
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    for heading in ("correctness on cpu", "attention backends against the reference", "model with every backend auto", "Triton ops under torch.compile", "ops:", "attention:", "experts:", "tiny model training step"):
+    for heading in (
+        "correctness on cpu",
+        "attention backends against the reference",
+        "model with every backend auto",
+        "Triton ops under torch.compile",
+        "ops:",
+        "attention:",
+        "experts:",
+        "tiny model training step",
+    ):
         assert f"=== {heading}" in out.stdout, heading
     assert "all checks passed" in out.stdout and "FAILED" not in out.stdout
     assert "uma_lightning: this checkout, not installed" in out.stdout
@@ -429,7 +506,10 @@ def test_gpu_script_names_each_failed_check(capsys):
         raise ValueError("boom")
 
     assert report.attempt("benchmark rms_norm triton", broken) is None
-    script._print_checks(report, [checks.Check("swiglu triton bfloat16 (3, 77)", error=0.5, allowed=0.01), checks.Check("fine", 0.0, 1.0)])
+    script._print_checks(
+        report,
+        [checks.Check("swiglu triton bfloat16 (3, 77)", error=0.5, allowed=0.01), checks.Check("fine", 0.0, 1.0)],
+    )
     printed = capsys.readouterr().out
     assert "FAILED benchmark rms_norm triton: ValueError: boom (at test_kernels.py:" in printed
     assert "FAILED correctness swiglu triton bfloat16 (3, 77): max error 0.5 > allowed 0.01" in printed

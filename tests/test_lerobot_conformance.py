@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import av
+import lerobot_conformance as conformance
 import numpy as np
 import pandas as pd
 import pytest
-
-import lerobot_conformance as conformance
 from lerobot_conformance import Camera, Variant
+
 from uma_lightning.cli import UmaCLI
 from uma_lightning.data import RobotDataModule
 from uma_lightning.data.dataset import FrameDataset, resize_frames
@@ -23,15 +23,37 @@ from uma_lightning.data.video import decode_frames_at
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "pretrain.yaml")
-FRONT, WRIST, DEPTH = Camera("observation.images.front", 32, 32), Camera("observation.images.wrist", 16, 24), Camera("observation.images.depth", 16, 16, depth=True)
+FRONT, WRIST, DEPTH = (
+    Camera("observation.images.front", 32, 32),
+    Camera("observation.images.wrist", 16, 24),
+    Camera("observation.images.depth", 16, 16, depth=True),
+)
 VARIANTS = [
     # More episodes than lerobot's metadata buffer (10): meta/episodes spans two files, the first of
     # two row groups; data and video files roll over into chunk 1; names null on state and action.
     Variant(
-        "v3.0-h264", "v3.0", "libx264", (FRONT, WRIST, DEPTH), lengths=(3, 4, 5) * 4, names="null", chunks_size=2,
-        episodes_per_data_file=3, episodes_per_video_file=4, episodes_per_meta_file=11, gop=12,
+        "v3.0-h264",
+        "v3.0",
+        "libx264",
+        (FRONT, WRIST, DEPTH),
+        lengths=(3, 4, 5) * 4,
+        names="null",
+        chunks_size=2,
+        episodes_per_data_file=3,
+        episodes_per_video_file=4,
+        episodes_per_meta_file=11,
+        gop=12,
     ),
-    Variant("v3.0-av1", "v3.0", "libsvtav1", (FRONT,), lengths=(4, 3, 5), names="dict", episodes_per_video_file=2, missing_stats=(ACTION_KEY,)),
+    Variant(
+        "v3.0-av1",
+        "v3.0",
+        "libsvtav1",
+        (FRONT,),
+        lengths=(4, 3, 5),
+        names="dict",
+        episodes_per_video_file=2,
+        missing_stats=(ACTION_KEY,),
+    ),
     Variant("v2.1-h264", "v2.1", "libx264", (FRONT, WRIST), lengths=(4, 5, 3), chunks_size=2, gop=12),
     Variant("v2.1-av1", "v2.1", "libsvtav1", (FRONT,), lengths=(5, 3, 4), names="null"),
 ]
@@ -56,7 +78,9 @@ def test_the_generator_writes_what_lerobot_writes(written):
     root = written["v3.0-h264"]
     front = sorted((root / "videos" / FRONT.key).rglob("*.mp4"))
     assert [p.relative_to(root).as_posix() for p in front] == [
-        f"videos/{FRONT.key}/chunk-000/file-000.mp4", f"videos/{FRONT.key}/chunk-000/file-001.mp4", f"videos/{FRONT.key}/chunk-001/file-000.mp4",
+        f"videos/{FRONT.key}/chunk-000/file-000.mp4",
+        f"videos/{FRONT.key}/chunk-000/file-001.mp4",
+        f"videos/{FRONT.key}/chunk-001/file-000.mp4",
     ]
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in front)
     with av.open(str(front[0])) as container:  # B-frames: presentation order differs from decoding order
@@ -73,7 +97,10 @@ def test_the_generator_writes_what_lerobot_writes(written):
     assert f"stats/{STATE_KEY}/q99" in columns and f"stats/{FRONT.key}/mean" in columns
     assert pq.read_schema(root / "meta" / "tasks.parquet").names == ["task_index", "__index_level_0__"]
     info = json.loads((root / "meta" / "info.json").read_text())
-    assert info["features"][STATE_KEY]["names"] is None and info["features"][DEPTH.key]["info"]["video.is_depth_map"] is True
+    assert (
+        info["features"][STATE_KEY]["names"] is None
+        and info["features"][DEPTH.key]["info"]["video.is_depth_map"] is True
+    )
     with av.open(str(sorted((written["v3.0-av1"] / "videos").rglob("*.mp4"))[0])) as container:
         assert container.streams.video[0].codec.canonical_name == "av1"
 
@@ -94,7 +121,10 @@ def test_every_frame_reads_back(written, variant):
         sample = dataset[row]
         episode, t = int(sample["episode_index"]), int(sample["frame_index"])
         assert sample["instruction"] == conformance.task_of(episode)
-        np.testing.assert_array_equal(sample["state"][0], dataset.state_normalizer.normalize(conformance.vectors(episode, variant.lengths[episode])[0][t]))
+        np.testing.assert_array_equal(
+            sample["state"][0],
+            dataset.state_normalizer.normalize(conformance.vectors(episode, variant.lengths[episode])[0][t]),
+        )
         for c, camera in enumerate(meta.cameras):
             recorded = next(cam for cam in variant.cameras if cam.key == camera)
             start = meta.episodes[episode].videos[camera][1]  # the episode's place in a shared file
@@ -103,14 +133,23 @@ def test_every_frame_reads_back(written, variant):
             assert quality >= MIN_PSNR_DB, (camera, episode, t, quality)
             for other in (t - 1, t + 1):  # and not a neighbouring frame
                 if 0 <= other < variant.lengths[episode]:
-                    assert psnr(native, conformance.frame(recorded, episode, other)) < NEIGHBOUR_MAX_PSNR_DB, (camera, episode, t, other)
+                    assert psnr(native, conformance.frame(recorded, episode, other)) < NEIGHBOUR_MAX_PSNR_DB, (
+                        camera,
+                        episode,
+                        t,
+                        other,
+                    )
             # Every camera at the dataset's image size: the smaller ones scaled up.
-            np.testing.assert_array_equal(sample["images"][0, c].numpy(), resize_frames(native[None], meta.image_size)[0])
+            np.testing.assert_array_equal(
+                sample["images"][0, c].numpy(), resize_frames(native[None], meta.image_size)[0]
+            )
 
 
 def test_names_and_statistics_as_lerobot_leaves_them(written):
     null = RobotDataModule(root=str(written["v3.0-h264"]), loader={"num_workers": 0}).normalization()
-    assert null["state"]["names"] == [f"state_{i}" for i in range(6)] and null["action"]["names"] == [f"action_{i}" for i in range(4)]
+    assert null["state"]["names"] == [f"state_{i}" for i in range(6)] and null["action"]["names"] == [
+        f"action_{i}" for i in range(4)
+    ]
     grouped = RobotDataModule(root=str(written["v3.0-av1"]), loader={"num_workers": 0}).normalization()
     assert grouped["state"]["names"] == [f"joint_{i}" for i in range(6)]  # {"motors": [...]} flattened
     # meta/stats.json of the AV1 variant lacks the action: computed from the data.
@@ -120,7 +159,9 @@ def test_names_and_statistics_as_lerobot_leaves_them(written):
     np.testing.assert_allclose(meta.stats[ACTION_KEY]["min"], actions.min(axis=0))
     # lerobot's extra quantiles and [3, 1, 1] camera statistics are read as written.
     h264 = LeRobotMetadata.load(written["v3.0-h264"])
-    assert {"q01", "q10", "q50", "q90", "q99"} <= set(h264.stats[STATE_KEY]) and h264.stats[FRONT.key]["mean"].shape == (3, 1, 1)
+    assert {"q01", "q10", "q50", "q90", "q99"} <= set(h264.stats[STATE_KEY]) and h264.stats[FRONT.key][
+        "mean"
+    ].shape == (3, 1, 1)
 
 
 def test_task_text_in_a_named_pandas_index(written, tmp_path):
@@ -135,13 +176,29 @@ def test_task_text_in_a_named_pandas_index(written, tmp_path):
 def test_every_variant_trains_under_the_pretrain_recipe(written, variant, tmp_path):
     cli = UmaCLI(
         [
-            "fit", "--config", RECIPE,
-            "--model.network.size", json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
-            "--data.root", str(written[variant.name]),
-            "--data.batch_size", "4", "--data.loader.num_workers", "0", "--data.val_episodes", "1",
-            "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
-            "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-            "--trainer.default_root_dir", str(tmp_path / "run"),
+            "fit",
+            "--config",
+            RECIPE,
+            "--model.network.size",
+            json.dumps({"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}),
+            "--data.root",
+            str(written[variant.name]),
+            "--data.batch_size",
+            "4",
+            "--data.loader.num_workers",
+            "0",
+            "--data.val_episodes",
+            "1",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
         ]
     )
     assert cli.trainer.global_step == 2
@@ -170,8 +227,22 @@ def test_a_dataset_broken_at_normalisation_is_one_error_line(tmp_path):
         "main(sys.argv[1:])\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, "fit", "--config", RECIPE, "--data.root", str(root), "--trainer.logger", "false"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-c",
+            script,
+            "fit",
+            "--config",
+            RECIPE,
+            "--data.root",
+            str(root),
+            "--trainer.logger",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr

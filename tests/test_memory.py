@@ -6,8 +6,8 @@ import logging
 
 import pytest
 from mlflow import MlflowClient
-
 from suite import QUICK, RECIPE
+
 from uma_lightning.callbacks.memory import LeakDetector
 from uma_lightning.cli import UmaCLI
 from uma_lightning.tracking.mlflow_logger import local_store_uri
@@ -20,16 +20,28 @@ def test_injected_leak_is_reported_with_its_growth_per_step(tmp_path, mlflow_sto
     with caplog.at_level(logging.WARNING, logger="uma_lightning"):
         cli = UmaCLI(
             [
-                "fit", "--config", RECIPE, *QUICK,
-                "--model", "faults.FaultyPretrain",
-                "--model.leak_mib_per_step", str(LEAK_MIB),
-                "--model.leak_from_step", str(LEAK_FROM),
-                "--trainer.max_steps", "32",
-                "--trainer.val_check_interval", "100",
-                "--trainer.default_root_dir", str(tmp_path / "run"),
-                "--trainer.logger.init_args.store_dir", str(mlflow_store),
-                "--trainer.logger.init_args.experiment_name", "leak",
-                "--trainer.callbacks", json.dumps([{"class_path": "uma_lightning.callbacks.MemoryMonitor", "init_args": monitor}]),
+                "fit",
+                "--config",
+                RECIPE,
+                *QUICK,
+                "--model",
+                "faults.FaultyPretrain",
+                "--model.leak_mib_per_step",
+                str(LEAK_MIB),
+                "--model.leak_from_step",
+                str(LEAK_FROM),
+                "--trainer.max_steps",
+                "32",
+                "--trainer.val_check_interval",
+                "100",
+                "--trainer.default_root_dir",
+                str(tmp_path / "run"),
+                "--trainer.logger.init_args.store_dir",
+                str(mlflow_store),
+                "--trainer.logger.init_args.experiment_name",
+                "leak",
+                "--trainer.callbacks",
+                json.dumps([{"class_path": "uma_lightning.callbacks.MemoryMonitor", "init_args": monitor}]),
             ]
         )
     warnings = [r for r in caplog.records if r.getMessage().startswith("memory leak suspected: cpu_rss")]

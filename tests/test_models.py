@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from suite import SPEC, counted_training_flops, random_inputs, small_config
+
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig, attention
 from uma_lightning.models import (
@@ -38,7 +38,12 @@ def test_sdpa_matches_reference(causal, prefix_len, kv_heads):
     padding[1, 2:4] = False
     for mask in (None, padding):
         kwargs = dict(causal=causal, prefix_len=prefix_len, key_padding_mask=mask)
-        torch.testing.assert_close(attention(q, k, v, backend="sdpa", **kwargs), attention(q, k, v, backend="reference", **kwargs), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            attention(q, k, v, backend="sdpa", **kwargs),
+            attention(q, k, v, backend="reference", **kwargs),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_block_causal_mask_semantics():
@@ -114,7 +119,9 @@ def square_centres(frames: torch.Tensor, squares: list[tuple[int, int]], channel
     grid = torch.linspace(-1, 1, 16)
     for frame, (row, column) in zip(frames, squares):
         frame[row : row + 4, column : column + 4, channel] = 255
-    return torch.stack([torch.stack((grid[c // 2 : c // 2 + 2].mean(), grid[r // 2 : r // 2 + 2].mean())) for r, c in squares])
+    return torch.stack(
+        [torch.stack((grid[c // 2 : c // 2 + 2].mean(), grid[r // 2 : r // 2 + 2].mean())) for r, c in squares]
+    )
 
 
 def test_keypoint_is_the_centre_of_what_its_feature_map_responds_to():
@@ -125,7 +132,9 @@ def test_keypoint_is_the_centre_of_what_its_feature_map_responds_to():
         tokenizer.keypoint_maps.weight[0, 1] = 0.0  # red only
         torch.testing.assert_close(tokenizer.positions(frames)[:, 0], expected, atol=1e-4, rtol=0)
         tokens = tokenizer(frames)
-        torch.testing.assert_close(tokens[:, 0], tokenizer.coordinates(expected) + tokenizer.identity[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            tokens[:, 0], tokenizer.coordinates(expected) + tokenizer.identity[0], atol=1e-4, rtol=0
+        )
 
 
 def test_film_lets_the_instruction_choose_what_a_keypoint_follows():
@@ -170,9 +179,9 @@ def test_padding_bytes_do_not_leak_into_outputs(vision):
         torch.nn.init.normal_(model.image_tokenizer.film.weight)
     images, state, text_ids, text_mask, actions = random_inputs(model)
     garbage = text_ids.masked_fill(~text_mask, 17)
-    torch.testing.assert_close(model(images, state, garbage, text_mask, actions), model(images, state, text_ids, text_mask, actions))
-
-
+    torch.testing.assert_close(
+        model(images, state, garbage, text_mask, actions), model(images, state, text_ids, text_mask, actions)
+    )
 
 
 @pytest.mark.parametrize("vision", VISION.values(), ids=VISION.keys())
@@ -191,7 +200,9 @@ def test_training_flops_match_torch_flop_counter(vision):
 
 
 def test_size_presets_have_the_advertised_parameter_counts():
-    spec = DataSpec(cameras=("top",), image_size=(64, 64), state_dim=4, action_dim=3, n_obs_steps=1, action_horizon=8, fps=10)
+    spec = DataSpec(
+        cameras=("top",), image_size=(64, 64), state_dim=4, action_dim=3, n_obs_steps=1, action_horizon=8, fps=10
+    )
     counts = {name: count_parameters(RobotModelConfig(backbone=load_size(name), spec=spec)) for name in preset_names()}
     assert set(counts) >= {"tiny", "small", "1b", "7b"}
     assert counts["tiny"] <= 5e6

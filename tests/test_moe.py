@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from suite import counted_training_flops, random_inputs, small_config
+
 from uma_lightning.callbacks import ExpertLoad
 from uma_lightning.kernels import KernelConfig, expert_feed_forward
 from uma_lightning.models import (
@@ -30,7 +30,9 @@ DIM, HIDDEN = 16, 32
 
 
 def moe_layer(**moe) -> torch.nn.Module:
-    cfg = TransformerConfig(dim=DIM, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=HIDDEN, moe=MoEConfig(**{"n_experts": 4, **moe}))
+    cfg = TransformerConfig(
+        dim=DIM, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=HIDDEN, moe=MoEConfig(**{"n_experts": 4, **moe})
+    )
     torch.manual_seed(0)
     layer = build_feed_forward(cfg, 0)
     layer.init_weights(0.5, 0.5)  # large weights: differences show
@@ -39,7 +41,9 @@ def moe_layer(**moe) -> torch.nn.Module:
 
 def moe_model_config(**moe):
     cfg = small_config()
-    return dataclasses.replace(cfg, backbone=dataclasses.replace(cfg.backbone, moe=MoEConfig(**{"n_experts": 4, "expert_dim": 32, **moe})))
+    return dataclasses.replace(
+        cfg, backbone=dataclasses.replace(cfg.backbone, moe=MoEConfig(**{"n_experts": 4, "expert_dim": 32, **moe}))
+    )
 
 
 # ---- expert kernels --------------------------------------------------------------------------------
@@ -67,12 +71,24 @@ def test_grouped_experts_equal_the_loop_in_values_and_gradients():
 def test_grouped_experts_need_aligned_rows_and_auto_falls_back_to_the_loop():
     x, counts = torch.randn(3, 5), torch.tensor([3])
     w13, w2 = torch.randn(1, 5, 8), torch.randn(1, 8, 5)
-    with pytest.raises(ValueError, match="kernels.experts=grouped needs dim and expert hidden sizes .* got dim 5, hidden 8"):
+    with pytest.raises(
+        ValueError, match="kernels.experts=grouped needs dim and expert hidden sizes .* got dim 5, hidden 8"
+    ):
         expert_feed_forward(x, counts, w13, w13, w2, backend="grouped")
-    torch.testing.assert_close(expert_feed_forward(x, counts, w13, w13, w2, backend="auto"), expert_feed_forward(x, counts, w13, w13, w2, backend="loop"))
+    torch.testing.assert_close(
+        expert_feed_forward(x, counts, w13, w13, w2, backend="auto"),
+        expert_feed_forward(x, counts, w13, w13, w2, backend="loop"),
+    )
     # Aligned rows in float64 (uma parity's dtype), which grouped_mm does not take: the loop, bit for bit.
-    x, w13, w2 = torch.randn(3, 8, dtype=torch.float64), torch.randn(1, 8, 8, dtype=torch.float64), torch.randn(1, 8, 8, dtype=torch.float64)
-    assert torch.equal(expert_feed_forward(x, counts, w13, w13, w2, backend="auto"), expert_feed_forward(x, counts, w13, w13, w2, backend="loop"))
+    x, w13, w2 = (
+        torch.randn(3, 8, dtype=torch.float64),
+        torch.randn(1, 8, 8, dtype=torch.float64),
+        torch.randn(1, 8, 8, dtype=torch.float64),
+    )
+    assert torch.equal(
+        expert_feed_forward(x, counts, w13, w13, w2, backend="auto"),
+        expert_feed_forward(x, counts, w13, w13, w2, backend="loop"),
+    )
     with pytest.raises(ValueError, match="kernels.experts: unknown backend 'fast'"):
         KernelConfig(experts="fast")
 
@@ -189,7 +205,9 @@ def per_step_imbalance_under_balancing(steps: int = 300, window: int = 50, **moe
 
 
 @pytest.mark.parametrize("bias_update, rate", [("sign", 0.003), ("proportional", 0.01)])
-def test_bias_balancing_evens_a_skewed_routers_load_and_needs_the_selection_noise_for_a_block_of_like_tokens(bias_update, rate):
+def test_bias_balancing_evens_a_skewed_routers_load_and_needs_the_selection_noise_for_a_block_of_like_tokens(
+    bias_update, rate
+):
     balanced = per_step_imbalance_under_balancing(bias_update=bias_update, bias_update_rate=rate)
     unbalanced = per_step_imbalance_under_balancing(bias_update=bias_update, bias_update_rate=0.0)
     # Without the noise the near-copies choose alike, so the bias moves them between experts as one block.
@@ -298,8 +316,14 @@ def test_state_dict_holds_whole_stacked_experts_and_the_bias_under_plain_names()
 
 
 def expert_load_step(callback, model, step, logged):
-    trainer = SimpleNamespace(strategy=SimpleNamespace(reduce=lambda t, reduce_op: t, root_device=torch.device("cpu")), global_step=step, is_global_zero=True)
-    module = SimpleNamespace(named_modules=model.named_modules, log_dict=lambda metrics, batch_size: logged.append(metrics))
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(reduce=lambda t, reduce_op: t, root_device=torch.device("cpu")),
+        global_step=step,
+        is_global_zero=True,
+    )
+    module = SimpleNamespace(
+        named_modules=model.named_modules, log_dict=lambda metrics, batch_size: logged.append(metrics)
+    )
     callback.on_train_batch_end(trainer, module, None, None, 0)
 
 
@@ -346,6 +370,7 @@ def test_gradient_anomalies_watch_the_router_and_the_experts(tmp_path):
     callback.on_fit_start(trainer, model)
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)
+
     def step():
         callback.on_train_batch_start(trainer, model, {"sample_id": torch.arange(3)}, 0)
         callback.on_before_backward(trainer, model, torch.tensor(1.0))
@@ -354,7 +379,9 @@ def test_gradient_anomalies_watch_the_router_and_the_experts(tmp_path):
     step()  # finite: silent
     model.backbone.layers[1].ffn.router.weight.grad[0, 0] = float("nan")
     model.backbone.layers[0].ffn.experts.w2.grad[3, 0, 0] = float("inf")
-    with pytest.raises(TrainingHalted, match=r"culprits: backbone.layers.0.ffn.experts.w2, backbone.layers.1.ffn.router.weight;"):
+    with pytest.raises(
+        TrainingHalted, match=r"culprits: backbone.layers.0.ffn.experts.w2, backbone.layers.1.ffn.router.weight;"
+    ):
         step()
 
 
@@ -364,7 +391,10 @@ def test_experts_under_tensor_parallelism_are_checked_before_any_work():
     from uma_lightning.parallel.plans.robot import check_robot
 
     model = RobotTransformer(moe_model_config())  # tp alone trains it (tests/test_parallel.py's experts parity)
-    with pytest.raises(ValueError, match="^tp 2 with ep 2: experts are either split over ep ranks or computed whole on each tp rank, not both$"):
+    with pytest.raises(
+        ValueError,
+        match="^tp 2 with ep 2: experts are either split over ep ranks or computed whole on each tp rank, not both$",
+    ):
         check_robot(model, MeshShape(dp_replicate=1, dp_shard=2, tp=2, ep=2), ParallelConfig())
     model = RobotTransformer(moe_model_config(aux_loss_weight=0.01))
     with pytest.raises(ValueError, match="^tp 2: moe.aux_loss_weight needs each sequence's tokens on one rank"):

@@ -4,15 +4,18 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from suite import REPO
 
-PACKAGE_DIRS = {"uma_lightning": "uma_lightning", "uma_lightning.callbacks": "callbacks", "uma_lightning.kernels": "kernels"}
+PACKAGE_DIRS = {
+    "uma_lightning": "uma_lightning",
+    "uma_lightning.callbacks": "callbacks",
+    "uma_lightning.kernels": "kernels",
+}
 
 
 def declared_packages() -> list[str]:
@@ -58,7 +61,11 @@ def test_models_import_neither_lightning_nor_distributed():
 
 @pytest.mark.slow
 def test_built_wheel_ships_and_imports_callbacks_kernels_and_configs(tmp_path):
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(REPO)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("uma_lightning-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "uma_lightning/callbacks/throughput.py" in names
@@ -75,8 +82,12 @@ def test_built_wheel_ships_and_imports_callbacks_kernels_and_configs(tmp_path):
     # -S skips site-packages' .pth files, so the editable install's path finder is not active;
     # the dependencies (torch, lightning...) are still importable from site-packages itself.
     search_path = [str(site)] + [p for p in sys.path if p.endswith("site-packages")]
-    out = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {search_path!r}; {code}"],
-                         cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {search_path!r}; {code}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     callbacks_file, kernels_file, small_dim = out.stdout.split()
     assert Path(callbacks_file).is_relative_to(site) and Path(kernels_file).is_relative_to(site)

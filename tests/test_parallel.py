@@ -5,21 +5,29 @@ import os
 import subprocess
 import sys
 
+import forked_cli
 import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 from mlflow import MlflowClient
+from suite import RECIPE, REPO, TESTS, assert_short_error, free_port, run_main
 from torch import nn
 
-import forked_cli
-from suite import RECIPE, REPO, TESTS, assert_short_error, free_port, run_main
 from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.models import RobotTransformer
 from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
 from uma_lightning.parallel.mesh import MESH_DIMS, resolve_mesh_shape
-from uma_lightning.parallel.parity import TOLERANCES, first_routing_difference, main as parity_main, needs_experts, random_network
+from uma_lightning.parallel.parity import (
+    TOLERANCES,
+    first_routing_difference,
+    needs_experts,
+    random_network,
+)
+from uma_lightning.parallel.parity import (
+    main as parity_main,
+)
 
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
@@ -40,8 +48,12 @@ def test_mesh_sizes_resolve_auto_and_node():
     assert resolve_mesh_shape(sizes(1, "auto", 1), 8, 8) == MeshShape(1, 8, 1)
     assert resolve_mesh_shape(sizes("auto", "node", 1), 16, 8) == MeshShape(2, 8, 1)  # HSDP: shard within nodes
     assert resolve_mesh_shape(sizes(1, "auto", "node"), 16, 4) == MeshShape(1, 4, 4)  # TP within nodes
-    assert resolve_mesh_shape(sizes("auto", 1, 1, "auto"), 4, 4) == MeshShape(4, 1, 1, ep=4)  # ep: experts over all, rest DDP
-    assert resolve_mesh_shape(sizes(1, "auto", 1, "node"), 8, 4) == MeshShape(1, 8, 1, ep=4)  # ep_fsdp: experts within nodes
+    assert resolve_mesh_shape(sizes("auto", 1, 1, "auto"), 4, 4) == MeshShape(
+        4, 1, 1, ep=4
+    )  # ep: experts over all, rest DDP
+    assert resolve_mesh_shape(sizes(1, "auto", 1, "node"), 8, 4) == MeshShape(
+        1, 8, 1, ep=4
+    )  # ep_fsdp: experts within nodes
     assert MeshShape(1, 8, 1, ep=4).expert_dp == 2 and MeshShape(1, 8, 1, ep=4).world_size == 8  # ep adds no processes
 
 
@@ -52,7 +64,11 @@ def test_mesh_sizes_resolve_auto_and_node():
         (sizes(1, "auto", 3), 4, "4 processes do not divide by 3, so dp_shard 'auto' has no size"),
         (sizes("auto", "auto", 1), 4, "at most one of pp, dp_replicate, dp_shard, tp may be 'auto'"),
         (sizes(0, "auto", 1), 4, "dp_replicate must be a positive integer, 'auto' or 'node', got 0"),
-        (sizes(1, "auto", 1, 3), 4, "ep 3 does not divide the 4 data-parallel ranks (dp_shard) it splits the experts over"),
+        (
+            sizes(1, "auto", 1, 3),
+            4,
+            "ep 3 does not divide the 4 data-parallel ranks (dp_shard) it splits the experts over",
+        ),
         (sizes(2, "auto", 1, 2), 4, "ep 2 inside HSDP (dp_replicate and dp_shard both above 1) is not supported"),
     ],
 )
@@ -65,9 +81,17 @@ def test_bad_mesh_sizes_name_the_numbers(asked, world, message):
 
 @pytest.mark.parametrize(
     "name, shape",
-    [("ddp", MeshShape(2, 1, 1)), ("fsdp", MeshShape(1, 2, 1)), ("tp", MeshShape(1, 1, 2)), ("hsdp", MeshShape(1, 2, 1)), ("fsdp_tp", MeshShape(1, 1, 2)),
-     ("pp", MeshShape(1, 1, 1, pp=2)), ("pp_fsdp", MeshShape(1, 1, 1, pp=2)),
-     ("ep", MeshShape(2, 1, 1, ep=2)), ("ep_fsdp", MeshShape(1, 2, 1, ep=2))],  # fmt: skip
+    [
+        ("ddp", MeshShape(2, 1, 1)),
+        ("fsdp", MeshShape(1, 2, 1)),
+        ("tp", MeshShape(1, 1, 2)),
+        ("hsdp", MeshShape(1, 2, 1)),
+        ("fsdp_tp", MeshShape(1, 1, 2)),
+        ("pp", MeshShape(1, 1, 1, pp=2)),
+        ("pp_fsdp", MeshShape(1, 1, 1, pp=2)),
+        ("ep", MeshShape(2, 1, 1, ep=2)),
+        ("ep_fsdp", MeshShape(1, 2, 1, ep=2)),
+    ],  # fmt: skip
 )
 def test_strategy_names_select_the_mesh_strategy_on_cpu(name, shape):
     # Lightning's own "fsdp" needs a GPU; ours runs anywhere gloo does.
@@ -81,7 +105,18 @@ def test_every_strategy_fragment_selects_the_mesh_strategy():
     import yaml
 
     fragments = sorted((REPO / "configs" / "strategy").glob("*.yaml"))
-    assert {f.stem for f in fragments} == {"ddp", "fsdp", "tp", "hsdp", "fsdp_tp", "pp", "pp_fsdp", "pp_fsdp_tp", "ep", "ep_fsdp"}
+    assert {f.stem for f in fragments} == {
+        "ddp",
+        "fsdp",
+        "tp",
+        "hsdp",
+        "fsdp_tp",
+        "pp",
+        "pp_fsdp",
+        "pp_fsdp_tp",
+        "ep",
+        "ep_fsdp",
+    }
     for fragment in fragments:
         strategy = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]
         built = MeshStrategy(**strategy["init_args"])  # every key is a real argument
@@ -105,7 +140,9 @@ def test_module_without_a_plan_is_refused_with_a_hint():
             self.net = nn.Linear(2, 2)
 
     trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=2, logger=False)
-    with pytest.raises(ValueError, match=r"no parallel plan for any submodule of Plain \(submodules: net: Linear.*register_plan"):
+    with pytest.raises(
+        ValueError, match=r"no parallel plan for any submodule of Plain \(submodules: net: Linear.*register_plan"
+    ):
         trainer.strategy.check_module(Plain())
 
 
@@ -125,7 +162,9 @@ def test_activation_checkpointing_keeps_names_values_and_gradients(mode):
     plain = Transformer(TransformerConfig(**TINY, name="t"), max_seq_len=16)
     checkpointed = Transformer(TransformerConfig(**TINY, name="t"), max_seq_len=16)
     checkpointed.load_state_dict(plain.state_dict())
-    assert "2 blocks" in apply_ac(list(checkpointed.layers), ParallelConfig(activation_checkpointing=mode, ac_every_n_blocks=1))
+    assert "2 blocks" in apply_ac(
+        list(checkpointed.layers), ParallelConfig(activation_checkpointing=mode, ac_every_n_blocks=1)
+    )
     x = torch.randn(2, 16, 32)
     for model in (plain, checkpointed):
         model(x, prefix_len=4).square().mean().backward()
@@ -143,16 +182,27 @@ def test_every_trainable_parameter_of_the_flow_network_gets_a_gradient(head):
     import dataclasses
 
     from suite import PARITY_SIZE, SPEC
+
     from uma_lightning.models.network import flow_network
 
     network = {"size": PARITY_SIZE, **({"environment_state_weight": 0.5} if head else {})}
     lora = {"targets": ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wv"], "rank": 2}
-    model, _ = flow_network({"network": network, "spec": dataclasses.replace(SPEC, environment_state_dim=2 if head else 0), "expert": {"dim": 32, "ffn_dim": 64}, "lora": lora})
+    model, _ = flow_network(
+        {
+            "network": network,
+            "spec": dataclasses.replace(SPEC, environment_state_dim=2 if head else 0),
+            "expert": {"dim": 32, "ffn_dim": 64},
+            "lora": lora,
+        }
+    )
     out = model(*flow_inputs(model, batch=3, seed=0), with_environment_state=head)
     flow_loss(out).backward()
     assert [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
     last = "backbone.layers.1.attn.wq.lora_a"
-    assert model.get_parameter(last).requires_grad == head and model.get_parameter("backbone.norm.weight").requires_grad == head
+    assert (
+        model.get_parameter(last).requires_grad == head
+        and model.get_parameter("backbone.norm.weight").requires_grad == head
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "ops"])
@@ -160,6 +210,7 @@ def test_checkpointed_blocks_that_read_a_kv_cache_recompute_what_their_forward_s
     """Post-training's action expert attends to the backbone's cached keys: a block recomputed in
     backward must see the cache as its forward did, not as later blocks and calls left it."""
     from suite import small_config
+
     from uma_lightning.models import ActionExpertConfig, RobotFlowTransformer
 
     torch.manual_seed(0)
@@ -214,9 +265,9 @@ def test_a_compiled_flow_model_keeps_every_variant_of_each_kind_of_block_compile
     function by default (8); past that, variants would run uncompiled."""
     import copy
 
+    from suite import small_config
     from torch._dynamo.utils import counters
 
-    from suite import small_config
     from uma_lightning.models import ActionExpertConfig, RobotFlowTransformer
     from uma_lightning.parallel.apply import apply_compile
 
@@ -227,11 +278,18 @@ def test_a_compiled_flow_model_keeps_every_variant_of_each_kind_of_block_compile
     torch._dynamo.reset()
     counters.clear()
     try:
-        described = [apply_compile([*network.backbone.layers, *network.expert.layers], ParallelConfig(compile="blocks", compile_backend="eager"))
-                     for network in (model, ema)]
+        described = [
+            apply_compile(
+                [*network.backbone.layers, *network.expert.layers],
+                ParallelConfig(compile="blocks", compile_backend="eager"),
+            )
+            for network in (model, ema)
+        ]
         # Backbone, its last block (whose unread outputs are frozen) and the action expert; the EMA
         # copy's backbone blocks are all frozen alike. Other tests of this process may have compiled more.
-        assert [d.split(";")[0] for d in described] == [f"torch.compile (eager) per block ({kinds} kind(s) of block" for kinds in (3, 2)]
+        assert [d.split(";")[0] for d in described] == [
+            f"torch.compile (eager) per block ({kinds} kind(s) of block" for kinds in (3, 2)
+        ]
         assert torch._dynamo.config.recompile_limit >= 8 * 5
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # raise where a variant would run uncompiled
             for batch in (3, 2):  # a full and a shorter last batch
@@ -276,7 +334,9 @@ def test_mesh_larger_than_the_world_fails_before_any_work(tmp_path, capsys, monk
 
 def test_heads_that_do_not_divide_by_tp_fail_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = quick_fit(tmp_path, "--trainer.devices", "4", "--trainer.strategy", "tp", "--trainer.logger", "false")  # tiny: 6 heads, 2 kv heads
+    args = quick_fit(
+        tmp_path, "--trainer.devices", "4", "--trainer.strategy", "tp", "--trainer.logger", "false"
+    )  # tiny: 6 heads, 2 kv heads
     code, _, err = run_main(args, capsys)
     assert_short_error(code, err, "trainer.strategy: tp 4 does not divide n_heads 6, n_kv_heads 2")
     assert not (tmp_path / "run").exists()
@@ -290,9 +350,20 @@ def test_heads_that_do_not_divide_by_tp_fail_before_any_work(tmp_path, capsys, m
          "mesh dp_replicate 1 x dp_shard 4 x tp 1: ep 3 does not divide the 4 data-parallel ranks (dp_shard) it splits the experts over"),
     ],
 )  # fmt: skip
-def test_expert_parallel_sizes_that_do_not_divide_fail_before_any_work(tmp_path, capsys, monkeypatch, devices, strategy, message):
+def test_expert_parallel_sizes_that_do_not_divide_fail_before_any_work(
+    tmp_path, capsys, monkeypatch, devices, strategy, message
+):
     monkeypatch.chdir(tmp_path)
-    args = quick_fit(tmp_path, "--model.network.size", "tiny_moe", "--trainer.devices", devices, *strategy, "--trainer.logger", "false")
+    args = quick_fit(
+        tmp_path,
+        "--model.network.size",
+        "tiny_moe",
+        "--trainer.devices",
+        devices,
+        *strategy,
+        "--trainer.logger",
+        "false",
+    )
     code, _, err = run_main(args, capsys)
     assert_short_error(code, err, message)
     assert not (tmp_path / "run").exists()
@@ -315,7 +386,10 @@ def run_parity(tmp_path, strategies, *extra, module=None):
 
 def test_parity_refuses_bad_arguments_before_training(capsys):
     assert parity_main(["--config", RECIPE, "--strategies", "ddp,zero"]) == 2
-    assert "--strategies: unknown strategy zero; choose from ddp, fsdp, tp, hsdp, fsdp_tp, pp, pp_fsdp, pp_fsdp_tp, ep, ep_fsdp" in capsys.readouterr().err
+    assert (
+        "--strategies: unknown strategy zero; choose from ddp, fsdp, tp, hsdp, fsdp_tp, pp, pp_fsdp, pp_fsdp_tp, ep, ep_fsdp"
+        in capsys.readouterr().err
+    )
     args = ["--config", RECIPE, "--strategies", "hsdp", "--trainer.logger", "false", *DATA, "--data.batch_size", "6"]
     assert parity_main(args) == 2
     assert "hsdp: global batch 6 (data.batch_size) does not split over 4 data-parallel ranks" in capsys.readouterr().err
@@ -328,7 +402,11 @@ def assert_within_tolerance(name, result):
     assert result["ok"], (name, result)
     assert result["initial_param_diff"] == 0.0 and result["replica_difference"] is None
     tol = TOLERANCES[name]
-    assert result["max_loss_diff"] <= tol.loss and result["max_gradient_diff"] <= tol.grad and result["update_diff"] <= tol.update
+    assert (
+        result["max_loss_diff"] <= tol.loss
+        and result["max_gradient_diff"] <= tol.grad
+        and result["update_diff"] <= tol.update
+    )
     assert result["first_divergence"] is None
 
 
@@ -376,7 +454,9 @@ def test_model_shapes_drawn_at_random_raise_no_false_alarm(parity_on_two_process
     """A few of benchmarks/parity_sweep.py's shapes, under every strategy: each within tolerance, by a wide margin."""
     shapes = {**{k: v for k, v in parity_on_two_processes.items() if k.startswith("shape")}, **parity_on_four_processes}
     checked = [(label, name) for label, results in shapes.items() if label.startswith("shape") for name in results]
-    assert {name for _, name in checked} == {name for name in TOLERANCES if not needs_experts(name)}  # the drawn shapes are dense
+    assert {name for _, name in checked} == {
+        name for name in TOLERANCES if not needs_experts(name)
+    }  # the drawn shapes are dense
     for label, name in checked:
         result = shapes[label][name]
         assert_within_tolerance(name, result)
@@ -384,7 +464,9 @@ def test_model_shapes_drawn_at_random_raise_no_false_alarm(parity_on_two_process
 
 
 @pytest.mark.slow
-def test_experts_match_one_process_with_its_routing_under_ep_tp_and_in_pipeline_stages(parity_on_two_processes, parity_on_four_processes):
+def test_experts_match_one_process_with_its_routing_under_ep_tp_and_in_pipeline_stages(
+    parity_on_two_processes, parity_on_four_processes
+):
     """ep on 2 processes (experts split over both, the rest DDP) and ep_fsdp on 4 (experts split over
     2 and FSDP-sharded over 2, the rest FSDP over 4), the recipe's gradient clipping across both
     meshes; pp (a MoE layer on each of 2 stages) and pp_fsdp (each stage FSDP over 2), whose
@@ -393,8 +475,15 @@ def test_experts_match_one_process_with_its_routing_under_ep_tp_and_in_pipeline_
     many tokens to each expert of every layer as one process, and leaves the same balancing biases."""
     two, four = parity_on_two_processes["experts"], parity_on_four_processes["experts 4"]
     tp, tp_four = parity_on_two_processes["experts tp"]["tp"], parity_on_four_processes["experts tp 4"]
-    for name, result in (("ep", two["ep"]), ("ep_fsdp", four["ep_fsdp"]), ("pp", two["pp"]), ("pp_fsdp", four["pp_fsdp"]),
-                         ("tp", tp), ("fsdp_tp", tp_four["fsdp_tp"]), ("pp_fsdp_tp", tp_four["pp_fsdp_tp"])):
+    for name, result in (
+        ("ep", two["ep"]),
+        ("ep_fsdp", four["ep_fsdp"]),
+        ("pp", two["pp"]),
+        ("pp_fsdp", four["pp_fsdp"]),
+        ("tp", tp),
+        ("fsdp_tp", tp_four["fsdp_tp"]),
+        ("pp_fsdp_tp", tp_four["pp_fsdp_tp"]),
+    ):
         assert_within_tolerance(name, result)
         assert result["routing_difference"] is None
         assert result["margin"] > 100, (name, result["margin"])  # measured: 1.1e4 for both
@@ -419,11 +508,31 @@ def test_a_routing_difference_names_the_step_and_layer():
     reference = {"routing": counts, "expert_biases": biases}
     assert first_routing_difference(reference, reference) is None
     moved = {**reference, "routing": [counts[0], {**counts[1], layers[1]: torch.tensor([5, 3])}]}
-    assert first_routing_difference(reference, moved) == {"step": 2, "layer": layers[1], "what": "tokens per expert", "expected": [4, 4], "got": [5, 3]}
+    assert first_routing_difference(reference, moved) == {
+        "step": 2,
+        "layer": layers[1],
+        "what": "tokens per expert",
+        "expected": [4, 4],
+        "got": [5, 3],
+    }
     # A layer the run did not report on (a pipeline stage's, lost on its way to rank 0) differs too.
-    assert first_routing_difference(reference, {**reference, "routing": [{layers[0]: counts[0][layers[0]]}, counts[1]]})["got"] is None
-    nudged = {**reference, "expert_biases": [biases[0], {**biases[1], f"{layers[0]}.expert_bias": torch.tensor([0.5, -0.5])}]}
-    assert first_routing_difference(reference, nudged) == {"step": 2, "layer": f"{layers[0]}.expert_bias", "what": "balancing bias", "expected": [0.0, 0.0], "got": [0.5, -0.5]}
+    assert (
+        first_routing_difference(reference, {**reference, "routing": [{layers[0]: counts[0][layers[0]]}, counts[1]]})[
+            "got"
+        ]
+        is None
+    )
+    nudged = {
+        **reference,
+        "expert_biases": [biases[0], {**biases[1], f"{layers[0]}.expert_bias": torch.tensor([0.5, -0.5])}],
+    }
+    assert first_routing_difference(reference, nudged) == {
+        "step": 2,
+        "layer": f"{layers[0]}.expert_bias",
+        "what": "balancing bias",
+        "expected": [0.0, 0.0],
+        "got": [0.5, -0.5],
+    }
 
 
 @pytest.mark.slow
@@ -446,7 +555,9 @@ def test_a_routing_difference_names_the_step_and_layer():
         ("unsummed_experts", "tp", "model.backbone.layers.0.ffn.experts.w1", "gradient"),
     ],
 )
-def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parity_on_four_processes, fault, strategy, parameter, where):
+def test_every_injected_bug_is_caught_and_located(
+    parity_on_two_processes, parity_on_four_processes, fault, strategy, parameter, where
+):
     result = {**parity_on_two_processes, **parity_on_four_processes}[fault][strategy]
     assert not result["ok"]
     assert result["parts_ways_at"] == parameter
@@ -466,11 +577,18 @@ def test_every_injected_bug_is_caught_and_located(parity_on_two_processes, parit
 def test_pipeline_schedules_match_one_process(parity_on_two_processes, parity_on_four_processes):
     """1F1B (with a MoE layer in each stage), Interleaved1F1B (two stages per rank) alone and under FSDP, ZBVZeroBubble under TP: within tolerance, by a wide margin."""
     results = {**parity_on_two_processes, **parity_on_four_processes}
-    for case, strategy in (("experts", "pp"), ("interleaved", "pp"), ("pipeline fsdp", "pp_fsdp"), ("pipeline tp", "pp_fsdp_tp")):
+    for case, strategy in (
+        ("experts", "pp"),
+        ("interleaved", "pp"),
+        ("pipeline fsdp", "pp_fsdp"),
+        ("pipeline tp", "pp_fsdp_tp"),
+    ):
         result = results[case][strategy]
         assert result["ok"], (case, result["parts_ways_at"])
         assert result["margin"] > 100, case
-        assert result["initial_param_diff"] == 0.0  # the stages start from the one-process model's weights, gathered whole
+        assert (
+            result["initial_param_diff"] == 0.0
+        )  # the stages start from the one-process model's weights, gathered whole
 
 
 @pytest.mark.slow
@@ -496,7 +614,9 @@ def flow_inputs(model, batch: int, seed: int):
     """Observations, a noisy chunk and flow times for ``model``."""
     gen = torch.Generator().manual_seed(seed)
     spec = model.cfg.spec
-    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    images = torch.randint(
+        0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen
+    )
     state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
     text_ids, text_mask = model.text_tokenizer(["reach the red square", "go", "touch blue", "push it left"][:batch])
     noisy = torch.randn(batch, spec.action_horizon, spec.action_dim, generator=gen)
@@ -516,11 +636,11 @@ def flow_plan_matches_one_process(rank: int, world_size: int, port: int, layout:
     import copy
 
     import torch.distributed as dist
+    from research_module import ProgressRobot
+    from suite import small_config
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from research_module import ProgressRobot
-    from suite import small_config
     from uma_lightning.models import ActionExpertConfig, RobotFlowTransformer
     from uma_lightning.models.lora import add_lora
     from uma_lightning.parallel.mesh import build_mesh
@@ -532,7 +652,9 @@ def flow_plan_matches_one_process(rank: int, world_size: int, port: int, layout:
     for model_class in (RobotFlowTransformer, ProgressRobot):
         torch.manual_seed(0)
         reference = model_class(small_config(), ActionExpertConfig(dim=32, ffn_dim=64))
-        add_lora(reference, ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wo", "expert.layers.*.ffn.w2"], rank=2)
+        add_lora(
+            reference, ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wo", "expert.layers.*.ffn.w2"], rank=2
+        )
         for name, param in reference.named_parameters():
             if name.endswith("lora_b"):
                 torch.nn.init.normal_(param, std=0.02)  # not zero, so the adapters change the outputs
@@ -548,17 +670,27 @@ def flow_plan_matches_one_process(rank: int, world_size: int, port: int, layout:
             assert param.requires_grad == expected.requires_grad, name
             if expected.grad is not None:
                 grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-                torch.testing.assert_close(grad, expected.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{layout} {model_class.__name__} {name}: {m}")
+                torch.testing.assert_close(
+                    grad,
+                    expected.grad,
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=lambda m, name=name: f"{layout} {model_class.__name__} {name}: {m}",
+                )
         noise = torch.randn(2, *inputs[4].shape[1:], generator=torch.Generator().manual_seed(2))
         observations = tuple(x[:2] for x in mine[:4])
         with torch.no_grad():
             sampled = model.predict_actions(*observations, steps=2, noise=noise)
-            torch.testing.assert_close(sampled, reference.predict_actions(*observations, steps=2, noise=noise), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                sampled, reference.predict_actions(*observations, steps=2, noise=noise), rtol=1e-4, atol=1e-5
+            )
         if shape.dp_shard > 1:  # the expert's blocks and the research head are sharded one by one
             assert all(isinstance(block, FSDPModule) for block in model.expert.layers), applied
             assert isinstance(getattr(model, "progress_head", None), FSDPModule) == (model_class is ProgressRobot)
         if shape.tp > 1:
-            assert "action expert" in applied[0] and ("progress" in applied[0]) == (model_class is ProgressRobot), applied
+            assert "action expert" in applied[0] and ("progress" in applied[0]) == (model_class is ProgressRobot), (
+                applied
+            )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -576,7 +708,9 @@ def test_random_model_shapes_are_distinct_and_split_over_tp():
     shapes = [json.loads(random_network(seed)[1]) for seed in range(20)]
     assert len({json.dumps(shape, sort_keys=True) for shape in shapes}) == 20
     for shape in shapes:
-        assert shape["n_heads"] % shape["n_kv_heads"] == 0 and shape["n_kv_heads"] % 2 == 0 and shape["ffn_dim"] % 2 == 0
+        assert (
+            shape["n_heads"] % shape["n_kv_heads"] == 0 and shape["n_kv_heads"] % 2 == 0 and shape["ffn_dim"] % 2 == 0
+        )
     visions = [json.loads(random_network(seed)[3])["tokenizer"] for seed in range(20)]
     heads = [random_network(seed)[5] for seed in range(20)]
     assert set(visions) == {"patches", "keypoints"} and set(heads) == {"0", "0.5"}
@@ -588,6 +722,7 @@ def test_random_model_shapes_are_distinct_and_split_over_tp():
 @pytest.mark.slow
 def test_precision_check_names_the_layer_that_overflows_in_fp16_and_is_quiet_otherwise():
     from suite import parity_case
+
     from uma_lightning.parallel.precision_parity import compare_precision
 
     def check(precision, module=None):
@@ -619,7 +754,9 @@ def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
     codes = forked_cli.run_as_ranks(argv, tmp_path / "job.log", tmp_path, timeout=600)
     log = (tmp_path / "job.log").read_text()
     assert codes == [0, 0], log[-3000:]
-    assert log.count("strategy: ") == 1 and "parallel plan robot on RobotTransformer" in log  # rank 0 says what it chose
+    assert (
+        log.count("strategy: ") == 1 and "parallel plan robot on RobotTransformer" in log
+    )  # rank 0 says what it chose
     assert "step 4/4 | loss" in log and "training: 4 steps, 2 process(es)" in log
     # Both ranks ended with the same full model.
     digests = [json.loads(p.read_text()) for p in sorted((tmp_path / "digests").glob("rank*.json"))]
@@ -652,10 +789,22 @@ def test_two_nodes_through_torchrun_c10d_rendezvous_train_the_same_model(tmp_pat
         "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
         "RDZV_ID": "two-nodes",
     }
-    args = quick_fit(tmp_path, "--trainer.strategy", "ddp", "--trainer.logger", "false", "--model.network.size", json.dumps(TINY))[1:]
-    args += ["--trainer.callbacks+", json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}})]
+    args = quick_fit(
+        tmp_path, "--trainer.strategy", "ddp", "--trainer.logger", "false", "--model.network.size", json.dumps(TINY)
+    )[1:]
+    args += [
+        "--trainer.callbacks+",
+        json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}}),
+    ]
     nodes = [
-        subprocess.Popen(["bash", str(REPO / "configs/launch/torchrun.sh"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            ["bash", str(REPO / "configs/launch/torchrun.sh"), *args],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for _ in range(2)
     ]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]

@@ -10,13 +10,13 @@ import logging
 import re
 from pathlib import Path
 
+import forked_cli
 import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow import MlflowClient
-
-import forked_cli
 from suite import STAGE_DATA, recipe
+
 from uma_lightning import Policy
 from uma_lightning.checkpoint.weights import read_checkpoint
 from uma_lightning.cli import main
@@ -45,7 +45,17 @@ def uma_ranks(*args, cwd: Path) -> str:
 
 
 def fit_args(name: str, steps: int, *args) -> list[str]:
-    return ["fit", "--config", recipe(name), *STAGE_DATA, "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps), *args]
+    return [
+        "fit",
+        "--config",
+        recipe(name),
+        *STAGE_DATA,
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.val_check_interval",
+        str(steps),
+        *args,
+    ]
 
 
 def checkpoint(cwd: Path, name: str) -> Path:
@@ -76,26 +86,57 @@ def test_pretrain_midtrain_posttrain_pipeline(pretrained, tmp_path, monkeypatch,
     pretrain_checkpoints = checkpoint(pretrained.cwd, "pretrain")
     log = uma_ranks(
         *fit_args("midtrain", 6, "--model.init_from", str(pretrain_checkpoints), "--data.batch_size", "8"),
-        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "fsdp", cwd=tmp_path,
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "fsdp",
+        cwd=tmp_path,
     )
     assert "training: 6 steps, 2 process(es)" in log and "strategy: FSDP" in log
-    assert re.search(rf"initialised RobotTransformer from {pretrain_checkpoints}/step-{pretrained.steps:09d} \(raw weights\): \d+ tensors loaded, 0 new \(none\), 0 dropped", log)
+    assert re.search(
+        rf"initialised RobotTransformer from {pretrain_checkpoints}/step-{pretrained.steps:09d} \(raw weights\): \d+ tensors loaded, 0 new \(none\), 0 dropped",
+        log,
+    )
     assert "context: 1 -> 2 observation steps, 8 -> 16-step action chunks; backbone RoPE positions 0..208" in log
     midtrained = checkpoint(tmp_path, "midtrain")
     log = uma_ranks(
         # Evaluated deterministically, from the noise's mean, as the pretrained model decodes greedily:
         # MSE rewards the mean, and sampling noise would add its variance to one side only.
-        *fit_args("posttrain", 30, "--model.init_from", str(midtrained), "--data.batch_size", "16", "--trainer.callbacks.n_episodes", "4", "--model.flow.noise_scale", "0"),
-        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "fsdp", cwd=tmp_path,
+        *fit_args(
+            "posttrain",
+            30,
+            "--model.init_from",
+            str(midtrained),
+            "--data.batch_size",
+            "16",
+            "--trainer.callbacks.n_episodes",
+            "4",
+            "--model.flow.noise_scale",
+            "0",
+        ),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "fsdp",
+        cwd=tmp_path,
     )
     assert "training: 30 steps, 2 process(es)" in log and "parallel plan robot on RobotFlowTransformer: FSDP" in log
-    assert f"initialised RobotFlowTransformer from {midtrained}/step-000000006 (raw weights)" in log and "3 dropped (action_dim_embed, action_embed, action_head)" in log
+    assert (
+        f"initialised RobotFlowTransformer from {midtrained}/step-000000006 (raw weights)" in log
+        and "3 dropped (action_dim_embed, action_embed, action_head)" in log
+    )
     assert "closed loop (val): success" in log
     posttrained = checkpoint(tmp_path, "posttrain")
 
     # Post-training beats the pretrained model on the held-out episodes, in robot units.
     before, after = metrics(pretrained.cwd, "pretrain", "train/loss"), metrics(tmp_path, "posttrain", "train/loss")
-    print(f"held-out action MSE, first 8 chunk steps: pretrained {first_steps_mse(before):.4f}, post-trained {first_steps_mse(after):.4f}")
+    print(
+        f"held-out action MSE, first 8 chunk steps: pretrained {first_steps_mse(before):.4f}, post-trained {first_steps_mse(after):.4f}"
+    )
     assert first_steps_mse(after) < 0.8 * first_steps_mse(before)
     assert 0.0 <= after["val/success_rate"] <= 1.0 and "val/action_mse/gripper" in after
 
@@ -106,12 +147,24 @@ def test_pretrain_midtrain_posttrain_pipeline(pretrained, tmp_path, monkeypatch,
     assert all(torch.equal(policy_weights[name], saved.weights[name]) for name in saved.weights)
 
     # `uma test` reports the same metrics on the held-out episodes, to MLflow.
-    uma_here("test", "--config", recipe("posttrain"), *STAGE_DATA, "--model.init_from", str(posttrained), "--trainer.callbacks.n_episodes", "2", caplog=caplog)
+    uma_here(
+        "test",
+        "--config",
+        recipe("posttrain"),
+        *STAGE_DATA,
+        "--model.init_from",
+        str(posttrained),
+        "--trainer.callbacks.n_episodes",
+        "2",
+        caplog=caplog,
+    )
     tested = metrics(tmp_path, "posttrain", "test/action_mse")
     assert {"test/action_l1/dq2", "test/action_mse/step_15", "test/success_rate"} <= set(tested)
 
     # `uma predict` writes a row per held-out frame.
-    uma_here("predict", "--config", recipe("posttrain"), *STAGE_DATA, "--model.init_from", str(posttrained), caplog=caplog)
+    uma_here(
+        "predict", "--config", recipe("posttrain"), *STAGE_DATA, "--model.init_from", str(posttrained), caplog=caplog
+    )
     predictions = pq.read_table(tmp_path / "runs" / "posttrain" / "predictions" / "val-rank0.parquet")
     assert predictions.num_rows > 0 and len(predictions.column("predicted_actions")[0]) == 16
 

@@ -5,15 +5,21 @@ import json
 import shutil
 import time
 
+import forked_cli
 import pytest
 import torch
-
-import forked_cli
 from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
 from checkpoint_modules import recorded_steps, resume_recipe
 from suite import RECIPE, SPEC, assert_short_error, run_main
+
 from uma_lightning.cli import UmaCLI
-from uma_lightning.models import RobotFlowTransformer, RobotModelConfig, RobotTransformer, TransformerConfig, VisionConfig
+from uma_lightning.models import (
+    RobotFlowTransformer,
+    RobotModelConfig,
+    RobotTransformer,
+    TransformerConfig,
+    VisionConfig,
+)
 from uma_lightning.models.flops import training_flops_per_sample
 from uma_lightning.parallel import MeshShape
 from uma_lightning.parallel.pipeline import PipelineConfig
@@ -29,7 +35,11 @@ MOE_IN_LAYER_1 = {**TWO_LAYERS, "moe": {"n_experts": 4, "top_k": 2, "n_shared": 
 
 def meta_robot(n_layers: int, vision: VisionConfig = VisionConfig()) -> RobotTransformer:
     with torch.device("meta"):
-        return RobotTransformer(RobotModelConfig(TransformerConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=128), SPEC, vision=vision))
+        return RobotTransformer(
+            RobotModelConfig(
+                TransformerConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=128), SPEC, vision=vision
+            )
+        )
 
 
 # ---- the split: no processes ------------------------------------------------------------------------
@@ -40,7 +50,10 @@ def test_split_balances_flops_counting_the_tokenizers_and_is_overridden_by_split
     costs = unit_flops(model)
     assert sum(costs) == training_flops_per_sample(model.cfg)  # the units' FLOPs add up to the model's
     split = split_robot(model, 2, None)
-    assert split.starts == (0, 6) and split.describe() == "stage 0: tokenizers + layers 0-5 (50% of FLOPs), stage 1: layers 6-11 + heads (50%)"
+    assert (
+        split.starts == (0, 6)
+        and split.describe() == "stage 0: tokenizers + layers 0-5 (50% of FLOPs), stage 1: layers 6-11 + heads (50%)"
+    )
     for start in range(1, 12):  # no other cut has a lighter heaviest stage
         assert max(split_robot(model, 2, (start,)).shares) >= max(split.shares)
     # A convolutional keypoint tokenizer at full resolution outweighs ten layers: stage 0 keeps one.
@@ -57,25 +70,71 @@ def test_split_balances_flops_counting_the_tokenizers_and_is_overridden_by_split
 def test_stages_of_each_rank_follow_the_schedule():
     assert PipelineConfig("1F1B").stage_indices(4, 1) == [1]
     assert PipelineConfig("Interleaved1F1B", virtual_stages=2).stage_indices(4, 1) == [1, 5]  # a loop
-    assert PipelineConfig("ZBVZeroBubble", virtual_stages=2).stage_indices(4, 1) == [1, 6]  # a V: rank 0 holds the first and last
+    assert PipelineConfig("ZBVZeroBubble", virtual_stages=2).stage_indices(4, 1) == [
+        1,
+        6,
+    ]  # a V: rank 0 holds the first and last
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
         (["--trainer.strategy.pp_microbatches", "1"], "pp_microbatches 1 is fewer than the 2 pipeline ranks"),
-        (["--trainer.strategy.pp_microbatches", "3"], "a batch of 4 samples (data.batch_size) does not divide into 3 microbatches"),
-        (["--trainer.strategy.pp_virtual_stages", "2"], "pp_schedule 1F1B runs one stage per rank, got pp_virtual_stages 2"),
-        (["--trainer.strategy.pp_schedule", "ZBVZeroBubble", "--trainer.strategy.pp_virtual_stages", "3"], "ZBVZeroBubble runs exactly 2 stages per rank"),
-        (["--trainer.strategy.pp_schedule", "Interleaved1F1B"], "Interleaved1F1B interleaves 2 or more stages per rank, got pp_virtual_stages 1"),
-        (["--trainer.strategy.pp_schedule", "Interleaved1F1B", "--trainer.strategy.pp_virtual_stages", "2", "--trainer.strategy.pp_microbatches", "3"],
-         "Interleaved1F1B takes a multiple of the 2 pipeline ranks as pp_microbatches, got 3"),
-        (["--trainer.strategy.pp_schedule", "Interleaved1F1B", "--trainer.strategy.pp_virtual_stages", "2"], "2 backbone layers do not divide into 4 stages"),
-        (["--trainer.strategy.pp_split", "[2]"], "pp_split [2]: split points must be increasing layer indices between 1 and 1"),
+        (
+            ["--trainer.strategy.pp_microbatches", "3"],
+            "a batch of 4 samples (data.batch_size) does not divide into 3 microbatches",
+        ),
+        (
+            ["--trainer.strategy.pp_virtual_stages", "2"],
+            "pp_schedule 1F1B runs one stage per rank, got pp_virtual_stages 2",
+        ),
+        (
+            ["--trainer.strategy.pp_schedule", "ZBVZeroBubble", "--trainer.strategy.pp_virtual_stages", "3"],
+            "ZBVZeroBubble runs exactly 2 stages per rank",
+        ),
+        (
+            ["--trainer.strategy.pp_schedule", "Interleaved1F1B"],
+            "Interleaved1F1B interleaves 2 or more stages per rank, got pp_virtual_stages 1",
+        ),
+        (
+            [
+                "--trainer.strategy.pp_schedule",
+                "Interleaved1F1B",
+                "--trainer.strategy.pp_virtual_stages",
+                "2",
+                "--trainer.strategy.pp_microbatches",
+                "3",
+            ],
+            "Interleaved1F1B takes a multiple of the 2 pipeline ranks as pp_microbatches, got 3",
+        ),
+        (
+            ["--trainer.strategy.pp_schedule", "Interleaved1F1B", "--trainer.strategy.pp_virtual_stages", "2"],
+            "2 backbone layers do not divide into 4 stages",
+        ),
+        (
+            ["--trainer.strategy.pp_split", "[2]"],
+            "pp_split [2]: split points must be increasing layer indices between 1 and 1",
+        ),
         (["--trainer.strategy.pp_split", "[1, 1]"], "2 stages need 1 split point(s)"),
-        (["--model.network.environment_state_weight", "0.5"], "pp: the environment-state head reads the first stage's prefix"),
-        (["--trainer.devices", "4", "--trainer.strategy.dp_shard", "2", "--trainer.strategy.pp_schedule", "ZBVZeroBubble", "--trainer.strategy.pp_virtual_stages", "2",
-          "--model.network.size", json.dumps({**TWO_LAYERS, "n_layers": 4})], "pp_schedule ZBVZeroBubble with data parallelism (dp 2) gives wrong gradients here"),
+        (
+            ["--model.network.environment_state_weight", "0.5"],
+            "pp: the environment-state head reads the first stage's prefix",
+        ),
+        (
+            [
+                "--trainer.devices",
+                "4",
+                "--trainer.strategy.dp_shard",
+                "2",
+                "--trainer.strategy.pp_schedule",
+                "ZBVZeroBubble",
+                "--trainer.strategy.pp_virtual_stages",
+                "2",
+                "--model.network.size",
+                json.dumps({**TWO_LAYERS, "n_layers": 4}),
+            ],
+            "pp_schedule ZBVZeroBubble with data parallelism (dp 2) gives wrong gradients here",
+        ),
     ],
 )
 def test_bad_pipeline_options_fail_in_one_line_before_any_work(tmp_path, capsys, monkeypatch, options, message):
@@ -93,7 +152,10 @@ def test_bad_pipeline_options_fail_in_one_line_before_any_work(tmp_path, capsys,
 
 def test_the_flow_model_is_refused_with_the_reason():
     flow = RobotFlowTransformer.__new__(RobotFlowTransformer)
-    with pytest.raises(ValueError, match="action expert runs after the whole backbone and its layer l attends to backbone layer l's keys"):
+    with pytest.raises(
+        ValueError,
+        match="action expert runs after the whole backbone and its layer l attends to backbone layer l's keys",
+    ):
         check_pipeline(flow, MeshShape(1, 1, 1, pp=2), PipelineConfig())
 
 
@@ -104,11 +166,28 @@ STEPS = 12
 
 
 def _argv(recipe: str, run_dir, *extra: str) -> list[str]:
-    return ["fit", "--config", recipe, *DATA, "--model.network.size", json.dumps(MOE_IN_LAYER_1), "--trainer.default_root_dir", str(run_dir), *extra]
+    return [
+        "fit",
+        "--config",
+        recipe,
+        *DATA,
+        "--model.network.size",
+        json.dumps(MOE_IN_LAYER_1),
+        "--trainer.default_root_dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def _recipe(path, record, strategy: str, max_steps: int, callbacks=()) -> str:
-    trainer = {"strategy": strategy, "accelerator": "cpu", "devices": 2, "max_steps": max_steps, "val_check_interval": 5, "limit_val_batches": 1}
+    trainer = {
+        "strategy": strategy,
+        "accelerator": "cpu",
+        "devices": 2,
+        "max_steps": max_steps,
+        "val_check_interval": 5,
+        "limit_val_batches": 1,
+    }
     expert_metrics = {"class_path": "checkpoint_modules.RecordExpertMetrics", "init_args": {"dir": str(record)}}
     return resume_recipe(path, record, [expert_metrics, *callbacks], every_n_steps=3, trainer=trainer)
 
@@ -122,11 +201,19 @@ def _continue_from(checkpoint, tmp_path, name: str, strategy: str, devices: int 
     run_dir = tmp_path / name
     shutil.copytree(checkpoint, run_dir / "checkpoints" / checkpoint.name)
     step = int(checkpoint.name.removeprefix("step-"))
-    recipe = _recipe(tmp_path / f"{name}.yaml", tmp_path / f"{name}-record", strategy, step + 1, [_weights_at_start(tmp_path / f"{name}.pt")])
+    recipe = _recipe(
+        tmp_path / f"{name}.yaml",
+        tmp_path / f"{name}-record",
+        strategy,
+        step + 1,
+        [_weights_at_start(tmp_path / f"{name}.pt")],
+    )
     if devices == 1:
         UmaCLI(_argv(recipe, run_dir, "--trainer.devices", "1", "--trainer.strategy", "auto"))
     else:
-        assert forked_cli.run_as_ranks(_argv(recipe, run_dir), tmp_path / f"{name}.log", tmp_path) == [0, 0], (tmp_path / f"{name}.log").read_text()[-3000:]
+        assert forked_cli.run_as_ranks(_argv(recipe, run_dir), tmp_path / f"{name}.log", tmp_path) == [0, 0], (
+            tmp_path / f"{name}.log"
+        ).read_text()[-3000:]
     return torch.load(tmp_path / f"{name}.pt", weights_only=True)
 
 
@@ -142,7 +229,11 @@ def assert_loaded(weights: dict[str, torch.Tensor], checkpoint) -> None:
 def assert_optimizer_steps(checkpoint, steps: int) -> None:
     """Every parameter's AdamW step count in ``checkpoint`` (the experts' included) is ``steps``:
     the optimizer state came along with the weights across strategies (a fresh one would count 1)."""
-    counts = {k: float(v) for k, v in checkpoint_tensors(checkpoint).items() if k.startswith("optimizer/") and k.endswith("/step")}
+    counts = {
+        k: float(v)
+        for k, v in checkpoint_tensors(checkpoint).items()
+        if k.startswith("optimizer/") and k.endswith("/step")
+    }
     assert any(".experts.w1" in key for key in counts) and set(counts.values()) == {steps}, counts
 
 
@@ -153,18 +244,29 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
     holds the first stage) that layer's expert metrics at every step."""
     # The uninterrupted run.
     reference = _recipe(tmp_path / "reference.yaml", tmp_path / "reference-record", "pp", STEPS)
-    assert forked_cli.run_as_ranks(_argv(reference, tmp_path / "reference"), tmp_path / "reference.log", tmp_path) == [0, 0]
+    assert forked_cli.run_as_ranks(_argv(reference, tmp_path / "reference"), tmp_path / "reference.log", tmp_path) == [
+        0,
+        0,
+    ]
     log = (tmp_path / "reference.log").read_text()
-    assert "pipeline: 2 stages, 1F1B, 2 microbatches; stage 0: tokenizers + layer 0 (" in log and "stage 1: layer 1 + heads (" in log
+    assert (
+        "pipeline: 2 stages, 1F1B, 2 microbatches; stage 0: tokenizers + layer 0 (" in log
+        and "stage 1: layer 1 + heads (" in log
+    )
     # The bubble: a share of each step, the stages' mean, so the same on both ranks.
     bubbles = [[r["bubble"] for r in recorded_steps(tmp_path / "reference-record", rank)] for rank in (0, 1)]
     assert bubbles[0] == bubbles[1] and all(0 < b < 1 for b in bubbles[0])
     # Rank 0 has stage 1's expert metrics, of both microbatches: 8 samples of 120 tokens (the
     # recipe's prefix and action tokens), each token choosing 2 experts.
-    expert_metrics = [json.loads(line) for line in (tmp_path / "reference-record" / "moe.jsonl").read_text().splitlines()]
+    expert_metrics = [
+        json.loads(line) for line in (tmp_path / "reference-record" / "moe.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in expert_metrics] == list(range(1, STEPS + 1))
     layer = "moe/model.backbone.layers.1"
-    names = {f"{layer}/{name}" for name in ("imbalance", "router_entropy", "dropped", "aux_loss", *(f"tokens/expert{i}" for i in range(4)))}
+    names = {
+        f"{layer}/{name}"
+        for name in ("imbalance", "router_entropy", "dropped", "aux_loss", *(f"tokens/expert{i}" for i in range(4)))
+    }
     for record in expert_metrics:
         assert record["metrics"].keys() == names
         assert sum(record["metrics"][f"{layer}/tokens/expert{i}"] for i in range(4)) == 8 * 120 * 2
@@ -173,8 +275,14 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
     # The same command, killed (SIGKILL, both ranks) once step 8 is done, then run again. The killed
     # attempt stalls after step 8, so that it cannot finish before the kill however fast it trains.
     recipe = _recipe(tmp_path / "interrupted.yaml", tmp_path / "record", "pp", STEPS)
-    stall = ["--trainer.callbacks+=checkpoint_modules.StallAfter", "--trainer.callbacks.step=8", "--trainer.callbacks.seconds=300"]
-    ranks = forked_cli.start_ranks(_argv(recipe, tmp_path / "interrupted", *stall), tmp_path / "interrupted.log", tmp_path)
+    stall = [
+        "--trainer.callbacks+=checkpoint_modules.StallAfter",
+        "--trainer.callbacks.step=8",
+        "--trainer.callbacks.seconds=300",
+    ]
+    ranks = forked_cli.start_ranks(
+        _argv(recipe, tmp_path / "interrupted", *stall), tmp_path / "interrupted.log", tmp_path
+    )
     deadline = time.monotonic() + 300
     while not any(r["step"] >= 8 for r in recorded_steps(tmp_path / "record", 0)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -182,21 +290,33 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
         process.kill()
         process.join()
     killed_after = max(r["step"] for r in recorded_steps(tmp_path / "record", 0))
-    assert forked_cli.run_as_ranks(_argv(recipe, tmp_path / "interrupted"), tmp_path / "resumed.log", tmp_path) == [0, 0]
+    assert forked_cli.run_as_ranks(_argv(recipe, tmp_path / "interrupted"), tmp_path / "resumed.log", tmp_path) == [
+        0,
+        0,
+    ]
     for rank in (0, 1):
         expected = {r["step"]: r for r in recorded_steps(tmp_path / "reference-record", rank)}
         seen = recorded_steps(tmp_path / "record", rank)
         assert seen[-1]["step"] == STEPS and len(seen) > STEPS  # steps after the last checkpoint ran twice
         assert sorted({r["step"] for r in seen}) == list(range(1, STEPS + 1)) and killed_after == 8
         for record in seen:  # every step, the repeated ones too, saw the same samples and loss as uninterrupted
-            assert (record["samples"], record["loss"]) == (expected[record["step"]]["samples"], expected[record["step"]]["loss"]), (rank, record["step"])
+            assert (record["samples"], record["loss"]) == (
+                expected[record["step"]]["samples"],
+                expected[record["step"]]["loss"],
+            ), (rank, record["step"])
     final = f"checkpoints/step-{STEPS:09d}"
-    assert_bitwise_equal(checkpoint_tensors(tmp_path / "interrupted" / final), checkpoint_tensors(tmp_path / "reference" / final))
+    assert_bitwise_equal(
+        checkpoint_tensors(tmp_path / "interrupted" / final), checkpoint_tensors(tmp_path / "reference" / final)
+    )
 
     # The pipeline's checkpoint (each stage saved its own parameters, under the unwrapped model's names)
     # loads whole under FSDP on two processes and into one process; theirs load back into the pipeline.
     pipelined = tmp_path / "reference" / final
-    assert checkpoint_tensors(pipelined)["model/model.backbone.layers.1.ffn.experts.w1"].shape == (4, 32, 32)  # whole, under its plain name
+    assert checkpoint_tensors(pipelined)["model/model.backbone.layers.1.ffn.experts.w1"].shape == (
+        4,
+        32,
+        32,
+    )  # whole, under its plain name
     assert_loaded(_continue_from(pipelined, tmp_path, "fsdp-from-pp", "fsdp"), pipelined)
     assert_loaded(_continue_from(pipelined, tmp_path, "one-from-pp", "auto", devices=1), pipelined)
     next_step = f"checkpoints/step-{STEPS + 1:09d}"
@@ -204,4 +324,6 @@ def test_pp_trains_resumes_bit_for_bit_after_sigkill_and_its_checkpoints_load_un
         checkpoint = tmp_path / source / next_step
         assert_optimizer_steps(checkpoint, STEPS + 1)
         assert_loaded(_continue_from(checkpoint, tmp_path, f"pp-from-{source.split('-')[0]}", "pp"), checkpoint)
-        assert_optimizer_steps(tmp_path / f"pp-from-{source.split('-')[0]}" / f"checkpoints/step-{STEPS + 2:09d}", STEPS + 2)
+        assert_optimizer_steps(
+            tmp_path / f"pp-from-{source.split('-')[0]}" / f"checkpoints/step-{STEPS + 2:09d}", STEPS + 2
+        )

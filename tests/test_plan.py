@@ -6,8 +6,8 @@ import math
 
 import pytest
 import yaml
-
 from suite import RECIPE, assert_short_error, run_main
+
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models import RobotModelConfig, load_size
 from uma_lightning.parallel.planner.cluster import ACCELERATORS, LINK_PRESETS, Cluster, Link
@@ -18,8 +18,15 @@ from uma_lightning.parallel.planner.memory import Precision, chunk, rank_state
 from uma_lightning.parallel.planner.model import facts_of_config
 
 # Heads, kv heads, feed-forward, action bins and the 44-token sequence all split over tp 4.
-SPEC = DataSpec(cameras=("front",), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=1, action_horizon=4, fps=10)
-CONFIG = RobotModelConfig(load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 128}), SPEC, max_text_len=16, n_action_bins=32)
+SPEC = DataSpec(
+    cameras=("front",), image_size=(32, 32), state_dim=5, action_dim=3, n_obs_steps=1, action_horizon=4, fps=10
+)
+CONFIG = RobotModelConfig(
+    load_size({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 128}),
+    SPEC,
+    max_text_len=16,
+    n_action_bins=32,
+)
 CLUSTER = Cluster(2, 4, ACCELERATORS["h100"], 79.2, 989.0, Link(400.0, 3.0), LINK_PRESETS["ib-ndr"])
 SIZE_7B = ["--model.network.size", "7b"]
 
@@ -90,27 +97,57 @@ def test_layouts_that_cannot_run_say_why():
     assert estimate(model, Layout(tp=8), CLUSTER, settings).rejected == "tp 8 crosses nodes (4 GPUs per node)"
     assert estimate(model, Layout(dp_shard=3), CLUSTER, settings).rejected == "global batch 16 does not split over dp 3"
     # The strategy's own refusals, word for word (layout.strategy_refusal).
-    assert estimate(model, Layout(pp=2, dp_shard=4, microbatches=1), CLUSTER, settings).rejected.startswith("pp_microbatches 1 is fewer than the 2 pipeline ranks")
-    assert estimate(model, Layout(pp=4, dp_shard=2, microbatches=4), CLUSTER, settings).rejected.startswith("pp: 2 backbone layers do not divide into 4 stages")
+    assert estimate(model, Layout(pp=2, dp_shard=4, microbatches=1), CLUSTER, settings).rejected.startswith(
+        "pp_microbatches 1 is fewer than the 2 pipeline ranks"
+    )
+    assert estimate(model, Layout(pp=4, dp_shard=2, microbatches=4), CLUSTER, settings).rejected.startswith(
+        "pp: 2 backbone layers do not divide into 4 stages"
+    )
     tiny_memory = Cluster(2, 4, ACCELERATORS["h100"], 0.001, 989.0, Link(400.0, 3.0), LINK_PRESETS["ib-ndr"])
     assert estimate(model, Layout(dp_shard=8), tiny_memory, settings).rejected.startswith("needs 0.0")
 
 
 def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsys):
     fragment = tmp_path / "layout.yaml"
-    code, out, _ = run_main(["plan", "--config", RECIPE, *SIZE_7B, "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h200", "--emit-config", str(fragment), "--json"], capsys)
+    code, out, _ = run_main(
+        [
+            "plan",
+            "--config",
+            RECIPE,
+            *SIZE_7B,
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--gpu",
+            "h200",
+            "--emit-config",
+            str(fragment),
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0
     plan = json.loads(out)
     ranked = [e["tokens_per_s"] for e in plan["ranked"]]
-    assert all(a >= b * (1 - 1e-9) for a, b in zip(ranked, ranked[1:])) and plan["recommended"]["tokens_per_s"] == ranked[0]
+    assert (
+        all(a >= b * (1 - 1e-9) for a, b in zip(ranked, ranked[1:]))
+        and plan["recommended"]["tokens_per_s"] == ranked[0]
+    )
     assert any(r["reason"].startswith("tp 8 crosses nodes") for r in plan["rejected"])
     layout = plan["recommended"]["layout"]
     args = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"]
-    assert (args["dp_replicate"], args["dp_shard"], args["tp"]) == (layout["dp_replicate"], layout["dp_shard"], layout["tp"])
+    assert (args["dp_replicate"], args["dp_shard"], args["tp"]) == (
+        layout["dp_replicate"],
+        layout["dp_shard"],
+        layout["tp"],
+    )
     code, out, _ = run_main(["fit", "--config", RECIPE, *SIZE_7B, "--config", str(fragment), "--print_config"], capsys)
     printed = yaml.safe_load(out)
     assert code in (0, None) and printed["trainer"]["strategy"]["init_args"]["dp_shard"] == layout["dp_shard"]
-    assert printed["data"]["init_args"]["batch_size"] == plan["settings"]["global_batch"] // (layout["dp_replicate"] * layout["dp_shard"])
+    assert printed["data"]["init_args"]["batch_size"] == plan["settings"]["global_batch"] // (
+        layout["dp_replicate"] * layout["dp_shard"]
+    )
 
 
 def test_pipeline_and_expert_layouts_are_those_uma_fit_accepts(tmp_path, capsys):
@@ -122,27 +159,60 @@ def test_pipeline_and_expert_layouts_are_those_uma_fit_accepts(tmp_path, capsys)
     from uma_lightning.parallel.planner.tool import build_cluster, build_parser, resolve
 
     size = ["--model.network.size", "tiny_moe"]
-    args, overrides = build_parser().parse_known_args(["--config", RECIPE, *size, "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h200"])
+    args, overrides = build_parser().parse_known_args(
+        ["--config", RECIPE, *size, "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h200"]
+    )
     stage, batch_size, _ = resolve(args.config, overrides)
     bf16 = Precision.of("bf16-mixed")
     cluster = build_cluster(args, bf16, args.nodes, args.gpus_per_node)
     settings = Settings(batch_size * cluster.world_size, bf16, 0.4)
     fits, rejected = rank(facts_of_stage(stage), cluster, settings)
     reasons = [e.rejected for e in rejected]
-    for refused in ("with pipeline stages is not supported", "inside HSDP", "experts are either split over ep ranks or computed whole on each tp rank"):
+    for refused in (
+        "with pipeline stages is not supported",
+        "inside HSDP",
+        "experts are either split over ep ranks or computed whole on each tp rank",
+    ):
         assert any(refused in reason for reason in reasons), refused
-    assert not any(e.layout.ep > 1 and (e.layout.pp > 1 or e.layout.tp > 1 or min(e.layout.dp_replicate, e.layout.dp_shard) > 1) for e in fits)
-    for kind in (lambda layout: layout.pp > 1, lambda layout: layout.ep > 1 and layout.dp_shard == 1, lambda layout: layout.ep > 1 and layout.dp_shard > 1):
+    assert not any(
+        e.layout.ep > 1 and (e.layout.pp > 1 or e.layout.tp > 1 or min(e.layout.dp_replicate, e.layout.dp_shard) > 1)
+        for e in fits
+    )
+    for kind in (
+        lambda layout: layout.pp > 1,
+        lambda layout: layout.ep > 1 and layout.dp_shard == 1,
+        lambda layout: layout.ep > 1 and layout.dp_shard > 1,
+    ):
         best = next(e for e in fits if kind(e.layout))
         fragment = tmp_path / "layout.yaml"
         fragment.write_text(report.fragment(best, cluster, settings, RECIPE))
         code, out, _ = run_main(["fit", "--config", RECIPE, *size, "--config", str(fragment), "--print_config"], capsys)
         printed = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]
-        assert code in (0, None) and (printed["pp"], printed["ep"], printed["pp_microbatches"] or 1) == (best.layout.pp, best.layout.ep, best.layout.microbatches)
+        assert code in (0, None) and (printed["pp"], printed["ep"], printed["pp_microbatches"] or 1) == (
+            best.layout.pp,
+            best.layout.ep,
+            best.layout.microbatches,
+        )
 
 
 def test_impossible_request_names_the_smallest_cluster(capsys):
-    code, out, _ = run_main(["plan", "--config", RECIPE, *SIZE_7B, "--nodes", "1", "--gpus-per-node", "1", "--gpu", "a100", "--precision", "32-true"], capsys)
+    code, out, _ = run_main(
+        [
+            "plan",
+            "--config",
+            RECIPE,
+            *SIZE_7B,
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--gpu",
+            "a100",
+            "--precision",
+            "32-true",
+        ],
+        capsys,
+    )
     assert code == 1
     assert "impossible: no layout fits 1 x 1 A100" in out
     assert "smallest cluster that fits: --nodes 1 --gpus-per-node 2" in out
@@ -164,8 +234,6 @@ def test_bad_cluster_options_are_one_line_errors(option, value, message, capsys)
 def test_expert_layer_activations_match_a_real_forward(every_n_layers, n_shared):
     """In this process: what a mixture-of-experts model's forward saves (router, routed tokens, experts)."""
     import dataclasses
-
-    import torch
 
     from uma_lightning.models import RobotTransformer
     from uma_lightning.parallel.planner.check import random_batch, saved_activation_bytes
@@ -190,20 +258,37 @@ def test_predictions_match_a_real_step_of_every_strategy():
     from uma_lightning.parallel.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
 
     moe = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4}))
-    four_layers = dataclasses.replace(CONFIG, backbone=dataclasses.replace(CONFIG.backbone, n_layers=4))  # a layer for each of pp 4's stages
+    four_layers = dataclasses.replace(
+        CONFIG, backbone=dataclasses.replace(CONFIG.backbone, n_layers=4)
+    )  # a layer for each of pp 4's stages
     cases = {name: (four_layers if layout.pp > 2 else CONFIG, layout) for name, layout in LAYOUTS.items()}
     cases |= {name: (moe, layout) for name, layout in EXPERT_LAYOUTS.items()}
     results = compare(cases, global_batch=8)
     for name, ranks in results.items():
         # The outputs a rank's experts send back are the tokens routed to them, as many as the ranks send
         # on average only: the all-to-all bytes are compared over all ranks, the rest rank by rank.
-        exchanged = [sum(r[side]["collectives"].get("all-to-all", 0) for r in ranks) for side in ("measured", "predicted")]
+        exchanged = [
+            sum(r[side]["collectives"].get("all-to-all", 0) for r in ranks) for side in ("measured", "predicted")
+        ]
         assert exchanged[1] == pytest.approx(exchanged[0], rel=0.05), (name, exchanged)
         for rank, result in enumerate(ranks):
-            measured, predicted = ({k: v for k, v in r["collectives"].items() if k != "all-to-all"} for r in (result["measured"], result["predicted"]))
+            measured, predicted = (
+                {k: v for k, v in r["collectives"].items() if k != "all-to-all"}
+                for r in (result["measured"], result["predicted"])
+            )
             for part in ("params", "grads", "optimizer"):
-                assert result["measured"][part] == result["predicted"][part], (name, rank, part, result["measured"][part], result["predicted"][part])
-            assert sum(predicted.values()) == pytest.approx(sum(measured.values()), rel=0.05), (name, measured, predicted)
+                assert result["measured"][part] == result["predicted"][part], (
+                    name,
+                    rank,
+                    part,
+                    result["measured"][part],
+                    result["predicted"][part],
+                )
+            assert sum(predicted.values()) == pytest.approx(sum(measured.values()), rel=0.05), (
+                name,
+                measured,
+                predicted,
+            )
             for kind, size in measured.items():
                 assert predicted.get(kind, 0) == pytest.approx(size, rel=0.05), (name, kind)
             measured, predicted = result["measured"], result["predicted"]

@@ -8,13 +8,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import forked_cli
 import pytest
 import yaml
-
-import forked_cli
 from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
 from checkpoint_modules import resume_recipe as deterministic_recipe
 from suite import RECIPE, TINY, free_port
+
 from uma_lightning.checkpoint import committed, verify
 
 # Every test starts a training process and signals it.
@@ -70,7 +70,7 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_resumes_from_there(tmp_pat
     status, seconds, log = start_and_signal(tmp_path, recipe, "first", signal.SIGTERM, after_step=3)
     assert status == 128 + signal.SIGTERM, log[-3000:]
     assert "received SIGTERM: saving a checkpoint at the next step boundary" in log
-    (step, checkpoint), = committed(tmp_path / "run" / "checkpoints")
+    ((step, checkpoint),) = committed(tmp_path / "run" / "checkpoints")
     assert step == 4 and verify(checkpoint) == []  # held after step 3: saved at the next step
     assert f"SIGTERM: checkpoint of step {step} committed, exiting" in log
     assert seconds < 60
@@ -85,14 +85,21 @@ def test_sigusr1_under_slurm_saves_and_requeues_the_job(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"  # records how it was called, as the real one would requeue
-    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.calls'}\n")
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.calls"}\n')
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pretrain", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "pretrain",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    }
     recipe = write_recipe(tmp_path / "recipe.yaml", max_steps=200, grace_period_s=60)
     status, _, log = start_and_signal(tmp_path, recipe, "slurm", signal.SIGUSR1, after_step=2, env=slurm)
     assert status == 128 + signal.SIGUSR1, log[-3000:]
-    (step, checkpoint), = committed(tmp_path / "run" / "checkpoints")
+    ((step, checkpoint),) = committed(tmp_path / "run" / "checkpoints")
     assert verify(checkpoint) == [] and f"SIGUSR1: checkpoint of step {step} committed" in log
     assert (tmp_path / "scontrol.calls").read_text().split() == ["requeue", "4242"]
     assert "requeued Slurm job 4242" in log
@@ -101,7 +108,9 @@ def test_sigusr1_under_slurm_saves_and_requeues_the_job(tmp_path):
 def test_a_step_that_outlasts_the_grace_period_exits_without_saving(tmp_path):
     stall = {"class_path": "checkpoint_modules.StallAfter", "init_args": {"step": 3, "seconds": 60}}
     recipe = write_recipe(tmp_path / "recipe.yaml", max_steps=200, grace_period_s=1.0, extra_callbacks=[stall])
-    status, seconds, log = start_and_signal(tmp_path, recipe, "stalled", signal.SIGTERM, after_step=3, wait_for="stalling after step 3")
+    status, seconds, log = start_and_signal(
+        tmp_path, recipe, "stalled", signal.SIGTERM, after_step=3, wait_for="stalling after step 3"
+    )
     assert status == 128 + signal.SIGTERM, log[-3000:]
     assert seconds < 30  # the grace period (1 s), not the 60 s stall
     assert "SIGTERM: no step boundary within the 1 s grace period; exiting without a new checkpoint" in log
@@ -113,16 +122,31 @@ def start_ranks(argv: list[str], logs: list[Path], cwd: Path, process_group: int
     if len(logs) == 1:
         return [forked_cli.start(argv, logs[0], cwd, process_group=process_group)]
     port = str(free_port())
-    return [forked_cli.start(argv, log, cwd, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-                                              "NODE_RANK": "0", "LOCAL_RANK": str(rank)}, process_group)
-            for rank, log in enumerate(logs)]
+    return [
+        forked_cli.start(
+            argv,
+            log,
+            cwd,
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "WORLD_SIZE": "2",
+                "NODE_RANK": "0",
+                "LOCAL_RANK": str(rank),
+            },
+            process_group,
+        )
+        for rank, log in enumerate(logs)
+    ]
 
 
 def wait_for_step(processes: list, log: Path, step: int, timeout: float = 180) -> None:
     """Until rank zero (which alone prints progress) logged ``step``, while every rank is alive."""
     deadline = time.monotonic() + timeout
     while f"step {step}/" not in (log.read_text() if log.exists() else ""):
-        assert all(p.is_alive() for p in processes) and time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
+        assert all(p.is_alive() for p in processes) and time.monotonic() < deadline, (
+            log.read_text()[-3000:] if log.exists() else "no log"
+        )
         time.sleep(0.01)
 
 
@@ -137,20 +161,33 @@ def test_signals_to_the_whole_process_group_save_once_and_the_run_resumes_bit_fo
     until the save is committed. Each signal interrupts the run once more; the end matches an
     uninterrupted run bit for bit."""
     max_steps = 4 * len(GROUP_SIGNALS[world_size]) + 2
-    callbacks = [{"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}},
-                 {"class_path": "uma_lightning.callbacks.Preemption", "init_args": {"grace_period_s": 60}}]
+    callbacks = [
+        {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}},
+        {"class_path": "uma_lightning.callbacks.Preemption", "init_args": {"grace_period_s": 60}},
+    ]
     parallel = {"strategy": "ddp", "accelerator": "cpu", "devices": 2} if world_size == 2 else {}
-    recipe = deterministic_recipe(tmp_path / "recipe.yaml", tmp_path / "record", callbacks, every_n_steps=1000,
-                                  trainer={**parallel, "max_steps": max_steps})
+    recipe = deterministic_recipe(
+        tmp_path / "recipe.yaml",
+        tmp_path / "record",
+        callbacks,
+        every_n_steps=1000,
+        trainer={**parallel, "max_steps": max_steps},
+    )
     data = ["--data.generation.n_episodes", "6", "--data.batch_size", "16", "--data.loader.num_workers", "1"]
     if world_size == 2:  # workers from a forkserver (as with remote storage or CUDA), not forked
         data += ["--data.loader.multiprocessing_context", "forkserver"]
 
     def command(run_dir: Path, hold_at_step: int | None) -> list[str]:
-        hold = [] if hold_at_step is None else ["--trainer.callbacks+=faults.HoldUntilSignalled", f"--trainer.callbacks.at_step={hold_at_step}"]
+        hold = (
+            []
+            if hold_at_step is None
+            else ["--trainer.callbacks+=faults.HoldUntilSignalled", f"--trainer.callbacks.at_step={hold_at_step}"]
+        )
         return ["fit", "--config", recipe, *data, "--trainer.default_root_dir", str(run_dir), *hold]
 
-    def run(run_dir: Path, name: str, process_group: int | None = None, hold_at_step: int | None = None) -> tuple[list, list[Path]]:
+    def run(
+        run_dir: Path, name: str, process_group: int | None = None, hold_at_step: int | None = None
+    ) -> tuple[list, list[Path]]:
         logs = [tmp_path / f"{name}.rank{rank}.log" for rank in range(world_size)]
         return start_ranks(command(run_dir, hold_at_step), logs, tmp_path, process_group), logs
 
@@ -190,10 +227,14 @@ def test_signals_to_the_whole_process_group_save_once_and_the_run_resumes_bit_fo
         process.join(300)
     assert [p.exitcode for p in final] == [0] * world_size, logs[0].read_text()[-3000:]
     last = f"step-{max_steps:09d}"
-    assert_bitwise_equal(checkpoint_tensors(checkpoints / last), checkpoint_tensors(tmp_path / "reference" / "checkpoints" / last))
+    assert_bitwise_equal(
+        checkpoint_tensors(checkpoints / last), checkpoint_tensors(tmp_path / "reference" / "checkpoints" / last)
+    )
 
 
-def test_an_mlflow_run_stopped_by_a_signal_is_killed_and_a_failing_store_does_not_break_teardown(tmp_path, caplog, monkeypatch):
+def test_an_mlflow_run_stopped_by_a_signal_is_killed_and_a_failing_store_does_not_break_teardown(
+    tmp_path, caplog, monkeypatch
+):
     from mlflow.exceptions import MlflowException
 
     from uma_lightning.callbacks.preemption import Preempted

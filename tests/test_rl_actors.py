@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from rl_checks import check_versions, collect_until_version, new_weights
+
 from uma_lightning.rl.data import RolloutDataModule
 from uma_lightning.rl.env import probe_env
 from uma_lightning.rl.local import ActorSetup, LocalActors
@@ -31,8 +31,13 @@ def spec():
 @pytest.mark.parametrize("inference", ["local", "server"])
 def test_actors_act_with_the_newest_weights_after_every_sync_without_stopping(spec, inference):
     policy = GaussianMLPPolicy(spec, hidden=(16,))
-    actors = LocalActors(ActorSetup(spec, n_envs=3, steps=8, seed=0), policy, n_workers=2,
-                         server=SERVER if inference == "server" else None, heartbeat_timeout=60)
+    actors = LocalActors(
+        ActorSetup(spec, n_envs=3, steps=8, seed=0),
+        policy,
+        n_workers=2,
+        server=SERVER if inference == "server" else None,
+        heartbeat_timeout=60,
+    )
     try:
         snapshots, newest_seen = {}, {}
         for version in range(4):
@@ -53,7 +58,9 @@ def test_a_crashed_or_hung_actor_is_restarted_and_its_unfinished_chunk_discarded
     kwargs = {"marker": str(marker)}
     spec = probe_env("rl_envs:hanging_pendulum", kwargs)
     policy = GaussianMLPPolicy(spec, hidden=(16,))
-    actors = LocalActors(ActorSetup(spec, env_kwargs=kwargs, n_envs=2, steps=10, seed=0), policy, n_workers=2, heartbeat_timeout=2.0)
+    actors = LocalActors(
+        ActorSetup(spec, env_kwargs=kwargs, n_envs=2, steps=10, seed=0), policy, n_workers=2, heartbeat_timeout=2.0
+    )
     received = []
 
     def collect_until(condition, limit=120.0):
@@ -74,7 +81,9 @@ def test_a_crashed_or_hung_actor_is_restarted_and_its_unfinished_chunk_discarded
         marker.touch()
         collect_until(lambda: actors.restarts == 2)
         hung = next(w.index for w in actors.workers if w.incarnation == (2 if w.index == 0 else 1))
-        collect_until(lambda: any(c.worker == hung and c.incarnation == actors.workers[hung].incarnation for c in received))
+        collect_until(
+            lambda: any(c.worker == hung and c.incarnation == actors.workers[hung].incarnation for c in received)
+        )
         assert not marker.exists()
         # Nothing from a replaced incarnation arrives after its successor's first chunk, and a new
         # incarnation starts from a fresh sequence: the chunk being written when it died is gone.
@@ -90,8 +99,9 @@ def test_a_crashed_or_hung_actor_is_restarted_and_its_unfinished_chunk_discarded
 
 
 def test_chunks_staler_than_the_max_policy_lag_are_dropped_and_counted():
-    data = RolloutDataModule("Pendulum-v1", n_workers=1, envs_per_worker=2, steps_per_chunk=4, max_policy_lag=1,
-                             slots_per_worker=3, seed=0)
+    data = RolloutDataModule(
+        "Pendulum-v1", n_workers=1, envs_per_worker=2, steps_per_chunk=4, max_policy_lag=1, slots_per_worker=3, seed=0
+    )
     policy = GaussianMLPPolicy(data.env_spec, hidden=(16,))
     data.start(policy, return_discount=0.99)
     try:
@@ -146,7 +156,9 @@ if __name__ == "__main__":
 
 def leftovers(pids: list[int], semaphore: str) -> list[str]:
     """/dev/shm entries of this run and processes of it still alive."""
-    entries = [name for name in os.listdir("/dev/shm") if name == f"sem.{semaphore}" or any(f"_{pid}_" in name for pid in pids)]
+    entries = [
+        name for name in os.listdir("/dev/shm") if name == f"sem.{semaphore}" or any(f"_{pid}_" in name for pid in pids)
+    ]
     return entries + [f"process {pid}" for pid in pids if running(pid)]
 
 
@@ -179,7 +191,9 @@ def test_no_process_semaphore_or_shared_memory_outlives_shutdown_or_a_killed_lea
     assert "leaked" not in done.stderr, done.stderr[-3000:]
 
     # The learner is SIGKILLed: actors, server and forkserver notice and exit; the tracker unlinks the semaphore.
-    learner = subprocess.Popen([sys.executable, str(script), "hold"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    learner = subprocess.Popen(
+        [sys.executable, str(script), "hold"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         words = learner.stdout.readline().split()
         assert words and words[0] == "SEM", learner.stderr.read()[-3000:]

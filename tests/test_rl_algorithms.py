@@ -8,7 +8,14 @@ from torch.distributions import AffineTransform, Independent, Normal, TanhTransf
 
 from uma_lightning.rl.advantages import gae, vtrace
 from uma_lightning.rl.env import EnvSpec, probe_env
-from uma_lightning.rl.policy import GaussianMLPPolicy, RunningNorm, SquashedNormal, TanhGaussianMLPPolicy, check_policy, fused_act
+from uma_lightning.rl.policy import (
+    GaussianMLPPolicy,
+    RunningNorm,
+    SquashedNormal,
+    TanhGaussianMLPPolicy,
+    check_policy,
+    fused_act,
+)
 
 SPEC = EnvSpec("test", obs_dim=3, action_dim=2, action_low=(-2.0, -1.0), action_high=(2.0, 3.0))
 
@@ -61,15 +68,27 @@ def test_gae_matches_the_direct_sum_and_respects_termination_and_time_limits():
 def test_vtrace_with_equal_policies_gives_gae_targets():
     t = random_trajectory(seed=1)
     _, gae_returns = gae(t["rewards"], t["values"], t["next_values"], t["terminated"], t["done"], 0.99, 0.95)
-    _, targets = vtrace(torch.zeros(12, 5), t["rewards"], t["values"], t["next_values"], t["terminated"], t["done"], 0.99, 0.95)
+    _, targets = vtrace(
+        torch.zeros(12, 5), t["rewards"], t["values"], t["next_values"], t["terminated"], t["done"], 0.99, 0.95
+    )
     assert torch.allclose(targets, gae_returns, atol=1e-5)
 
 
 def test_vtrace_clips_importance_weights_as_defined():
     t = random_trajectory(seed=2)
     log_rhos = torch.randn(12, 5, generator=torch.Generator().manual_seed(3))
-    advantages, targets = vtrace(log_rhos, t["rewards"], t["values"], t["next_values"], t["terminated"], t["done"],
-                                 0.9, 0.7, rho_bar=1.0, c_bar=0.8)
+    advantages, targets = vtrace(
+        log_rhos,
+        t["rewards"],
+        t["values"],
+        t["next_values"],
+        t["terminated"],
+        t["done"],
+        0.9,
+        0.7,
+        rho_bar=1.0,
+        c_bar=0.8,
+    )
     expected = reference_returns(t, 0.9, 0.7, log_rhos, rho_bar=1.0, c_bar=0.8)
     assert torch.allclose(targets.double(), expected, atol=1e-5)
     # Policy-gradient advantage: rho_s (r_s + gamma v_{s+1} - V(x_s)) with v_{s+1} the next target.
@@ -98,7 +117,9 @@ def test_squashed_normal_matches_torch_transformed_distribution_and_stays_in_bou
     mean, std = torch.randn(64, 2, generator=g), torch.rand(64, 2, generator=g) + 0.1
     loc, scale = torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0])
     ours = SquashedNormal(mean, std, loc, scale)
-    reference = Independent(TransformedDistribution(Normal(mean, std), [TanhTransform(), AffineTransform(loc, scale)]), 1)
+    reference = Independent(
+        TransformedDistribution(Normal(mean, std), [TanhTransform(), AffineTransform(loc, scale)]), 1
+    )
     action = ours.rsample()
     assert ((action >= loc - scale) & (action <= loc + scale)).all()
     assert torch.allclose(ours.log_prob(action), reference.log_prob(action), atol=1e-3)
@@ -118,7 +139,13 @@ def test_policies_fit_the_spec_and_a_wrong_policy_is_named():
 
 def test_env_spec_from_gymnasium_id_and_factory_and_clear_errors():
     spec = probe_env("Pendulum-v1")
-    assert (spec.obs_dim, spec.action_dim, spec.action_low, spec.action_high, spec.max_episode_steps) == (3, 1, (-2.0,), (2.0,), 200)
+    assert (spec.obs_dim, spec.action_dim, spec.action_low, spec.action_high, spec.max_episode_steps) == (
+        3,
+        1,
+        (-2.0,),
+        (2.0,),
+        200,
+    )
     assert probe_env("rl_envs:hanging_pendulum", {"marker": "/nonexistent"}).obs_dim == 3
     with pytest.raises(ValueError, match="env 'Pendulumm-v1'.*Did you mean"):
         probe_env("Pendulumm-v1")
@@ -142,7 +169,11 @@ def acted_into_chunk_rows(actor, obs):
     import numpy as np
 
     batch, action_dim = obs.shape[0], actor.policy.log_std.shape[0]
-    rows = (np.zeros((3, batch, action_dim), np.float32), np.zeros((3, batch), np.float32), np.zeros((3, batch), np.float32))
+    rows = (
+        np.zeros((3, batch, action_dim), np.float32),
+        np.zeros((3, batch), np.float32),
+        np.zeros((3, batch), np.float32),
+    )
     actor(obs.numpy(), *(array[1] for array in rows))
     return tuple(torch.from_numpy(array[1]) for array in rows)
 
@@ -209,7 +240,9 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
     layout = chunk_layout(spec, 16, 4)
     chunks, rng_before_filling = [], torch.get_rng_state()
     for _ in range(2):
-        chunk = {name: np.zeros(shape, torch.empty((), dtype=dtype).numpy().dtype) for name, (shape, dtype) in layout.items()}
+        chunk = {
+            name: np.zeros(shape, torch.empty((), dtype=dtype).numpy().dtype) for name, (shape, dtype) in layout.items()
+        }
         runner.fill(chunk, act)
         chunks.append(chunk)
     runner.close()
@@ -225,14 +258,20 @@ def test_runner_chunks_hold_what_the_envs_returned_for_the_recorded_actions():
     discounted, episode_return, episode_length = np.zeros(4), np.zeros(4), np.zeros(4, np.int64)
     for t in range(32):
         assert np.array_equal(data["obs"][t], obs.astype(np.float32))
-        obs, reward, terminated, truncated, info = replay.step(np.clip(data["action"][t], spec.action_low, spec.action_high))
+        obs, reward, terminated, truncated, info = replay.step(
+            np.clip(data["action"][t], spec.action_low, spec.action_high)
+        )
         final = obs.copy()
         if (terminated | truncated).any():
             final[terminated | truncated] = np.stack(info["final_obs"][terminated | truncated])
         assert np.array_equal(data["next_obs"][t], final.astype(np.float32))
         assert np.array_equal(data["reward"][t], reward.astype(np.float32))
         assert np.array_equal(data["terminated"][t], terminated) and np.array_equal(data["truncated"][t], truncated)
-        discounted, episode_return, episode_length = 0.9 * discounted + reward, episode_return + reward, episode_length + 1
+        discounted, episode_return, episode_length = (
+            0.9 * discounted + reward,
+            episode_return + reward,
+            episode_length + 1,
+        )
         assert np.array_equal(data["discounted_return"][t], discounted.astype(np.float32))
         assert np.array_equal(data["episode_return"][t], episode_return.astype(np.float32))
         assert np.array_equal(data["episode_length"][t], episode_length)

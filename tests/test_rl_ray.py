@@ -6,9 +6,9 @@ import signal
 import time
 
 import pytest
-
 from rl_checks import check_versions, collect_until_version, new_weights
 from suite import TESTS
+
 from uma_lightning.rl.env import probe_env
 from uma_lightning.rl.local import ActorSetup
 from uma_lightning.rl.policy import GaussianMLPPolicy
@@ -19,8 +19,9 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def cluster():
     # Two CPUs, one per rollout worker; the tests' env factories importable by Ray's worker processes.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}}
+    )
     yield
     ray.shutdown()
 
@@ -69,7 +70,9 @@ def test_ray_actors_sync_weights_restart_crashed_and_hung_workers_and_batch_on_a
         actors.close()
     # A central inference server batches both workers' requests; chunks carry its version.
     server = {"max_batch": 4, "max_wait": 0.01, "device": "cpu"}
-    actors = RayActors(ActorSetup(spec, env_kwargs=kwargs, n_envs=2, steps=8, seed=1), policy, n_workers=2, server=server)
+    actors = RayActors(
+        ActorSetup(spec, env_kwargs=kwargs, n_envs=2, steps=8, seed=1), policy, n_workers=2, server=server
+    )
     try:
         actors.publish(policy.state_dict(), 4)
         snapshots[4] = copy.deepcopy(policy)

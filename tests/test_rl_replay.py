@@ -8,12 +8,22 @@ import torch
 from uma_lightning.rl.local import process_context
 from uma_lightning.rl.replay import ReplayBuffer
 
-LAYOUT = {"obs": ((3,), torch.float32), "action": ((1,), torch.float32), "reward": ((), torch.float32), "done": ((), torch.bool)}
+LAYOUT = {
+    "obs": ((3,), torch.float32),
+    "action": ((1,), torch.float32),
+    "reward": ((), torch.float32),
+    "done": ((), torch.bool),
+}
 
 
 def rows(start: int, n: int) -> dict:
     ids = torch.arange(start, start + n, dtype=torch.float32)
-    return {"obs": ids[:, None].expand(n, 3).clone(), "action": ids[:, None].clone(), "reward": ids.clone(), "done": (ids.long() % 2).bool()}
+    return {
+        "obs": ids[:, None].expand(n, 3).clone(),
+        "action": ids[:, None].clone(),
+        "reward": ids.clone(),
+        "done": (ids.long() % 2).bool(),
+    }
 
 
 def test_ring_keeps_the_newest_capacity_transitions():
@@ -61,7 +71,9 @@ def test_alpha_zero_samples_uniformly_whatever_the_priorities():
     buffer.add(rows(0, 4))
     buffer.update_priorities(torch.arange(4), torch.tensor([1.0, 100.0, 0.5, 3.0]))
     _, indices, weights = buffer.sample(8000)
-    assert torch.allclose(torch.bincount(indices).double() / 8000, torch.full((4,), 0.25, dtype=torch.float64), atol=0.02)
+    assert torch.allclose(
+        torch.bincount(indices).double() / 8000, torch.full((4,), 0.25, dtype=torch.float64), atol=0.02
+    )
     assert torch.allclose(weights, torch.ones_like(weights))
 
 

@@ -7,13 +7,13 @@ import subprocess
 import sys
 import time
 
+import forked_cli
 import pytest
 import torch
 import yaml
 from mlflow import MlflowClient
-
-import forked_cli
 from suite import REPO, recipe, run_main
+
 from uma_lightning.rl.cli import RLCLI
 
 DEFAULT, PPO, SAC = recipe("rl"), recipe("rl_inverted_pendulum"), recipe("rl_pendulum_sac")
@@ -41,21 +41,39 @@ def test_bad_env_or_key_stops_with_a_short_error(capsys):
 @pytest.mark.slow(seconds=20)
 def test_ppo_learns_inverted_pendulum_and_logs_rl_metrics_to_mlflow(tmp_path):
     start = time.monotonic()
-    cli = RLCLI(["--config", PPO, "--trainer.default_root_dir", str(tmp_path / "run"),
-                 "--trainer.logger.init_args.store_dir", str(tmp_path / "mlruns")])
+    cli = RLCLI(
+        [
+            "--config",
+            PPO,
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--trainer.logger.init_args.store_dir",
+            str(tmp_path / "mlruns"),
+        ]
+    )
     elapsed = time.monotonic() - start
     data, metrics = cli.datamodule, cli.trainer.callback_metrics
-    print(f"PPO InvertedPendulum-v5: mean return {float(metrics['rollout/return_window']):.1f} over the last 20 episodes "
-          f"after {data.env_steps} env steps, {elapsed:.1f} s")
+    print(
+        f"PPO InvertedPendulum-v5: mean return {float(metrics['rollout/return_window']):.1f} over the last 20 episodes "
+        f"after {data.env_steps} env steps, {elapsed:.1f} s"
+    )
     assert float(metrics["rollout/return_window"]) >= 500
     assert data.env_steps < data.hparams.total_env_steps  # stopped because it was solved, within the budget
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("rl_inverted_pendulum").experiment_id])
     history = lambda name: client.get_metric_history(run.info.run_id, name)  # noqa: E731
-    for name in ("rollout/episode_return", "rollout/episode_length", "throughput/env_steps_per_sec",
-                 "throughput/learner_samples_per_sec", "time/wait_for_data_sec", "policy_lag/mean", "actors/restarts",
-                 "train/policy_loss", "train/value_loss"):
+    for name in (
+        "rollout/episode_return",
+        "rollout/episode_length",
+        "throughput/env_steps_per_sec",
+        "throughput/learner_samples_per_sec",
+        "time/wait_for_data_sec",
+        "policy_lag/mean",
+        "actors/restarts",
+        "train/policy_loss",
+        "train/value_loss",
+    ):
         assert history(name), f"metric {name} not logged"
     iterations = data.env_steps // 512
     assert len(history("policy_lag/lag_0")) == iterations
@@ -71,8 +89,10 @@ def test_sac_learns_pendulum_with_the_replay_buffer(tmp_path):
     cli = RLCLI(["--config", SAC, "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"])
     elapsed = time.monotonic() - start
     data, metrics = cli.datamodule, cli.trainer.callback_metrics
-    print(f"SAC Pendulum-v1: mean return {float(metrics['rollout/return_window']):.1f} over the last 10 episodes "
-          f"after {data.env_steps} env steps, {elapsed:.1f} s")
+    print(
+        f"SAC Pendulum-v1: mean return {float(metrics['rollout/return_window']):.1f} over the last 10 episodes "
+        f"after {data.env_steps} env steps, {elapsed:.1f} s"
+    )
     assert float(metrics["rollout/return_window"]) > -400
     assert data.env_steps < data.hparams.total_env_steps
     assert len(cli.model.buffer) == data.env_steps
@@ -81,8 +101,20 @@ def test_sac_learns_pendulum_with_the_replay_buffer(tmp_path):
 @pytest.mark.slow
 def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_command(tmp_path):
     run_dir = tmp_path / "run"
-    command = ["--config", SAC, "--trainer.default_root_dir", str(run_dir), "--trainer.logger", "false",
-               "--data.total_env_steps", "2000", "--model.learning_starts", "300", "--model.updates_per_step", "0.25"]
+    command = [
+        "--config",
+        SAC,
+        "--trainer.default_root_dir",
+        str(run_dir),
+        "--trainer.logger",
+        "false",
+        "--data.total_env_steps",
+        "2000",
+        "--model.learning_starts",
+        "300",
+        "--model.updates_per_step",
+        "0.25",
+    ]
     last = run_dir / "checkpoints" / "last.ckpt"
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = forked_cli.start(["rl", *command], first_log, tmp_path)  # a process of its own, as `uma rl` is

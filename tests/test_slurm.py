@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from suite import RECIPE, TINY
+
 from uma_lightning.checkpoint import committed, verify
 
 TEMPLATE = Path(RECIPE).parents[1] / "configs" / "launch" / "slurm.sbatch"
@@ -46,11 +46,24 @@ def test_preempted_jobs_save_requeue_resume_and_complete(slurm, tmp_path):
     for name in ("SIGUSR1", "SIGTERM"):  # both at once, one CPU each
         job_dir = tmp_path / name
         job_dir.mkdir()
-        args = ["--config", str(recipe), "--data.generation.n_episodes", "6", "--data.batch_size", "16",
-                "--trainer.max_steps", str(MAX_STEPS), "--trainer.default_root_dir", str(job_dir / "run"),
-                "--trainer.callbacks+=faults.HoldUntilSignalled", f"--trainer.callbacks.at_step={PREEMPT_AT_STEP}"]
+        args = [
+            "--config",
+            str(recipe),
+            "--data.generation.n_episodes",
+            "6",
+            "--data.batch_size",
+            "16",
+            "--trainer.max_steps",
+            str(MAX_STEPS),
+            "--trainer.default_root_dir",
+            str(job_dir / "run"),
+            "--trainer.callbacks+=faults.HoldUntilSignalled",
+            f"--trainer.callbacks.at_step={PREEMPT_AT_STEP}",
+        ]
         export = f"--export=ALL,PYTHONPATH={TESTS}"
-        job = slurm.run("sbatch", "--parsable", *CPU_NODE, export, "--chdir", str(job_dir), str(TEMPLATE), *args).strip()
+        job = slurm.run(
+            "sbatch", "--parsable", *CPU_NODE, export, "--chdir", str(job_dir), str(TEMPLATE), *args
+        ).strip()
         jobs[name] = (job, job_dir / f"uma-{job}.log", job_dir / "run" / "checkpoints")
 
     waiting = dict(jobs)
@@ -72,16 +85,24 @@ def test_preempted_jobs_save_requeue_resume_and_complete(slurm, tmp_path):
     for name, (job, log, checkpoints) in jobs.items():
         text = log.read_text()
         state = states[name]
-        assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("COMPLETED", "1", "0:0"), (name, state, text[-3000:])
+        assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("COMPLETED", "1", "0:0"), (
+            name,
+            state,
+            text[-3000:],
+        )
         status = 138 if name == "SIGUSR1" else 143
         assert text.count(f"received {name}: saving a checkpoint") == 1, text[-3000:]
-        (step, checkpoint), = [(s, c) for s, c in committed(checkpoints) if s != MAX_STEPS][-1:]
+        ((step, checkpoint),) = [(s, c) for s, c in committed(checkpoints) if s != MAX_STEPS][-1:]
         assert PREEMPT_AT_STEP <= step < MAX_STEPS and verify(checkpoint) == []
         saved = text.index(f"{name}: checkpoint of step {step} committed, exiting with status {status}")
         assert f"srun: error: {slurm.node}: task 0: Exited with exit code {status}" in text
         # One log, appended to: the first run, then the requeued one resuming where it stopped.
         assert text.count(f"training: {MAX_STEPS} steps") == 2
-        assert saved < text.index(f"resumed from {checkpoint}: step {step}") < text.index(f"trained {MAX_STEPS - step} steps")
+        assert (
+            saved
+            < text.index(f"resumed from {checkpoint}: step {step}")
+            < text.index(f"trained {MAX_STEPS - step} steps")
+        )
         assert committed(checkpoints)[-1][0] == MAX_STEPS
         assert "Traceback" not in text, text
         # Each attempt runs one thread on its one CPU: two jobs sharing a node ran 30 times slower with one per core.

@@ -26,7 +26,9 @@ from uma_lightning.models.transformer import KVCache
 from uma_lightning.modules.metrics import ActionError
 from uma_lightning.modules.posttrain import PosttrainModule
 
-SPEC = DataSpec(cameras=("top",), image_size=(16, 16), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10)
+SPEC = DataSpec(
+    cameras=("top",), image_size=(16, 16), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10
+)
 BACKBONE = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
 
 
@@ -126,13 +128,19 @@ def test_action_tokens_see_each_other_and_the_observations_but_not_padding():
         velocity = model(images, state, text_ids, text_mask, noisy, t)
         later_step = noisy.clone()
         later_step[:, 3] += 1.0
-        assert not torch.allclose(model(images, state, text_ids, text_mask, later_step, t)[:, 0], velocity[:, 0])  # bidirectional
+        assert not torch.allclose(
+            model(images, state, text_ids, text_mask, later_step, t)[:, 0], velocity[:, 0]
+        )  # bidirectional
         assert not torch.allclose(model(images, state + 1, text_ids, text_mask, noisy, t), velocity)
         garbage = text_ids.masked_fill(~text_mask, 7)
         torch.testing.assert_close(model(images, state, garbage, text_mask, noisy, t), velocity)
 
 
-@pytest.mark.parametrize("vision", [VisionConfig(), VisionConfig(tokenizer="keypoints", n_keypoints=6, channels=4, film=True)], ids=["patches", "keypoints_film"])
+@pytest.mark.parametrize(
+    "vision",
+    [VisionConfig(), VisionConfig(tokenizer="keypoints", n_keypoints=6, channels=4, film=True)],
+    ids=["patches", "keypoints_film"],
+)
 def test_flow_training_flops_match_torch_flop_counter(vision):
     cfg = config(vision=vision)
     model = RobotFlowTransformer(cfg, ActionExpertConfig(dim=16, ffn_dim=40))
@@ -146,7 +154,10 @@ def test_flow_training_flops_match_torch_flop_counter(vision):
 
 
 def test_expert_width_must_fit_the_backbone_heads():
-    with pytest.raises(ValueError, match="action expert dim 24 must be a multiple of head size 8 times the backbone's 2 key/value heads"):
+    with pytest.raises(
+        ValueError,
+        match="action expert dim 24 must be a multiple of head size 8 times the backbone's 2 key/value heads",
+    ):
         RobotFlowTransformer(config(), ActionExpertConfig(dim=24))
 
 
@@ -183,7 +194,9 @@ def test_lora_starts_as_the_base_model_trains_only_adapters_and_merges_exactly()
 
 
 def weights_of(model) -> CheckpointWeights:
-    return CheckpointWeights("stage.ckpt", {}, {k: v.clone() for k, v in model.state_dict().items()}, ema=False, module_class=None)
+    return CheckpointWeights(
+        "stage.ckpt", {}, {k: v.clone() for k, v in model.state_dict().items()}, ema=False, module_class=None
+    )
 
 
 def test_posttraining_takes_the_backbone_and_drops_the_action_token_head():
@@ -205,10 +218,14 @@ def test_another_model_family_or_other_shapes_fail_listing_the_keys():
     assert message.startswith("stage.ckpt: cannot initialise RobotTransformer from it;")
     assert "missing from the checkpoint: action_dim_embed.weight, action_embed.weight, action_head.weight" in message
     assert "not in this model: action_in.bias, action_in.weight" in message
-    wider = RobotTransformer(RobotModelConfig(backbone=load_size({**BACKBONE, "ffn_dim": 48}), spec=SPEC, max_text_len=12, n_action_bins=16))
+    wider = RobotTransformer(
+        RobotModelConfig(backbone=load_size({**BACKBONE, "ffn_dim": 48}), spec=SPEC, max_text_len=12, n_action_bins=16)
+    )
     with pytest.raises(ValueError, match=r"shapes differ: backbone.layers.0.ffn.w1.weight \(64, 32\) -> \(48, 32\)"):
         load_weights(wider, weights_of(pretrained))
-    foreign = CheckpointWeights("vit.ckpt", {}, {"encoder.blocks.0.weight": torch.zeros(2)}, ema=False, module_class=None)
+    foreign = CheckpointWeights(
+        "vit.ckpt", {}, {"encoder.blocks.0.weight": torch.zeros(2)}, ema=False, module_class=None
+    )
     with pytest.raises(ValueError, match=r"no names in common: another model family\?"):
         load_weights(pretrained, foreign)
 

@@ -22,13 +22,27 @@ LORA_TARGETS = ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wv"]
 
 
 def data(**overrides) -> RobotDataModule:
-    return RobotDataModule(**{"generation": {"n_episodes": 6}, "batch_size": 4, "loader": {"num_workers": 0}, "val_episodes": 2, **overrides})
+    return RobotDataModule(
+        **{
+            "generation": {"n_episodes": 6},
+            "batch_size": 4,
+            "loader": {"num_workers": 0},
+            "val_episodes": 2,
+            **overrides,
+        }
+    )
 
 
 def trainer(root, steps: int, **overrides) -> L.Trainer:
     settings = {
-        "max_steps": steps, "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
-        "enable_checkpointing": False, "default_root_dir": str(root), "limit_val_batches": 1, "num_sanity_val_steps": 0,
+        "max_steps": steps,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "default_root_dir": str(root),
+        "limit_val_batches": 1,
+        "num_sanity_val_steps": 0,
     }
     return L.Trainer(**{**settings, **overrides})
 
@@ -46,8 +60,14 @@ def stages(tmp_path_factory):
 
     post_data = data(n_obs_steps=2, action_horizon=6, state_norm="quantile", action_norm="quantile")
     posttrain = PosttrainModule(
-        spec=post_data.spec, network={"size": MICRO}, normalization=post_data.normalization(), init_from=str(root / "pretrain.ckpt"),
-        expert={"dim": 16, "ffn_dim": 32}, freeze=["image_tokenizer.*"], lora={"targets": LORA_TARGETS, "rank": 2}, ema_decay=0.5,
+        spec=post_data.spec,
+        network={"size": MICRO},
+        normalization=post_data.normalization(),
+        init_from=str(root / "pretrain.ckpt"),
+        expert={"dim": 16, "ffn_dim": 32},
+        freeze=["image_tokenizer.*"],
+        lora={"targets": LORA_TARGETS, "rank": 2},
+        ema_decay=0.5,
         optimizer={"lr": 1e-2, "warmup_steps": 1},
     )
     # Also written as the recipes write checkpoints: sharded, in the background, at the end of training.
@@ -74,10 +94,14 @@ def test_posttraining_freezes_adapts_and_keeps_an_average(stages):
     policy = Policy.from_checkpoint(str(stages["root"] / "posttrain.ckpt"))
     torch.testing.assert_close(policy.model.expert.layers[0].ffn.w1.weight, ema.expert.layers[0].ffn.w1.weight)
     merged = ema.backbone.layers[0].attn.wq
-    torch.testing.assert_close(policy.model.backbone.layers[0].attn.wq.weight, merged.weight + merged.scale * merged.lora_b @ merged.lora_a)
+    torch.testing.assert_close(
+        policy.model.backbone.layers[0].attn.wq.weight, merged.weight + merged.scale * merged.lora_b @ merged.lora_a
+    )
 
 
-@pytest.mark.parametrize("module_name, argument", [("LabelSmoothedPretrain", {"smoothing": 0.3}), ("DeeperPretrain", {"extra_layers": 2})])
+@pytest.mark.parametrize(
+    "module_name, argument", [("LabelSmoothedPretrain", {"smoothing": 0.3}), ("DeeperPretrain", {"extra_layers": 2})]
+)
 def test_a_research_subclass_round_trips_through_its_checkpoint_with_its_own_argument(tmp_path, module_name, argument):
     """Checkpoints keep every constructor argument of the class trained, a subclass's own included: a
     loss-only subclass is rebuilt by the stage's network builder, one that changes the network through
@@ -113,7 +137,10 @@ def test_a_checkpoint_with_its_settings_saved_flat_still_loads(stages, tmp_path)
     checkpoint["hyper_parameters"] = {**{k: v for k, v in hparams.items() if k != "network"}, **hparams["network"]}
     del checkpoint["network_builder"]
     torch.save(checkpoint, tmp_path / "flat.ckpt")
-    flat, grouped = (Policy.from_checkpoint(str(path)).state_dict() for path in (tmp_path / "flat.ckpt", stages["root"] / "pretrain.ckpt"))
+    flat, grouped = (
+        Policy.from_checkpoint(str(path)).state_dict()
+        for path in (tmp_path / "flat.ckpt", stages["root"] / "pretrain.ckpt")
+    )
     assert flat.keys() == grouped.keys() and all(torch.equal(flat[k], grouped[k]) for k in flat)
     # Lightning's own loading rebuilds the module with the settings in their section.
     module = PretrainModule.load_from_checkpoint(tmp_path / "flat.ckpt")
@@ -131,7 +158,11 @@ def test_sharded_checkpoint_reads_as_the_checkpoint_file(stages):
         assert torch.equal(from_run.weights[name], value), name
     # Hyperparameters and module class rebuild the same Policy.
     policy, reference = Policy.from_checkpoint(from_run.path), Policy.from_checkpoint(from_file.path)
-    obs = {"images": torch.zeros(2, 2, 1, 64, 64, 3, dtype=torch.uint8), "state": torch.zeros(2, 2, 5), "instruction": ["go", "reach"]}
+    obs = {
+        "images": torch.zeros(2, 2, 1, 64, 64, 3, dtype=torch.uint8),
+        "state": torch.zeros(2, 2, 5),
+        "instruction": ["go", "reach"],
+    }
     noise = torch.randn(2, 6, 3)
     torch.testing.assert_close(policy(obs, noise=noise), reference(obs, noise=noise))
     with pytest.raises(ValueError, match="a directory without checkpoints"):
@@ -145,7 +176,11 @@ def test_policy_acts_in_robot_units_batched(stages):
     dataset.setup()
     samples = [dataset.val_sets[0][i] for i in (0, 5, 9)]
     raw_state = torch.stack([dataset.state_normalizer.denormalize(s["state"]) for s in samples])
-    obs = {"images": torch.stack([s["images"] for s in samples]), "state": raw_state, "instruction": [s["instruction"] for s in samples]}
+    obs = {
+        "images": torch.stack([s["images"] for s in samples]),
+        "state": raw_state,
+        "instruction": [s["instruction"] for s in samples],
+    }
     noise = torch.randn(3, 6, 3)
     actions = policy(obs, noise=noise)
     assert actions.shape == (3, 6, 3)
@@ -155,17 +190,29 @@ def test_policy_acts_in_robot_units_batched(stages):
     # The same as the model's normalised prediction with the dataset's quantile normalisation undone.
     with torch.no_grad():
         text_ids, text_mask = policy.model.text_tokenizer(obs["instruction"])
-        normalized = policy.model.predict_actions(obs["images"], dataset.normalize_state(raw_state), text_ids, text_mask, steps=10, noise=noise)
+        normalized = policy.model.predict_actions(
+            obs["images"], dataset.normalize_state(raw_state), text_ids, text_mask, steps=10, noise=noise
+        )
     torch.testing.assert_close(actions, dataset.denormalize_actions(normalized), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"images must be uint8 \[B, 2, 1, 64, 64, 3\], got torch.uint8 \[3, 1, 1, 64, 64, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"images must be uint8 \[B, 2, 1, 64, 64, 3\], got torch.uint8 \[3, 1, 1, 64, 64, 3\]"
+    ):
         policy({**obs, "images": obs["images"][:, :1]})
 
 
 def test_validation_reports_action_errors_token_accuracy_and_closed_loop_success(stages):
-    metrics = trainer(stages["root"] / "validate", 1, callbacks=[ClosedLoopEval(n_episodes=3, execute_steps=6)]).validate(
-        stages["posttrain"], stages["post_data"], verbose=False
-    )[0]
-    for name in ("val/loss", "val/action_mse", "val/action_l1", "val/action_mse/gripper", "val/action_mse/step_5", "val/success_rate", "val/goal_distance"):
+    metrics = trainer(
+        stages["root"] / "validate", 1, callbacks=[ClosedLoopEval(n_episodes=3, execute_steps=6)]
+    ).validate(stages["posttrain"], stages["post_data"], verbose=False)[0]
+    for name in (
+        "val/loss",
+        "val/action_mse",
+        "val/action_l1",
+        "val/action_mse/gripper",
+        "val/action_mse/step_5",
+        "val/success_rate",
+        "val/goal_distance",
+    ):
         assert name in metrics, sorted(metrics)
     assert metrics["val/success_rate"] in (0.0, 1 / 3, 2 / 3, 1.0)
     assert 0.0 < metrics["val/goal_distance"] < 2.0
@@ -180,9 +227,9 @@ def test_closed_loop_evaluation_runs_under_bf16_true_and_a_policy_acts_in_its_mo
     import copy
 
     module, dataset = copy.deepcopy(stages[stage]), stages["pre_data" if stage == "pretrain" else "post_data"]
-    metrics = trainer(stages["root"] / f"bf16-{stage}", 1, precision="bf16-true", callbacks=[ClosedLoopEval(n_episodes=1)]).validate(
-        module, dataset, verbose=False
-    )[0]
+    metrics = trainer(
+        stages["root"] / f"bf16-{stage}", 1, precision="bf16-true", callbacks=[ClosedLoopEval(n_episodes=1)]
+    ).validate(module, dataset, verbose=False)[0]
     assert next(module.parameters()).dtype == torch.bfloat16
     assert metrics["val/success_rate"] in (0.0, 1.0) and 0.0 < metrics["val/goal_distance"] < 2.0
 
@@ -191,8 +238,11 @@ def test_closed_loop_evaluation_runs_under_bf16_true_and_a_policy_acts_in_its_mo
     policy = stages[stage].policy().eval()
     dataset.setup()
     samples = [dataset.val_sets[0][i] for i in (0, 5)]
-    obs = {"images": torch.stack([s["images"] for s in samples]), "instruction": [s["instruction"] for s in samples],
-           "state": torch.stack([dataset.state_normalizer.denormalize(s["state"]) for s in samples])}
+    obs = {
+        "images": torch.stack([s["images"] for s in samples]),
+        "instruction": [s["instruction"] for s in samples],
+        "state": torch.stack([dataset.state_normalizer.denormalize(s["state"]) for s in samples]),
+    }
     noise = {"noise": torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(0))} if stage == "posttrain" else {}
     expected = policy(obs, **noise)
     actions = copy.deepcopy(policy).to(torch.bfloat16)(obs, **noise)
@@ -202,7 +252,9 @@ def test_closed_loop_evaluation_runs_under_bf16_true_and_a_policy_acts_in_its_mo
 
 def test_predict_writes_every_frame_of_the_split(stages, tmp_path):
     module, dataset = stages["pretrain"], stages["pre_data"]
-    trainer(tmp_path, 1, callbacks=[PredictionWriter(str(tmp_path / "out"))]).predict(module, dataset, return_predictions=False)
+    trainer(tmp_path, 1, callbacks=[PredictionWriter(str(tmp_path / "out"))]).predict(
+        module, dataset, return_predictions=False
+    )
     table = pq.read_table(tmp_path / "out" / "val-rank0.parquet").to_pydict()
     frames = sum(dataset.metadata[0].episodes[e].length for e in dataset.val_episodes)
     assert len(table["frame_index"]) == frames
@@ -211,18 +263,31 @@ def test_predict_writes_every_frame_of_the_split(stages, tmp_path):
     dataset.setup()
     sample = dataset.val_sets[0][7]
     policy = Policy.from_checkpoint(str(stages["root"] / "pretrain.ckpt"))
-    obs = {"images": sample["images"][None], "state": dataset.state_normalizer.denormalize(sample["state"])[None], "instruction": [sample["instruction"]]}
+    obs = {
+        "images": sample["images"][None],
+        "state": dataset.state_normalizer.denormalize(sample["state"])[None],
+        "instruction": [sample["instruction"]],
+    }
     np.testing.assert_allclose(np.array(table["predicted_actions"][7]), policy(obs)[0].numpy(), atol=1e-4)
-    np.testing.assert_allclose(np.array(table["target_actions"][7]), dataset.denormalize_actions(sample["actions"]).numpy(), atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(table["target_actions"][7]), dataset.denormalize_actions(sample["actions"]).numpy(), atol=1e-5
+    )
 
 
 def test_midtraining_extends_the_context_from_a_pretrained_checkpoint(stages, caplog):
     longer = data(n_obs_steps=3, action_horizon=10)
-    module = MidtrainModule(spec=longer.spec, network={"size": MICRO}, normalization=longer.normalization(), init_from=str(stages["root"] / "pretrain.ckpt"))
+    module = MidtrainModule(
+        spec=longer.spec,
+        network={"size": MICRO},
+        normalization=longer.normalization(),
+        init_from=str(stages["root"] / "pretrain.ckpt"),
+    )
     with caplog.at_level(logging.INFO, logger="uma_lightning"):
         module.configure_model()
     assert "context: 1 -> 3 observation steps, 8 -> 10-step action chunks; backbone RoPE positions 0.." in caplog.text
-    assert module.model.backbone.max_seq_len == module.model_config.seq_len > stages["pretrain"].model.backbone.max_seq_len
+    assert (
+        module.model.backbone.max_seq_len == module.model_config.seq_len > stages["pretrain"].model.backbone.max_seq_len
+    )
     torch.testing.assert_close(module.model.action_head.weight, stages["pretrain"].model.action_head.weight)
     with pytest.raises(ValueError, match="set model.init_from"):
         MidtrainModule(spec=longer.spec, network={"size": MICRO}).setup("fit")

@@ -9,24 +9,26 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow import MlflowClient
-
 from suite import QUICK, RECIPE, assert_short_error, run_main
+
 from uma_lightning.cli import UmaCLI
 from uma_lightning.data import LeRobotMetadata
 from uma_lightning.data.generate import generate_planar_arm
 from uma_lightning.data.tools import main as data_tool
-from uma_lightning.tracking import MLflowLogger
-from uma_lightning.tracking.server import start_mlflow_server
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
+from uma_lightning.tracking import MLflowLogger
 from uma_lightning.tracking.datasets import metadata_digest
 from uma_lightning.tracking.run_config import headline_metrics
 from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
+from uma_lightning.tracking.server import start_mlflow_server
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow_server")
-    server, url = start_mlflow_server(f"sqlite:///{root / 'mlflow.db'}", root / "server.log", artifacts=root / "artifacts")
+    server, url = start_mlflow_server(
+        f"sqlite:///{root / 'mlflow.db'}", root / "server.log", artifacts=root / "artifacts"
+    )
     yield url
     server.terminate()
     server.wait(timeout=30)
@@ -36,10 +38,18 @@ def tracked_fit(server: str, run_dir: Path, *args: str, late: tuple[str, ...] = 
     """``uma fit`` of the quick pretrain recipe, ``args`` before the quick settings, ``late`` after them."""
     return UmaCLI(
         [
-            "fit", "--config", RECIPE, *args, *QUICK, *late,
-            "--trainer.default_root_dir", str(run_dir),
-            "--trainer.logger.init_args.tracking_uri", server,
-            "--trainer.logger.init_args.experiment_name", "tracking-test",
+            "fit",
+            "--config",
+            RECIPE,
+            *args,
+            *QUICK,
+            *late,
+            "--trainer.default_root_dir",
+            str(run_dir),
+            "--trainer.logger.init_args.tracking_uri",
+            server,
+            "--trainer.logger.init_args.experiment_name",
+            "tracking-test",
         ]
     )
 
@@ -62,11 +72,15 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, first_run, tmp_path):
     assert run.info.status == "FINISHED"
 
     # Named after the recipe and what the command line changed, in the flags' order; never MLflow's seeded random name.
-    overrides = ("dim=32 n_layers=1 n_heads=2 n_kv_heads=1 ffn_dim=64 name=custom n_episodes=6 batch_size=4 num_workers=0 "
-                 "max_steps=4 val_check_interval=2 limit_val_batches=1.0 default_root_dir=run")
+    overrides = (
+        "dim=32 n_layers=1 n_heads=2 n_kv_heads=1 ffn_dim=64 name=custom n_episodes=6 batch_size=4 num_workers=0 "
+        "max_steps=4 val_check_interval=2 limit_val_batches=1.0 default_root_dir=run"
+    )
     assert run.data.tags["overrides"] == overrides
     # The name as much of that as the runs table shows, then the suffix.
-    assert re.fullmatch(re.escape(f"pretrain {overrides}"[:119]) + "…" + NAME_SUFFIX, run.info.run_name), run.info.run_name
+    assert re.fullmatch(re.escape(f"pretrain {overrides}"[:119]) + "…" + NAME_SUFFIX, run.info.run_name), (
+        run.info.run_name
+    )
 
     # The resolved config, flattened into params in their sections, each once; callbacks by class name.
     params = run.data.params
@@ -121,9 +135,13 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, first_run, tmp_path):
 def config_leaves(config, prefix=""):
     """Dotted paths of a config's values, as an independent count of the params it should give."""
     if isinstance(config, dict) and config:
-        return [leaf for key, value in config.items() for leaf in config_leaves(value, f"{prefix}/{key}" if prefix else key)]
+        return [
+            leaf for key, value in config.items() for leaf in config_leaves(value, f"{prefix}/{key}" if prefix else key)
+        ]
     if isinstance(config, list) and config and all(isinstance(item, dict) for item in config):
-        keys = [item["class_path"].rsplit(".", 1)[-1] if "class_path" in item else str(i) for i, item in enumerate(config)]
+        keys = [
+            item["class_path"].rsplit(".", 1)[-1] if "class_path" in item else str(i) for i, item in enumerate(config)
+        ]
         return [leaf for key, item in zip(keys, config) for leaf in config_leaves(item, f"{prefix}/{key}")]
     return [prefix]
 
@@ -133,8 +151,11 @@ def assert_dataset_input(dataset_input, meta, **tags):
     assert dataset.name == Path(meta.root).name and dataset.digest == metadata_digest(meta)
     assert json.loads(dataset.source) == {"uri": str(meta.root)} and dataset.source_type == "local"
     assert json.loads(dataset.profile) == {
-        "format": f"LeRobot {meta.version}", "episodes": len(meta.episodes), "frames": sum(e.length for e in meta.episodes),
-        "fps": meta.fps, "cameras": list(meta.cameras),
+        "format": f"LeRobot {meta.version}",
+        "episodes": len(meta.episodes),
+        "frames": sum(e.length for e in meta.episodes),
+        "fps": meta.fps,
+        "cameras": list(meta.cameras),
     }
     assert {tag.key: tag.value for tag in dataset_input.tags} == {"mlflow.data.context": "train", **tags}
 
@@ -149,7 +170,9 @@ def test_runs_are_named_apart_and_a_resumed_run_keeps_its_name(mlflow_server, fi
     mixture = json.dumps([{"root": str(v21), "weight": 1.0}, {"root": str(tmp_path / "v30"), "weight": 3.0}])
     second = tracked_fit(mlflow_server, tmp_path / "lr", "--model.optimizer.lr", "1e-3", "--data.datasets", mixture)
     run = client.get_run(second.trainer.logger.run_id)
-    assert run.info.run_name.startswith("pretrain lr=1e-3 datasets=v21+v30 dim=32") and re.search(NAME_SUFFIX + "$", run.info.run_name)
+    assert run.info.run_name.startswith("pretrain lr=1e-3 datasets=v21+v30 dim=32") and re.search(
+        NAME_SUFFIX + "$", run.info.run_name
+    )
     assert run.info.run_name != first.info.run_name
     assert [i.dataset.name for i in run.inputs.dataset_inputs] == ["v21", "v30"]
     for dataset_input, weight in zip(run.inputs.dataset_inputs, ("0.25", "0.75")):
@@ -189,7 +212,9 @@ def test_a_new_store_copied_from_the_empty_template_is_the_store_mlflow_makes(tm
         constraints in an order that differs from one migration to the next, in one process too."""
         with sqlite3.connect(db) as connection:
             rows = connection.execute("SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")
-            tables = sorted((kind, name, sorted(line.strip().rstrip(",") for line in sql.splitlines())) for kind, name, sql in rows)
+            tables = sorted(
+                (kind, name, sorted(line.strip().rstrip(",") for line in sql.splitlines())) for kind, name, sql in rows
+            )
             return tables, connection.execute("SELECT * FROM alembic_version").fetchall()
 
     class Migrations(logging.Handler):  # MLflow logs this line before running its schema migrations on a new store
@@ -232,10 +257,14 @@ def test_a_new_store_copied_from_the_empty_template_is_the_store_mlflow_makes(tm
 
 def test_a_bad_metric_batching_interval_is_refused_before_any_metric_is_lost(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "5s")
-    with pytest.raises(ValueError, match=r"MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS must be a whole number of seconds .* got '5s'"):
+    with pytest.raises(
+        ValueError, match=r"MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS must be a whole number of seconds .* got '5s'"
+    ):
         MLflowLogger(store_dir=str(tmp_path / "mlruns"))
     # Through `uma`: a short error naming the variable, exit status 2, no traceback.
-    code, _, err = run_main(["fit", "--config", RECIPE, *QUICK, "--trainer.default_root_dir", str(tmp_path / "run")], capsys)
+    code, _, err = run_main(
+        ["fit", "--config", RECIPE, *QUICK, "--trainer.default_root_dir", str(tmp_path / "run")], capsys
+    )
     assert_short_error(code, err, "$MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS must be a whole number of seconds", "'5s'")
 
 
@@ -283,17 +312,33 @@ def test_a_continued_run_keeps_its_params_when_the_resumed_config_changed(tmp_pa
 
 
 def test_a_name_lists_the_changed_settings_under_short_unambiguous_keys():
-    recipe = {"model": {"class_path": "P", "init_args": {"optimizer": {"lr": 3e-3}, "expert": {"lr": 1e-3}, "size": "tiny"}},
-              "trainer": {"max_steps": 300, "default_root_dir": "runs/pretrain", "logger": {"init_args": {"tracking_uri": None}}}}
-    resolved = {"model": {"class_path": "P", "init_args": {"optimizer": {"lr": 1e-4}, "expert": {"lr": 2e-3}, "size": "tiny"}},
-                "trainer": {"max_steps": 40, "default_root_dir": "runs/sweep/a", "logger": {"init_args": {"tracking_uri": "http://h:5000"}}}}
+    recipe = {
+        "model": {"class_path": "P", "init_args": {"optimizer": {"lr": 3e-3}, "expert": {"lr": 1e-3}, "size": "tiny"}},
+        "trainer": {
+            "max_steps": 300,
+            "default_root_dir": "runs/pretrain",
+            "logger": {"init_args": {"tracking_uri": None}},
+        },
+    }
+    resolved = {
+        "model": {"class_path": "P", "init_args": {"optimizer": {"lr": 1e-4}, "expert": {"lr": 2e-3}, "size": "tiny"}},
+        "trainer": {
+            "max_steps": 40,
+            "default_root_dir": "runs/sweep/a",
+            "logger": {"init_args": {"tracking_uri": "http://h:5000"}},
+        },
+    }
     args = ["--trainer.max_steps", "40", "--model.init_args.expert.lr", "2e-3", "--model.optimizer.lr", "1e-4"]
     overrides = describe_overrides(changed_settings(recipe, resolved, args))
     # In the flags' order, then the rest; where the logs go is not what the run is.
     assert overrides == "max_steps=40 expert.lr=2e-3 optimizer.lr=1e-4 default_root_dir=a"
-    assert re.fullmatch(r"pretrain max_steps=40 expert\.lr=2e-3 optimizer\.lr=1e-4 default_root_dir=a #[0-9a-f]{6}",
-                        run_name("recipes/pretrain.yaml", "pretrain", "fit", overrides))
-    assert run_name("my_recipe.yaml", "posttrain", "validate", "", ("configs/vision/grounded.yaml",)).startswith("my_recipe (posttrain) validate +grounded #")
+    assert re.fullmatch(
+        r"pretrain max_steps=40 expert\.lr=2e-3 optimizer\.lr=1e-4 default_root_dir=a #[0-9a-f]{6}",
+        run_name("recipes/pretrain.yaml", "pretrain", "fit", overrides),
+    )
+    assert run_name("my_recipe.yaml", "posttrain", "validate", "", ("configs/vision/grounded.yaml",)).startswith(
+        "my_recipe (posttrain) validate +grounded #"
+    )
     # Drawn from the OS, not from the seeded `random`.
     random.seed(0)
     first = run_name(None, "pretrain", "fit", "")
@@ -301,10 +346,24 @@ def test_a_name_lists_the_changed_settings_under_short_unambiguous_keys():
     assert first != run_name(None, "pretrain", "fit", "")
 
 
-@pytest.mark.parametrize("module, final", [
-    (PretrainModule, "final/val_token_accuracy"), (MidtrainModule, "final/val_action_mse"), (PosttrainModule, "final/val_action_mse"),
-])
+@pytest.mark.parametrize(
+    "module, final",
+    [
+        (PretrainModule, "final/val_token_accuracy"),
+        (MidtrainModule, "final/val_action_mse"),
+        (PosttrainModule, "final/val_action_mse"),
+    ],
+)
 def test_every_stage_has_headline_metrics(module, final):
-    measured = {"val/loss": 1.5, "val/token_accuracy": 0.25, "val/action_mse": 0.125, "val/success_rate": 0.5, "train/loss": 2.0}
-    assert headline_metrics(measured, module.key_metric) == {"final/val_loss": 1.5, final: measured[module.key_metric],
-                                                              "final/val_success_rate": 0.5}
+    measured = {
+        "val/loss": 1.5,
+        "val/token_accuracy": 0.25,
+        "val/action_mse": 0.125,
+        "val/success_rate": 0.5,
+        "train/loss": 2.0,
+    }
+    assert headline_metrics(measured, module.key_metric) == {
+        "final/val_loss": 1.5,
+        final: measured[module.key_metric],
+        "final/val_success_rate": 0.5,
+    }

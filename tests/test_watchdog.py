@@ -7,11 +7,11 @@ import pickle
 import time
 from pathlib import Path
 
+import forked_cli
 import pytest
 from mlflow import MlflowClient
-
-import forked_cli
 from suite import QUICK, RECIPE
+
 from uma_lightning.data.generate import ensure_dataset
 from uma_lightning.tracking.mlflow_logger import local_store_uri
 
@@ -32,15 +32,36 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
         {"class_path": "uma_lightning.callbacks.MemoryMonitor"},
     ]
     command = [
-        "fit", "--config", RECIPE, *QUICK,
-        "--model", "faults.FaultyPretrain",
-        "--model.hang_at_step", str(HANG_STEP), "--model.hang_rank", "1", "--model.hang_marker", str(marker),
-        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy.class_path", "lightning.pytorch.strategies.DDPStrategy",  # its comm hook times the all-reduces
-        "--trainer.max_steps", "50", "--trainer.val_check_interval", "100",
-        "--trainer.default_root_dir", str(run_dir),
-        "--trainer.logger.init_args.store_dir", str(mlflow_store),
-        "--trainer.logger.init_args.experiment_name", "hang",
-        "--trainer.callbacks", json.dumps(callbacks),
+        "fit",
+        "--config",
+        RECIPE,
+        *QUICK,
+        "--model",
+        "faults.FaultyPretrain",
+        "--model.hang_at_step",
+        str(HANG_STEP),
+        "--model.hang_rank",
+        "1",
+        "--model.hang_marker",
+        str(marker),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy.class_path",
+        "lightning.pytorch.strategies.DDPStrategy",  # its comm hook times the all-reduces
+        "--trainer.max_steps",
+        "50",
+        "--trainer.val_check_interval",
+        "100",
+        "--trainer.default_root_dir",
+        str(run_dir),
+        "--trainer.logger.init_args.store_dir",
+        str(mlflow_store),
+        "--trainer.logger.init_args.experiment_name",
+        "hang",
+        "--trainer.callbacks",
+        json.dumps(callbacks),
     ]
     # Two ranks started side by side, as a scheduler (or torchrun) does; Lightning joins them into one DDP group.
     log = tmp_path / "job.log"
@@ -63,7 +84,10 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
     assert [p.exitcode for p in ranks] == [EXIT_CODE, EXIT_CODE], output
     hang_started = json.loads(marker.read_text())["time"]
     for rank in range(2):
-        assert TIMEOUT_S - 1 < exited_at[rank] - hang_started < TIMEOUT_S + SLACK_S, (rank, exited_at[rank] - hang_started)
+        assert TIMEOUT_S - 1 < exited_at[rank] - hang_started < TIMEOUT_S + SLACK_S, (
+            rank,
+            exited_at[rank] - hang_started,
+        )
     # The hung rank times out; the waiting one times out too, or first sees its peer leave: either is this hang.
     assert "hang: rank 1 made no progress" in output[1]
     assert "hang: rank 0 made no progress" in output[0] or "hang: rank 0 lost a peer in a collective" in output[0]
@@ -75,7 +99,9 @@ def test_a_hung_rank_dumps_stacks_on_every_rank_and_exits(tmp_path, mlflow_store
     stacks = [(run_dir / "hang" / f"stacks_rank{rank}.txt").read_text() for rank in range(2)]
     assert "in training_step" in stacks[1] and "faults.py" in stacks[1] and "distributed_c10d.py" not in stacks[1]
     in_collective = "in training_step" in stacks[0] and "distributed_c10d.py" in stacks[0]
-    assert in_collective or (exited_at[1] <= exited_at[0] and "_call_and_handle_interrupt" in stacks[0]), stacks[0][-4000:]
+    assert in_collective or (exited_at[1] <= exited_at[0] and "_call_and_handle_interrupt" in stacks[0]), stacks[0][
+        -4000:
+    ]
     assert all(s.count("Thread 0x") + s.count("Current thread 0x") >= 2 for s in stacks)  # every thread, not one
     # The flight recorders: rank 0 issued the all-reduce of the hung step, rank 1 never did.
     seq = []

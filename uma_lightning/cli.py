@@ -32,8 +32,8 @@ from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
 
 from uma_lightning.callbacks import TrainingHalted
-from uma_lightning.callbacks.preemption import Preempted
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
+from uma_lightning.callbacks.preemption import Preempted
 from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
@@ -124,7 +124,9 @@ class UmaCLI(LightningCLI):
             raise ConfigError(f"bad value in config: {problem_lines(str(err))[0]}") from err
         for logger in self.trainer.loggers:
             if isinstance(logger, MLflowLogger):
-                name = run_name(self.recipe, _stage_of(self.model), self.subcommand or "fit", self.overrides, self.extra_configs)
+                name = run_name(
+                    self.recipe, _stage_of(self.model), self.subcommand or "fit", self.overrides, self.extra_configs
+                )
                 logger.name_new_run(name, self.overrides)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -136,7 +138,12 @@ class UmaCLI(LightningCLI):
         # The model is built for the data's shapes, known once the data module has read its metadata.
         parser.link_arguments("data", "model.init_args.spec", compute_fn=lambda data: data.spec, apply_on="instantiate")
         # Kept in checkpoints, so inference undoes the normalisation without the dataset.
-        parser.link_arguments("data", "model.init_args.normalization", compute_fn=lambda data: data.normalization(), apply_on="instantiate")
+        parser.link_arguments(
+            "data",
+            "model.init_args.normalization",
+            compute_fn=lambda data: data.normalization(),
+            apply_on="instantiate",
+        )
 
     def before_instantiate_classes(self) -> None:
         trainer = self.config[self.subcommand]["trainer"] if self.subcommand else self.config["trainer"]
@@ -262,7 +269,9 @@ def _stage_of(model) -> str:
 
 def _quiet_library_noise() -> None:
     """Drop messages that say nothing about the run: an advert, and a deprecation inside Lightning."""
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: "litlogger" not in record.getMessage()
+    )
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
 
 

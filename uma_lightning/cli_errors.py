@@ -25,7 +25,9 @@ class ConfigError(Exception):
 _DEFAULT_CLASSES = {"model": "uma_lightning.modules.PretrainModule", "data": "uma_lightning.data.RobotDataModule"}
 
 
-def explain(message: str, parser, args: list[str], tools: tuple[str, ...] = (), defaults: dict[str, str] | None = None) -> str:
+def explain(
+    message: str, parser, args: list[str], tools: tuple[str, ...] = (), defaults: dict[str, str] | None = None
+) -> str:
     """Rewrite a jsonargparse error message; ``args`` are the (include-expanded) command-line arguments,
     ``tools`` the subcommands dispatched outside LightningCLI, ``defaults`` the class paths of the
     model and data groups when none is given (their arguments are offered as close matches)."""
@@ -164,7 +166,9 @@ def _nested_fields(class_path: str, path: list[str]) -> list[str]:
         for klass in inspect.getmro(annotation) if inspect.isclass(annotation) else ():
             if "__init__" in vars(klass):
                 hints = {**typing.get_type_hints(klass.__init__), **hints}
-        annotation = next((t for t in typing.get_args(hints.get(name)) or (hints.get(name),) if dataclasses.is_dataclass(t)), None)
+        annotation = next(
+            (t for t in typing.get_args(hints.get(name)) or (hints.get(name),) if dataclasses.is_dataclass(t)), None
+        )
         if annotation is None:
             return []
     return [field.name for field in dataclasses.fields(annotation)]
@@ -195,7 +199,7 @@ class _Locator:
         self.files = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config" and Path(args[i + 1]).is_file()]
 
     def where(self, key: str, leaf: str | None = None, value: str | None = None) -> str:
-        """"command line: ", "<file>: " or "" for the last place that set ``key`` (or ``leaf``, or ``value``)."""
+        """ "command line: ", "<file>: " or "" for the last place that set ``key`` (or ``leaf``, or ``value``)."""
         on_command_line = [a for a in self.args if a.startswith("--") and a != "--config"]
         if (
             any(a.startswith(f"--{key}") for a in on_command_line)

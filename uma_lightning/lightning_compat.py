@@ -9,7 +9,8 @@ privates (the same test checks the source).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import lightning
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -31,6 +32,7 @@ PRIVATE_NAMES = {
 
 
 # ---- the training loop ---------------------------------------------------------------------------
+
 
 def log_step(trainer: Trainer) -> int:
     """The step Lightning logs the current batch's ``self.log`` metrics at: it advances after each
@@ -73,6 +75,7 @@ def cluster_environment(trainer: Trainer) -> ClusterEnvironment:
 
 # ---- strategies -----------------------------------------------------------------------------------
 
+
 def release_strategy_name(strategy_class: type, name: str) -> None:
     """Stop Lightning from treating ``name`` as ``strategy_class``'s: its accelerator checks refuse
     some names by the strategy they meant (``"fsdp"`` off GPU) even when the registry says otherwise."""
@@ -89,6 +92,7 @@ def optimizers_to_device(optimizers, device) -> None:
 # ---- the MLflow logger ----------------------------------------------------------------------------
 # Lightning's MLFlowLogger opens its run when ``experiment`` is first read and exposes neither its
 # store nor a way to continue an existing run after construction; a resumed job needs both.
+
 
 def mlflow_tracking_uri(logger: MLFlowLogger) -> str:
     return logger._tracking_uri

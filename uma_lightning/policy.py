@@ -57,7 +57,9 @@ class Policy(nn.Module):
                 self.register_buffer(f"{key}_{part}", values)
 
     @classmethod
-    def from_checkpoint(cls, path: str, device: str | torch.device = "cpu", use_ema: bool = True, module_class: type | None = None) -> Policy:
+    def from_checkpoint(
+        cls, path: str, device: str | torch.device = "cpu", use_ema: bool = True, module_class: type | None = None
+    ) -> Policy:
         """Rebuild the network a stage module trained and load its weights (the EMA weights when the
         checkpoint has them and ``use_ema``), LoRA adapters folded in.
 
@@ -69,7 +71,9 @@ class Policy(nn.Module):
         source = read_checkpoint(path, prefer_ema=use_ema)
         hparams = grouped_settings(source.hparams)
         if not hparams.get("normalization"):
-            raise ValueError(f"{path}: no normalization statistics in the checkpoint's hyperparameters; cannot undo the normalisation")
+            raise ValueError(
+                f"{path}: no normalization statistics in the checkpoint's hyperparameters; cannot undo the normalisation"
+            )
         if module_class is None and source.network_builder:
             model, options = _imported(source.network_builder, path)(hparams)
         else:
@@ -96,7 +100,9 @@ class Policy(nn.Module):
 
     # ---- inference ----------------------------------------------------------------------------
 
-    def predict_normalized(self, images: torch.Tensor, state: torch.Tensor, instruction: list[str], **overrides) -> torch.Tensor:
+    def predict_normalized(
+        self, images: torch.Tensor, state: torch.Tensor, instruction: list[str], **overrides
+    ) -> torch.Tensor:
         """Normalised action chunks [B, horizon, action_dim] from normalised state [B, T, state_dim]."""
         text_ids, text_mask = self.model.text_tokenizer(list(instruction), device=state.device)
         return self.model.predict_actions(images, state, text_ids, text_mask, **{**self.options, **overrides})
@@ -113,7 +119,9 @@ class Policy(nn.Module):
         steps, cameras = spec.n_obs_steps, len(spec.cameras)
         expected_images = (steps, cameras, *spec.image_size, 3)
         if images.dim() != 6 or tuple(images.shape[1:]) != expected_images or images.dtype != torch.uint8:
-            raise ValueError(f"images must be uint8 [B, {', '.join(map(str, expected_images))}], got {images.dtype} {list(images.shape)}")
+            raise ValueError(
+                f"images must be uint8 [B, {', '.join(map(str, expected_images))}], got {images.dtype} {list(images.shape)}"
+            )
         if tuple(state.shape) != (images.shape[0], steps, spec.state_dim):
             raise ValueError(f"state must be [B={images.shape[0]}, {steps}, {spec.state_dim}], got {list(state.shape)}")
         if len(instruction) != images.shape[0]:
@@ -121,9 +129,13 @@ class Policy(nn.Module):
         # A model in a half type (bf16-true training, or a policy moved to one) computes in it
         # throughout: its inputs, given noise, and what it creates itself (flow noise, time embeddings).
         dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        overrides = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in overrides.items()}
+        overrides = {
+            k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in overrides.items()
+        }
         with default_dtype(dtype):
-            normalized = self.predict_normalized(images, self.normalize_state(state).to(dtype), instruction, **overrides)
+            normalized = self.predict_normalized(
+                images, self.normalize_state(state).to(dtype), instruction, **overrides
+            )
         return self.denormalize_actions(normalized.float()).float()
 
 

@@ -71,7 +71,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from uma_lightning.data.spec import DataSpec  # noqa: E402
-from uma_lightning.kernels import KernelConfig, apply_rotary, attention, checks, expert_feed_forward, linear_cross_entropy, rms_norm, swiglu  # noqa: E402
+from uma_lightning.kernels import (  # noqa: E402
+    KernelConfig,
+    apply_rotary,
+    attention,
+    checks,
+    expert_feed_forward,
+    linear_cross_entropy,
+    rms_norm,
+    swiglu,
+)  # noqa: E402
 from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size, training_flops_per_sample  # noqa: E402
 
 PLAIN = KernelConfig(attention="sdpa", rms_norm="torch", swiglu="torch", rotary="torch", cross_entropy="torch")
@@ -151,27 +160,69 @@ class Bench:
 
 def correctness(report: Report, device, smoke: bool) -> None:
     section("correctness on " + device.type)
-    dtypes = [torch.float32] if smoke else [torch.float32, torch.bfloat16, torch.float16]  # the tests cover the rest on CPU
-    ragged = {"rms_norm": [(7, 97), (3, 4099)], "swiglu": [(3, 1001)], "rotary": [(2, 3, 37, 34)], "cross_entropy": [(37, 64, 5003)]}
-    real = {"rms_norm": [(16384, 2048)], "swiglu": [(16384, 8192)], "rotary": [(8, 32, 2048, 64)], "cross_entropy": [(4096, 2048, 32000)]}
+    dtypes = (
+        [torch.float32] if smoke else [torch.float32, torch.bfloat16, torch.float16]
+    )  # the tests cover the rest on CPU
+    ragged = {
+        "rms_norm": [(7, 97), (3, 4099)],
+        "swiglu": [(3, 1001)],
+        "rotary": [(2, 3, 37, 34)],
+        "cross_entropy": [(37, 64, 5003)],
+    }
+    real = {
+        "rms_norm": [(16384, 2048)],
+        "swiglu": [(16384, 8192)],
+        "rotary": [(8, 32, 2048, 64)],
+        "cross_entropy": [(4096, 2048, 32000)],
+    }
     shapes = ragged if smoke else {op: ragged[op] + real[op] for op in ragged}
     results = []
     for dtype in dtypes:
         for shape in shapes["rms_norm"]:
-            results += report.attempt(f"correctness rms_norm {dtype} {shape}", checks.check_rms_norm, shape, dtype, device) or []
+            results += (
+                report.attempt(f"correctness rms_norm {dtype} {shape}", checks.check_rms_norm, shape, dtype, device)
+                or []
+            )
         for shape in shapes["swiglu"]:
-            results += report.attempt(f"correctness swiglu {dtype} {shape}", checks.check_swiglu, shape, dtype, device) or []
+            results += (
+                report.attempt(f"correctness swiglu {dtype} {shape}", checks.check_swiglu, shape, dtype, device) or []
+            )
         for shape in shapes["rotary"]:
             for heads_last in (False, True):
-                results += report.attempt(f"correctness rotary {dtype} {shape}", checks.check_rotary, shape, dtype, device, heads_last=heads_last) or []
+                results += (
+                    report.attempt(
+                        f"correctness rotary {dtype} {shape}",
+                        checks.check_rotary,
+                        shape,
+                        dtype,
+                        device,
+                        heads_last=heads_last,
+                    )
+                    or []
+                )
         for rows, dim, vocab in shapes["cross_entropy"]:
-            results += report.attempt(f"correctness linear_cross_entropy {dtype} {(rows, dim, vocab)}", checks.check_linear_cross_entropy, rows, dim, vocab, dtype, device) or []
+            results += (
+                report.attempt(
+                    f"correctness linear_cross_entropy {dtype} {(rows, dim, vocab)}",
+                    checks.check_linear_cross_entropy,
+                    rows,
+                    dim,
+                    vocab,
+                    dtype,
+                    device,
+                )
+                or []
+            )
     _print_checks(report, results)
 
     section("attention backends against the reference")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     seq, head_dim = (11, 16) if smoke else (257, 64)
-    masks = [dict(causal=False, prefix_len=0), dict(causal=True, prefix_len=0), dict(causal=True, prefix_len=seq * 3 // 4)]
+    masks = [
+        dict(causal=False, prefix_len=0),
+        dict(causal=True, prefix_len=0),
+        dict(causal=True, prefix_len=seq * 3 // 4),
+    ]
     results, unsupported = [], []
     for backend in attention_backends(device.type):
         for mask in masks:
@@ -179,7 +230,9 @@ def correctness(report: Report, device, smoke: bool) -> None:
                 for kv_heads in (4, 1):
                     label = f"attention {backend} {mask} padded={padded} kv_heads={kv_heads}"
                     try:
-                        results += checks.check_attention(backend, dtype, device, kv_heads=kv_heads, padded=padded, seq=seq, head_dim=head_dim, **mask)
+                        results += checks.check_attention(
+                            backend, dtype, device, kv_heads=kv_heads, padded=padded, seq=seq, head_dim=head_dim, **mask
+                        )
                     except RuntimeError as err:
                         if "cannot run" not in str(err):
                             report.fail(f"correctness {label}", str(err).splitlines()[0])
@@ -189,7 +242,9 @@ def correctness(report: Report, device, smoke: bool) -> None:
                         report.fail(f"correctness {label}", f"{type(err).__name__}: {err}")
     _print_checks(report, results)
     for backend in sorted(set(unsupported)):
-        print(f"n/a  {backend}: cannot run {unsupported.count(backend)} of the {len(masks) * 4} mask/padding/GQA cases here (PyTorch's limits, not a failure)")
+        print(
+            f"n/a  {backend}: cannot run {unsupported.count(backend)} of the {len(masks) * 4} mask/padding/GQA cases here (PyTorch's limits, not a failure)"
+        )
 
     section("model with every backend auto against the reference backends")
     report.attempt("correctness model auto vs reference", model_agreement, report, device, smoke)
@@ -197,7 +252,7 @@ def correctness(report: Report, device, smoke: bool) -> None:
     report.attempt("correctness torch.compile of Triton ops", compiled_ops_agree, report, device, smoke)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attention_backends(device_type: str) -> tuple[str, ...]:
     """Every backend worth trying here; says once why a flash-attn package is left out."""
     from uma_lightning.kernels import flash
@@ -219,7 +274,15 @@ def _print_checks(report: Report, results) -> None:
 
 
 def small_model_and_batch(device, kernels):
-    spec = DataSpec(cameras=("front", "wrist"), image_size=(32, 48), state_dim=5, action_dim=3, n_obs_steps=2, action_horizon=4, fps=10)
+    spec = DataSpec(
+        cameras=("front", "wrist"),
+        image_size=(32, 48),
+        state_dim=5,
+        action_dim=3,
+        n_obs_steps=2,
+        action_horizon=4,
+        fps=10,
+    )
     backbone = load_size({"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256})
     torch.manual_seed(0)
     with torch.device(device):
@@ -231,11 +294,18 @@ def small_model_and_batch(device, kernels):
 def random_batch(model, batch: int, device) -> dict:
     spec = model.cfg.spec
     gen = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    images = torch.randint(
+        0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen
+    )
     state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
     text_ids, text_mask = model.text_tokenizer((["reach the red square", "go", "touch blue"] * batch)[:batch])
-    actions = model.action_binner.encode(torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1).flatten(1)
-    return {k: v.to(device) for k, v in dict(images=images, state=state, text_ids=text_ids, text_mask=text_mask, actions=actions).items()}
+    actions = model.action_binner.encode(
+        torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
+    ).flatten(1)
+    return {
+        k: v.to(device)
+        for k, v in dict(images=images, state=state, text_ids=text_ids, text_mask=text_mask, actions=actions).items()
+    }
 
 
 def training_loss(model, batch, *, fused: bool):
@@ -257,8 +327,12 @@ def model_agreement(report: Report, device, smoke: bool) -> None:
         signals[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     dtype = torch.bfloat16 if autocast else torch.float32
     results = [checks.compare("model loss auto vs reference", signals["auto"][0], signals["reference"][0], dtype)]
-    results += [checks.compare(f"model grad {n}", g, signals["reference"][1][n], dtype) for n, g in signals["auto"][1].items()]
-    print(f"loss auto {signals['auto'][0].item():.6f} vs reference {signals['reference'][0].item():.6f} ({'bf16 autocast' if autocast else 'fp32'})")
+    results += [
+        checks.compare(f"model grad {n}", g, signals["reference"][1][n], dtype) for n, g in signals["auto"][1].items()
+    ]
+    print(
+        f"loss auto {signals['auto'][0].item():.6f} vs reference {signals['reference'][0].item():.6f} ({'bf16 autocast' if autocast else 'fp32'})"
+    )
     _print_checks(report, results)
 
 
@@ -270,15 +344,23 @@ def compiled_ops_agree(report: Report, device, smoke: bool) -> None:
         return training_loss(model, batch, fused=True)
 
     results = []
-    for name, fn in (("eager", loss_fn), ("compiled", torch.compile(loss_fn, backend=compile_backend, fullgraph=True))):
+    for _name, fn in (
+        ("eager", loss_fn),
+        ("compiled", torch.compile(loss_fn, backend=compile_backend, fullgraph=True)),
+    ):
         model.zero_grad(set_to_none=True)
         loss = fn(batch)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (eager_loss, eager_grads), (loss, grads) = results
     checked = [checks.compare(f"compiled ({compile_backend}) loss", loss, eager_loss, torch.float32)]
-    checked += [checks.compare(f"compiled ({compile_backend}) grad {i}", g, e, torch.float32) for i, (g, e) in enumerate(zip(grads, eager_grads))]
-    print(f"model loss with Triton ops, compiled whole with fullgraph=True ({compile_backend}): {loss.item():.6f} vs eager {eager_loss.item():.6f}")
+    checked += [
+        checks.compare(f"compiled ({compile_backend}) grad {i}", g, e, torch.float32)
+        for i, (g, e) in enumerate(zip(grads, eager_grads))
+    ]
+    print(
+        f"model loss with Triton ops, compiled whole with fullgraph=True ({compile_backend}): {loss.item():.6f} vs eager {eager_loss.item():.6f}"
+    )
     _print_checks(report, checked)
 
 
@@ -302,7 +384,9 @@ def op_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> None:
     # q and k as the model makes them: projections [B, S, H, D] viewed as [B, H, S, D].
     q = leaf(tokens // seq, seq, heads, head_dim).detach().transpose(1, 2).requires_grad_()
     k = leaf(tokens // seq, seq, heads // 4, head_dim).detach().transpose(1, 2).requires_grad_()
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim)).to(device)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim)).to(
+        device
+    )
     cos, sin = angles.cos(), angles.sin()
 
     def op(backend: str) -> dict[str, tuple[Callable, tuple]]:
@@ -315,7 +399,10 @@ def op_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> None:
             ),
         }
 
-    cases = {name: {"eager": fn, "triton": op("triton")[name][0], "inputs": inputs} for name, (fn, inputs) in op("torch").items()}
+    cases = {
+        name: {"eager": fn, "triton": op("triton")[name][0], "inputs": inputs}
+        for name, (fn, inputs) in op("torch").items()
+    }
     for name, key in zip(cases, ("rms_norm", "swiglu", "rotary")):
         if key in liger:
             cases[name]["liger"] = functools.partial(liger[key], cos=cos, sin=sin) if key == "rotary" else liger[key]
@@ -327,7 +414,11 @@ def op_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> None:
             "triton": lambda h, w, targets=targets: linear_cross_entropy(h, w, targets, backend="triton")[0],
             "torch chunked": lambda h, w, targets=targets: linear_cross_entropy(h, w, targets, backend="torch")[0],
             "inputs": (h, head),
-            **({"liger": lambda h, w, targets=targets: liger["cross_entropy"](h, w, targets)} if "cross_entropy" in liger else {}),
+            **(
+                {"liger": lambda h, w, targets=targets: liger["cross_entropy"](h, w, targets)}
+                if "cross_entropy" in liger
+                else {}
+            ),
         }
     rows = []
     for name, variants in cases.items():
@@ -371,11 +462,24 @@ def expert_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> None
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype).requires_grad_()
 
     x = leaf(tokens * top_k, dim, scale=1.0)
-    w1, w3, w2 = leaf(n_experts, dim, hidden, scale=dim**-0.5), leaf(n_experts, dim, hidden, scale=dim**-0.5), leaf(n_experts, hidden, dim, scale=hidden**-0.5)
+    w1, w3, w2 = (
+        leaf(n_experts, dim, hidden, scale=dim**-0.5),
+        leaf(n_experts, dim, hidden, scale=dim**-0.5),
+        leaf(n_experts, hidden, dim, scale=hidden**-0.5),
+    )
     inputs = (x, w1, w3, w2)
     outputs = {}
     for backend in ("loop", "grouped"):
-        out = report.attempt(f"experts {backend} forward+backward", expert_feed_forward, x, counts.to(device), w1, w3, w2, backend=backend)
+        out = report.attempt(
+            f"experts {backend} forward+backward",
+            expert_feed_forward,
+            x,
+            counts.to(device),
+            w1,
+            w3,
+            w2,
+            backend=backend,
+        )
         if out is None:
             continue
         out.float().square().mean().backward()
@@ -384,10 +488,20 @@ def expert_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> None
             t.grad = None
     if len(outputs) == 2:
         tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-        for name, grouped, loop in zip(("output", "x grad", "w1 grad", "w3 grad", "w2 grad"), outputs["grouped"], outputs["loop"]):
-            report.attempt(f"correctness experts grouped vs loop {name}", torch.testing.assert_close, grouped, loop, **tolerance)
-        print(f"ok   grouped == loop (output and every gradient), {n_experts} experts, counts {counts.min().item()}..{counts.max().item()}")
-    dense = (leaf(dim, top_k * hidden, scale=dim**-0.5), leaf(dim, top_k * hidden, scale=dim**-0.5), leaf(top_k * hidden, dim, scale=hidden**-0.5))
+        for name, grouped, loop in zip(
+            ("output", "x grad", "w1 grad", "w3 grad", "w2 grad"), outputs["grouped"], outputs["loop"]
+        ):
+            report.attempt(
+                f"correctness experts grouped vs loop {name}", torch.testing.assert_close, grouped, loop, **tolerance
+            )
+        print(
+            f"ok   grouped == loop (output and every gradient), {n_experts} experts, counts {counts.min().item()}..{counts.max().item()}"
+        )
+    dense = (
+        leaf(dim, top_k * hidden, scale=dim**-0.5),
+        leaf(dim, top_k * hidden, scale=dim**-0.5),
+        leaf(top_k * hidden, dim, scale=hidden**-0.5),
+    )
     tokens_in = leaf(tokens, dim, scale=1.0)
     cases = {
         "grouped": (lambda *t: expert_feed_forward(t[0], counts.to(device), *t[1:], backend="grouped"), inputs),
@@ -400,12 +514,25 @@ def expert_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> None
         if result:
             rows.append([name, *result])
     grouped_ms = rows[0][1] if rows and rows[0][0] == "grouped" else float("nan")
-    table([f"{tokens} tokens, top-{top_k} of {n_experts} experts, dim {dim}, hidden {hidden}", "ms", "peak MB", "x grouped"], [[*r, r[1] / grouped_ms] for r in rows])
+    table(
+        [
+            f"{tokens} tokens, top-{top_k} of {n_experts} experts, dim {dim}, hidden {hidden}",
+            "ms",
+            "peak MB",
+            "x grouped",
+        ],
+        [[*r, r[1] / grouped_ms] for r in rows],
+    )
 
 
 def liger_functions() -> dict[str, Callable]:
     try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy, liger_rms_norm, liger_rope, liger_swiglu
+        from liger_kernel.transformers.functional import (
+            liger_fused_linear_cross_entropy,
+            liger_rms_norm,
+            liger_rope,
+            liger_swiglu,
+        )
     except ImportError:
         return {}
 
@@ -435,7 +562,10 @@ def attention_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> N
         batch = max(1, tokens // seq)
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-        k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_() for _ in range(2))
+        k, v = (
+            torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+            for _ in range(2)
+        )
         for mask_name, prefix_len in (("causal", 0), ("block-causal", seq * 3 // 4)):
             results = {}
             for backend in (*attention_backends(device.type), "reference"):
@@ -451,7 +581,9 @@ def attention_benchmarks(report: Report, device, smoke: bool, bench: Bench) -> N
                     results[backend] = bench.run(run)
                 except RuntimeError as err:
                     if "cannot run" in str(err) or "out of memory" in str(err):
-                        left_out.append(f"{backend} seq={seq} {mask_name}: {'out of memory' if 'out of memory' in str(err) else 'cannot run these inputs'}")
+                        left_out.append(
+                            f"{backend} seq={seq} {mask_name}: {'out of memory' if 'out of memory' in str(err) else 'cannot run these inputs'}"
+                        )
                     else:
                         report.fail(f"attention benchmark {backend} seq={seq} {mask_name}", str(err).splitlines()[0])
                     if device.type == "cuda":
@@ -473,24 +605,48 @@ def model_step_benchmark(report: Report, device, smoke: bool) -> None:
     precision = "bf16 autocast, fp32 master weights" if device.type == "cuda" else "fp32"
     section(f"{size} model training step ({precision}, AdamW): auto vs plain PyTorch")
     if smoke:
-        spec = DataSpec(cameras=("front",), image_size=(32, 32), state_dim=4, action_dim=3, n_obs_steps=1, action_horizon=4, fps=10)
+        spec = DataSpec(
+            cameras=("front",), image_size=(32, 32), state_dim=4, action_dim=3, n_obs_steps=1, action_horizon=4, fps=10
+        )
         batch_size, warmup, steps, patch = 2, 1, 2, 8
     else:
         # Two 224x224 cameras in 16-pixel patches, 14-D state and actions, a 50-step chunk: 1124 tokens.
-        spec = DataSpec(cameras=("head", "wrist"), image_size=(224, 224), state_dim=14, action_dim=14, n_obs_steps=1, action_horizon=50, fps=50)
+        spec = DataSpec(
+            cameras=("head", "wrist"),
+            image_size=(224, 224),
+            state_dim=14,
+            action_dim=14,
+            n_obs_steps=1,
+            action_horizon=50,
+            fps=50,
+        )
         batch_size, warmup, steps, patch = 8, 3, 10, 16
-    cfg = RobotModelConfig(backbone=load_size(size), spec=spec, vision=VisionConfig(patch_size=patch), max_text_len=32, n_action_bins=256)
+    cfg = RobotModelConfig(
+        backbone=load_size(size), spec=spec, vision=VisionConfig(patch_size=patch), max_text_len=32, n_action_bins=256
+    )
     flops_per_sample = training_flops_per_sample(cfg)
     rows = []
     for name, kernels, fused in (("plain PyTorch", PLAIN, False), ("auto", KernelConfig(), True)):
-        result = report.attempt(f"model step {size} {name}", _time_training, cfg, kernels, fused, device, batch_size, warmup, steps)
+        result = report.attempt(
+            f"model step {size} {name}", _time_training, cfg, kernels, fused, device, batch_size, warmup, steps
+        )
         if result:
             seconds, peak_mb = result
             samples_per_s = batch_size / seconds
-            rows.append([name, seconds * 1e3, samples_per_s * cfg.seq_len, flops_per_sample * samples_per_s / BF16_PEAK_FLOPS, peak_mb])
+            rows.append(
+                [
+                    name,
+                    seconds * 1e3,
+                    samples_per_s * cfg.seq_len,
+                    flops_per_sample * samples_per_s / BF16_PEAK_FLOPS,
+                    peak_mb,
+                ]
+            )
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"{cfg.seq_len} tokens per sample, batch {batch_size}, {flops_per_sample / 1e12:.3f} TFLOP per sample (training_flops_per_sample)")
+    print(
+        f"{cfg.seq_len} tokens per sample, batch {batch_size}, {flops_per_sample / 1e12:.3f} TFLOP per sample (training_flops_per_sample)"
+    )
     table(["path", "ms/step", "tokens/s", "MFU (of 989 TFLOP/s)", "peak MB"], rows)
     if len(rows) == 2:
         print(f"auto / plain PyTorch: {rows[0][1] / rows[1][1]:.3f}x step speed")
@@ -523,7 +679,6 @@ def _time_training(cfg, kernels, fused: bool, device, batch_size: int, warmup: i
     bench.sync()
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    del model, optimizer
     return seconds, peak
 
 
@@ -550,7 +705,13 @@ def rl_throughput(report: Report, cpu_smoke: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="run the CPU-possible parts at tiny sizes")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["correctness", "ops", "attention", "experts", "model", "rl"], help="sections to leave out")
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["correctness", "ops", "attention", "experts", "model", "rl"],
+        help="sections to leave out",
+    )
     args = parser.parse_args()
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("FAILED setup: no CUDA device (use --cpu-smoke on a CPU machine)")
@@ -589,7 +750,9 @@ def describe(device) -> None:
     print(f"torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}")
     print(f"uma_lightning: {PACKAGE_SOURCE}")
     if device.type == "cuda":
-        print(f"GPU: {torch.cuda.get_device_name()} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})")
+        print(
+            f"GPU: {torch.cuda.get_device_name()} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
+        )
     else:
         print("CPU smoke run: Triton in its interpreter, tiny sizes; timings say nothing about speed")
     for package in ("flash_attn", "liger_kernel", "torchao"):

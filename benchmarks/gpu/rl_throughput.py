@@ -50,14 +50,19 @@ def gpu_recipe(cpu_smoke: bool) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu-smoke", action="store_true", help="the same code on the CPU: 2 actors x 2 envs, a few seconds")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="the same code on the CPU: 2 actors x 2 envs, a few seconds"
+    )
     parser.add_argument("--env", default="Humanoid-v5")
     parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds per variant and repeat")
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     seconds = 1.5 if args.cpu_smoke else args.seconds
     started = time.perf_counter()
-    section("RL throughput: actors on their own cores, inference server and PPO learner on the " + ("CPU (smoke run)" if args.cpu_smoke else "GPU"))
+    section(
+        "RL throughput: actors on their own cores, inference server and PPO learner on the "
+        + ("CPU (smoke run)" if args.cpu_smoke else "GPU")
+    )
     try:
         import torch
 
@@ -69,11 +74,19 @@ def main() -> int:
         raw, trained, received = [], [], []
         for repeat in range(args.repeats):
             raw.append(raw_rate(args.env, n_workers, n_envs, seconds)[0])
-            rate, got, _ = pipeline_rate(recipe, args.env, seconds, skip_iterations=1 if args.cpu_smoke else 3,
-                                         accelerator="cpu" if args.cpu_smoke else "gpu")
+            rate, got, _ = pipeline_rate(
+                recipe,
+                args.env,
+                seconds,
+                skip_iterations=1 if args.cpu_smoke else 3,
+                accelerator="cpu" if args.cpu_smoke else "gpu",
+            )
             trained.append(rate)
             received.append(got)
-            print(f"repeat {repeat + 1}: raw {raw[-1]:.0f} env steps/s | pipeline {rate:.0f} trained, {got:.0f} received", flush=True)
+            print(
+                f"repeat {repeat + 1}: raw {raw[-1]:.0f} env steps/s | pipeline {rate:.0f} trained, {got:.0f} received",
+                flush=True,
+            )
     except Exception as err:
         traceback.print_exc()
         print(f"FAILED rl throughput: {type(err).__name__}: {err}")
@@ -82,11 +95,15 @@ def main() -> int:
     print_table(
         f"{args.env}: {n_workers} processes x {n_envs} envs, {seconds:.0f} s per variant, median of {args.repeats}",
         ["variant", "env steps/s", "ratio to raw"],
-        [["raw vectorised stepping", median(raw), 1.0],
-         ["pipeline, server inference (trained)", median(trained), ratio],
-         ["pipeline, server inference (received)", median(received), median(received) / median(raw)]],
+        [
+            ["raw vectorised stepping", median(raw), 1.0],
+            ["pipeline, server inference (trained)", median(trained), ratio],
+            ["pipeline, server inference (received)", median(received), median(received) / median(raw)],
+        ],
     )
-    print(f"pipeline / raw: {ratio:.3f} (goal {GOAL}){'' if args.cpu_smoke else ' <- below the goal' if ratio < GOAL else ''}")
+    print(
+        f"pipeline / raw: {ratio:.3f} (goal {GOAL}){'' if args.cpu_smoke else ' <- below the goal' if ratio < GOAL else ''}"
+    )
     print(f"finished in {time.perf_counter() - started:.0f} s")
     return 0
 

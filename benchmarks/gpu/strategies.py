@@ -58,7 +58,9 @@ def environment(cpu_smoke: bool) -> str:
         raise RuntimeError(f"{torch.cuda.get_device_name()} does not support bf16")
     name = torch.cuda.get_device_name()
     if "H200" not in name:
-        print(f"note: {name} is not an H200; MFU is still computed against the H200 peak of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
+        print(
+            f"note: {name} is not an H200; MFU is still computed against the H200 peak of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"
+        )
     return "cuda"
 
 
@@ -123,7 +125,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="small,1b")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model, 3 steps, CPU, compile with aot_eager (no kernel generation)")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny model, 3 steps, CPU, compile with aot_eager (no kernel generation)",
+    )
     args = parser.parse_args()
     sizes = ["tiny"] if args.cpu_smoke else args.sizes.split(",")
     steps = 3 if args.cpu_smoke else args.steps
@@ -143,7 +149,9 @@ def main() -> int:
         baseline = None
         for variant, strategy_args in VARIANTS.items():
             try:
-                result = check(f"{size} / {variant}", run_variant, spec, batches, size, strategy_args, device, compile_backend)
+                result = check(
+                    f"{size} / {variant}", run_variant, spec, batches, size, strategy_args, device, compile_backend
+                )
             except Failed as failure:
                 failures.append(str(failure))
                 continue

@@ -78,13 +78,26 @@ def main() -> int:
             if choice == "cuda":
                 gpu_frames, gpu_rate = decode_all(CudaVideoReader, meta)
                 difference = np.abs(gpu_frames.astype(np.int16) - cpu_frames.astype(np.int16))
-                print(f"    GPU {gpu_rate:.0f} frames/s ({gpu_rate / cpu_rate:.2f}x the CPU); difference mean {difference.mean():.2f}, max {difference.max()} levels")
+                print(
+                    f"    GPU {gpu_rate:.0f} frames/s ({gpu_rate / cpu_rate:.2f}x the CPU); difference mean {difference.mean():.2f}, max {difference.max()} levels"
+                )
                 check(f"{codec}: GPU frames match the CPU's shapes", gpu_frames.shape == cpu_frames.shape)
-                check(f"{codec}: GPU frames are close to the CPU's", float(difference.mean()) < 3.0, f"mean {difference.mean():.2f} levels")
-            dm = RobotDataModule(root=str(root), batch_size=4, val_episodes=0, loader={"num_workers": 0, "decoder": "auto", "frame_store": "off"})
+                check(
+                    f"{codec}: GPU frames are close to the CPU's",
+                    float(difference.mean()) < 3.0,
+                    f"mean {difference.mean():.2f} levels",
+                )
+            dm = RobotDataModule(
+                root=str(root),
+                batch_size=4,
+                val_episodes=0,
+                loader={"num_workers": 0, "decoder": "auto", "frame_store": "off"},
+            )
             dm.setup("fit")
             batch = next(iter(dm.train_dataloader()))
-            check(f"{codec}: a training batch with decoder {choice}", tuple(batch["images"].shape[-3:]) == (size, size, 3))
+            check(
+                f"{codec}: a training batch with decoder {choice}", tuple(batch["images"].shape[-3:]) == (size, size, 3)
+            )
     print("all checks passed" if not failures else f"{len(failures)} check(s) FAILED: {failures}")
     return 1 if failures else 0
 

@@ -17,7 +17,9 @@ _VERY_NEGATIVE = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _rows(logits_ptr, targets_ptr, row_weight_ptr, loss_ptr, pred_ptr, n_cols, row_stride, ignore_index, BLOCK: tl.constexpr):
+def _rows(
+    logits_ptr, targets_ptr, row_weight_ptr, loss_ptr, pred_ptr, n_cols, row_stride, ignore_index, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     lanes = tl.arange(0, BLOCK)
@@ -54,8 +56,26 @@ def _rows(logits_ptr, targets_ptr, row_weight_ptr, loss_ptr, pred_ptr, n_cols, r
         tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=ok)
 
 
-def rows_in_place(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor, losses: torch.Tensor, predictions: torch.Tensor, ignore_index: int) -> None:
+def rows_in_place(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+    losses: torch.Tensor,
+    predictions: torch.Tensor,
+    ignore_index: int,
+) -> None:
     """Per-row loss and argmax into ``losses``/``predictions``; ``logits`` becomes d(loss)/d(logits)."""
     n_rows, n_cols = logits.shape
     block = min(triton.next_power_of_2(n_cols), 4096)
-    _rows[(n_rows,)](logits, targets, row_weights, losses, predictions, n_cols, logits.stride(0), ignore_index, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    _rows[(n_rows,)](
+        logits,
+        targets,
+        row_weights,
+        losses,
+        predictions,
+        n_cols,
+        logits.stride(0),
+        ignore_index,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )

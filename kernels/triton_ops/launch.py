@@ -31,7 +31,7 @@ def program_budget(device: torch.device) -> int:
     return 4 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

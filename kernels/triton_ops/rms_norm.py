@@ -32,8 +32,17 @@ def _forward(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps, BLOCK_ROWS: tl.
 
 @triton.jit
 def _backward(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_COLS)
@@ -72,7 +81,9 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Te
     return y, rstd
 
 
-def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     dy, x = dy.contiguous(), x.contiguous()
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
@@ -82,7 +93,17 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torc
     dx = torch.empty_like(x)
     dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
     _backward[(programs,)](
-        dy, x, weight, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps,
+        dy,
+        x,
+        weight,
+        rstd,
+        dx,
+        dw_partial,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=warps,
     )
     return dx, dw_partial.sum(0).to(weight.dtype)

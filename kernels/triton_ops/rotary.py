@@ -15,9 +15,24 @@ from uma_lightning.kernels.triton_ops.launch import row_tile
 
 @triton.jit
 def _rotate(
-    x_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, n_heads, seq_len, half, table_stride,
-    x_sb, x_sh, x_ss, y_sb, y_sh, y_ss, sign,
-    BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    n_rows,
+    n_heads,
+    seq_len,
+    half,
+    table_stride,
+    x_sb,
+    x_sh,
+    x_ss,
+    y_sb,
+    y_sh,
+    y_ss,
+    sign,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     # Rows enumerate (batch, head, position) in that order; each row holds D channels.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -48,8 +63,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
     n_rows = batch * heads * seq
     block_rows, block_half, warps = row_tile(n_rows, dim // 2)
     _rotate[(triton.cdiv(n_rows, block_rows),)](
-        x, cos, sin, y, n_rows, heads, seq, dim // 2, cos.stride(0),
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), -1.0 if inverse else 1.0,
-        BLOCK_ROWS=block_rows, BLOCK_HALF=block_half, num_warps=warps,
+        x,
+        cos,
+        sin,
+        y,
+        n_rows,
+        heads,
+        seq,
+        dim // 2,
+        cos.stride(0),
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        -1.0 if inverse else 1.0,
+        BLOCK_ROWS=block_rows,
+        BLOCK_HALF=block_half,
+        num_warps=warps,
     )
     return y

@@ -35,7 +35,12 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if all(isinstance(key, str) for key in value) and not _TAGS & set(value):
             return {key: _encode(item, f"{path}/{key}", tensors) for key, item in value.items()}
-        return {ITEMS: [[_encode(key, f"{path}/{key}", tensors), _encode(item, f"{path}/{key}", tensors)] for key, item in value.items()]}
+        return {
+            ITEMS: [
+                [_encode(key, f"{path}/{key}", tensors), _encode(item, f"{path}/{key}", tensors)]
+                for key, item in value.items()
+            ]
+        }
     if isinstance(value, list):
         return [_encode(item, f"{path}/{index}", tensors) for index, item in enumerate(value)]
     if isinstance(value, tuple):

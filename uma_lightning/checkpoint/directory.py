@@ -36,7 +36,11 @@ def committed(root: str | Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(match.group(1)), entry) for entry in root.iterdir() if entry.is_dir() and (match := _STEP_DIR.match(entry.name))]
+    found = [
+        (int(match.group(1)), entry)
+        for entry in root.iterdir()
+        if entry.is_dir() and (match := _STEP_DIR.match(entry.name))
+    ]
     return sorted(found)
 
 
@@ -93,5 +97,10 @@ def remove_staging_leftovers(root: Path) -> list[Path]:
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     if leftovers:
-        log.info("removed %d unfinished checkpoint save(s) in %s: %s", len(leftovers), root, ", ".join(p.name for p in leftovers))
+        log.info(
+            "removed %d unfinished checkpoint save(s) in %s: %s",
+            len(leftovers),
+            root,
+            ", ".join(p.name for p in leftovers),
+        )
     return leftovers

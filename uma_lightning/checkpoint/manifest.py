@@ -34,7 +34,9 @@ def file_checksum(path: str | Path) -> str:
 
 def describe_files(directory: Path, names) -> dict[str, dict]:
     """``{name: {"bytes": size, "crc32": checksum}}`` for files of ``directory``."""
-    return {name: {"bytes": (directory / name).stat().st_size, "crc32": file_checksum(directory / name)} for name in names}
+    return {
+        name: {"bytes": (directory / name).stat().st_size, "crc32": file_checksum(directory / name)} for name in names
+    }
 
 
 def write_json_durably(path: Path, content: dict) -> None:
@@ -60,7 +62,11 @@ def read_manifest(directory: str | Path) -> dict:
         raise CheckpointError(f"{directory}: no {MANIFEST} (the save did not finish)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: unreadable manifest: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
     return manifest
 
@@ -87,5 +93,7 @@ def verify(directory: str | Path, names: list[str] | None = None) -> list[str]:
         if size != expected.get("bytes"):
             problems.append(f"{path}: {size} bytes, the manifest says {expected.get('bytes')}")
         elif (names is None or name in names) and file_checksum(path) != expected.get("crc32"):
-            problems.append(f"{path}: checksum {file_checksum(path)} does not match the manifest's {expected.get('crc32')}")
+            problems.append(
+                f"{path}: checksum {file_checksum(path)} does not match the manifest's {expected.get('crc32')}"
+            )
     return problems

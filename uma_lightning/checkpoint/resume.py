@@ -32,7 +32,7 @@ def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = N
     candidates = candidates[0]
     rank = dist.get_rank(process_group) if process_group is not None else 0
     world = dist.get_world_size(process_group) if process_group is not None else 1
-    for step, path in reversed(candidates):
+    for _step, path in reversed(candidates):
         started = time.monotonic()
         problems = [unusable_because(path, rank, world)]
         if process_group is not None:
@@ -46,8 +46,10 @@ def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = N
         if rank == 0:
             log.warning("skipping checkpoint %s, it is incomplete or corrupt: %s", path, "; ".join(sorted(set(found))))
     if candidates:
-        raise CheckpointError(f"{root}: none of the {len(candidates)} checkpoint(s) is usable (see the warnings above); "
-                              "move them away to start over")
+        raise CheckpointError(
+            f"{root}: none of the {len(candidates)} checkpoint(s) is usable (see the warnings above); "
+            "move them away to start over"
+        )
     return None
 
 

@@ -34,7 +34,9 @@ def restore(state: dict[str, torch.Tensor]) -> None:
     version, has_gauss_next, gauss_next = state["python_gauss"].tolist()
     random.setstate((int(version), tuple(state["python"].tolist()), gauss_next if has_gauss_next else None))
     position, has_gauss, cached_gaussian = state["numpy_gauss"].tolist()
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), int(position), int(has_gauss), cached_gaussian))
+    np.random.set_state(
+        ("MT19937", state["numpy"].numpy().astype(np.uint32), int(position), int(has_gauss), cached_gaussian)
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 

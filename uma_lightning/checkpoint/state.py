@@ -41,7 +41,6 @@ from uma_lightning.parallel.pipeline import pipeline_of
 log = logging.getLogger(__name__)
 
 
-
 def collect(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[dict, dict[str, torch.Tensor]]:
     """(JSON-able state, tensors by checkpoint key) of this rank.
 
@@ -55,7 +54,9 @@ def collect(trainer: pl.Trainer, module: pl.LightningModule) -> tuple[dict, dict
     if pipeline_of(module) is not None:
         # Each rank's optimizer holds its stages' parameters; state.json (rank 0's) must list them all.
         state[OPTIMIZER] = _union_over_ranks(state[OPTIMIZER])
-    live = {_storage(p) for p in module.parameters()} | {_storage(t) for k, t in tensors.items() if k.startswith(OPTIMIZER + "/")}
+    live = {_storage(p) for p in module.parameters()} | {
+        _storage(t) for k, t in tensors.items() if k.startswith(OPTIMIZER + "/")
+    }
     tensors = {key: value if _storage(value) in live else value.detach().clone() for key, value in tensors.items()}
     tensors.update({f"{RNG}/{trainer.global_rank}/{name}": value for name, value in rng.capture().items()})
     return state, tensors
@@ -76,7 +77,9 @@ def encode_parts(parts: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     return state, tensors
 
 
-def load(trainer: pl.Trainer, module: pl.LightningModule, directory: Path, process_group: Optional[dist.ProcessGroup]) -> tuple[dict, Optional[dict]]:
+def load(
+    trainer: pl.Trainer, module: pl.LightningModule, directory: Path, process_group: Optional[dist.ProcessGroup]
+) -> tuple[dict, Optional[dict]]:
     """Load model and optimizer state from ``directory`` in place, into whatever sharding they have now.
 
     Returns the trainer state (apply it with ``apply_trainer_state``) and this rank's saved RNG state,
@@ -119,16 +122,22 @@ def load_module(
     expected = {key for keys in _gather(set(model_tensors)) for key in keys} if staged else set(model_tensors)
     _check_same_parameters(directory, expected, saved_model)
     _, optimizer_tensors = encode(current[OPTIMIZER], OPTIMIZER)
-    saved_optimizer = _own_parameters(saved[OPTIMIZER], current[OPTIMIZER]) if staged and optimizers else saved[OPTIMIZER]
+    saved_optimizer = (
+        _own_parameters(saved[OPTIMIZER], current[OPTIMIZER]) if staged and optimizers else saved[OPTIMIZER]
+    )
     wanted = tensor_references(saved_optimizer) if optimizers else []
     unknown = sorted(set(wanted) - set(optimizer_tensors))
     if unknown:
-        raise CheckpointError(f"{directory}: optimizer state {unknown[:3]} does not match this run's optimizer (another optimizer type?)")
+        raise CheckpointError(
+            f"{directory}: optimizer state {unknown[:3]} does not match this run's optimizer (another optimizer type?)"
+        )
     targets = {**model_tensors, **{key: optimizer_tensors[key] for key in wanted}, **(extra or {})}
     load_tensors(targets, directory, process_group)
     model_state = {name.removeprefix(prefix): value for name, value in decode(model_refs, targets).items()}
     if optimizers:
-        set_state_dict(module, list(optimizers), model_state_dict=model_state, optim_state_dict=decode(saved_optimizer, targets))
+        set_state_dict(
+            module, list(optimizers), model_state_dict=model_state, optim_state_dict=decode(saved_optimizer, targets)
+        )
     else:
         set_model_state_dict(module, model_state)
 
@@ -219,7 +228,9 @@ def _own_parameters(saved: dict, current: dict) -> dict:
     own = {name for group in current["param_groups"] for name in group["params"]}
     return {
         "state": {name: value for name, value in saved["state"].items() if name in own},
-        "param_groups": [{**group, "params": [name for name in group["params"] if name in own]} for group in saved["param_groups"]],
+        "param_groups": [
+            {**group, "params": [name for name in group["params"] if name in own]} for group in saved["param_groups"]
+        ],
     }
 
 

@@ -32,8 +32,16 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # Everything DCP puts in a .metadata pickle: its own dataclasses, torch sizes, dtypes and layouts, paths.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                 "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -45,7 +53,9 @@ _METADATA_CLASSES = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a checkpoint index")
 
@@ -70,7 +80,9 @@ class SafeFileSystemReader(FileSystemReader):
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
-        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes; only tensors are loaded")
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes; only tensors are loaded"
+        )
 
 
 def tensor_metadata(directory: str | Path) -> dict[str, TensorStorageMetadata]:
@@ -94,7 +106,9 @@ def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, process_grou
         )
 
 
-def load_tensors(tensors: dict[str, torch.Tensor], directory: str | Path, process_group: Optional[dist.ProcessGroup]) -> None:
+def load_tensors(
+    tensors: dict[str, torch.Tensor], directory: str | Path, process_group: Optional[dist.ProcessGroup]
+) -> None:
     """Fill ``tensors`` in place from ``directory``, resharding as needed (each rank reads what it holds).
 
     Raises CheckpointError naming the entries that are missing or have another shape.
@@ -102,9 +116,15 @@ def load_tensors(tensors: dict[str, torch.Tensor], directory: str | Path, proces
     entries = tensor_metadata(directory)
     missing = sorted(key for key in tensors if key not in entries)
     if missing:
-        raise CheckpointError(f"{directory}: has no {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    mismatched = [f"{key} {tuple(entries[key].size)} (expected {tuple(value.shape)})" for key, value in tensors.items()
-                  if tuple(entries[key].size) != tuple(value.shape)]
+        raise CheckpointError(
+            f"{directory}: has no {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    mismatched = [
+        f"{key} {tuple(entries[key].size)} (expected {tuple(value.shape)})"
+        for key, value in tensors.items()
+        if tuple(entries[key].size) != tuple(value.shape)
+    ]
     if mismatched:
         raise CheckpointError(f"{directory}: shapes differ: {', '.join(mismatched[:5])}")
     with _plain_errors(directory, "loading"):
@@ -131,10 +151,11 @@ def _plain_errors(directory: Path, action: str):
         causes = [exception for exception, _ in err.failures.values()]
         if causes and all(isinstance(cause, CheckpointError) for cause in causes):
             raise causes[0] from None
-        detail = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(err.failures.items()))
+        detail = "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(err.failures.items())
+        )
         raise CheckpointError(f"{directory}: {action} failed: {detail}") from None
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-

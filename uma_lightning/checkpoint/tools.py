@@ -22,8 +22,8 @@ from uma_lightning.checkpoint.codec import decode
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
 from uma_lightning.checkpoint.resume import unusable_because
-from uma_lightning.checkpoint.weights import MODEL, TRAINER, read_state, read_weights
 from uma_lightning.checkpoint.storage import tensor_metadata
+from uma_lightning.checkpoint.weights import MODEL, TRAINER, read_state, read_weights
 
 
 def main(argv: list[str]) -> int:
@@ -33,13 +33,22 @@ def main(argv: list[str]) -> int:
     inspect.add_argument("path", type=Path, help="a checkpoint directory, or a run's checkpoints directory")
     inspect.add_argument("--all", action="store_true", help="list optimizer, trainer and RNG tensors too")
     export = commands.add_parser("export", help="consolidated weights as one safetensors file")
-    export.add_argument("path", type=Path, help="a checkpoint directory, or a run's checkpoints directory (newest valid)")
+    export.add_argument(
+        "path", type=Path, help="a checkpoint directory, or a run's checkpoints directory (newest valid)"
+    )
     export.add_argument("--to", type=Path, required=True, help="output .safetensors file")
-    export.add_argument("--module", default="model",
-                        help="attribute path of the network inside the LightningModule (default: model); '' exports everything")
+    export.add_argument(
+        "--module",
+        default="model",
+        help="attribute path of the network inside the LightningModule (default: model); '' exports everything",
+    )
     args = parser.parse_args(argv)
     try:
-        return inspect_checkpoints(args.path, args.all) if args.command == "inspect" else export_weights(args.path, args.to, args.module)
+        return (
+            inspect_checkpoints(args.path, args.all)
+            if args.command == "inspect"
+            else export_weights(args.path, args.to, args.module)
+        )
     except CheckpointError as err:
         print(f"uma ckpt: error: {err}", file=sys.stderr)
         return 1
@@ -68,9 +77,13 @@ def inspect_checkpoints(path: Path, show_all: bool = False) -> int:
             print(f"  {problem}")
         return 1
     manifest = read_manifest(path)
-    print(f"manifest: valid ({len(manifest['files'])} files, {manifest['bytes'] / 1e6:.1f} MB, sizes and checksums match)")
-    print(f"step {manifest['step']}, epoch {manifest.get('epoch')}, saved by {manifest.get('world_size')} process(es) "
-          f"at {manifest.get('created')} with torch {manifest.get('torch')}, MLflow run {manifest.get('mlflow_run_id') or '-'}")
+    print(
+        f"manifest: valid ({len(manifest['files'])} files, {manifest['bytes'] / 1e6:.1f} MB, sizes and checksums match)"
+    )
+    print(
+        f"step {manifest['step']}, epoch {manifest.get('epoch')}, saved by {manifest.get('world_size')} process(es) "
+        f"at {manifest.get('created')} with torch {manifest.get('torch')}, MLflow run {manifest.get('mlflow_run_id') or '-'}"
+    )
     entries = tensor_metadata(path)
     groups: dict[str, list[str]] = {}
     for key in sorted(entries):
@@ -92,10 +105,18 @@ def export_weights(path: Path, output: Path, module: str = "model") -> int:
     directory, _, tensors = read_weights(path, (prefix,))
     manifest = read_manifest(directory)
     hyperparameters = decode(read_state(directory)[TRAINER].get("hyper_parameters"), {})
-    metadata = {"step": str(manifest["step"]), "source": str(directory), "hyper_parameters": json.dumps(hyperparameters)}
+    metadata = {
+        "step": str(manifest["step"]),
+        "source": str(directory),
+        "hyper_parameters": json.dumps(hyperparameters),
+    }
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".partial")
-    save_file({key.removeprefix(prefix): value.contiguous() for key, value in tensors.items()}, str(partial), metadata=metadata)
+    save_file(
+        {key.removeprefix(prefix): value.contiguous() for key, value in tensors.items()},
+        str(partial),
+        metadata=metadata,
+    )
     os.replace(partial, output)
     print(f"exported {len(tensors)} tensors of step {manifest['step']} from {directory} to {output}")
     return 0

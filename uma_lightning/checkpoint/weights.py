@@ -64,7 +64,9 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeig
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # a truncated or foreign file: name it, and say what was expected
-        raise ValueError(f"{path}: not a readable Lightning checkpoint ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+        raise ValueError(
+            f"{path}: not a readable Lightning checkpoint ({type(err).__name__}: {str(err).splitlines()[0]})"
+        ) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{path}: not a Lightning checkpoint (no 'state_dict')")
     state = checkpoint["state_dict"]
@@ -72,9 +74,13 @@ def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeig
     prefix = EMA_PREFIX if use_ema else MODEL_PREFIX
     weights = {name.removeprefix(prefix): value for name, value in state.items() if name.startswith(prefix)}
     if not weights:
-        raise ValueError(f"{path}: no weights under '{MODEL_PREFIX}' (keys look like {next(iter(state), 'none')!r}); not a uma-lightning model")
+        raise ValueError(
+            f"{path}: no weights under '{MODEL_PREFIX}' (keys look like {next(iter(state), 'none')!r}); not a uma-lightning model"
+        )
     hparams = dict(checkpoint.get("hyper_parameters") or {})
-    return CheckpointWeights(str(path), hparams, weights, use_ema, checkpoint.get("module_class"), checkpoint.get("network_builder"))
+    return CheckpointWeights(
+        str(path), hparams, weights, use_ema, checkpoint.get("module_class"), checkpoint.get("network_builder")
+    )
 
 
 def _read_sharded(path: Path, prefer_ema: bool) -> CheckpointWeights:
@@ -90,7 +96,14 @@ def _read_sharded(path: Path, prefer_ema: bool) -> CheckpointWeights:
     # What the module's (and callbacks') on_save_checkpoint added: "hooks", or "module" in older checkpoints.
     extras = trainer_state.get("hooks") or trainer_state.get("module") or {}
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
-    return CheckpointWeights(str(directory), dict(hparams), weights, prefix.endswith(EMA_PREFIX), extras.get("module_class"), extras.get("network_builder"))
+    return CheckpointWeights(
+        str(directory),
+        dict(hparams),
+        weights,
+        prefix.endswith(EMA_PREFIX),
+        extras.get("module_class"),
+        extras.get("network_builder"),
+    )
 
 
 def read_state(directory: Path) -> dict:
@@ -118,13 +131,20 @@ def read_weights(path: Path, prefixes: tuple[str, ...]) -> tuple[Path, str, dict
     entries = tensor_metadata(directory)
     prefix = next((p for p in prefixes if any(key.startswith(p) for key in entries)), None)
     if prefix is None:
-        raise CheckpointError(f"{directory}: no tensors under {' or '.join(map(repr, prefixes))}; see `uma ckpt inspect {directory}` for the names")
+        raise CheckpointError(
+            f"{directory}: no tensors under {' or '.join(map(repr, prefixes))}; see `uma ckpt inspect {directory}` for the names"
+        )
     tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(prefix)}
     load_tensors(tensors, directory, None)
     return directory, prefix, tensors
 
 
-def check_weights(target: dict[str, torch.Tensor], source: CheckpointWeights, mapping: KeyMapping = KeyMapping(), model_name: str = "the model") -> None:
+def check_weights(
+    target: dict[str, torch.Tensor],
+    source: CheckpointWeights,
+    mapping: KeyMapping = KeyMapping(),
+    model_name: str = "the model",
+) -> None:
     """Raise ValueError listing every key of ``target`` (a state dict, possibly on the meta device)
     and of the checkpoint that does not map: missing, unexpected, or of another shape."""
     matches = lambda name, patterns: any(fnmatch.fnmatchcase(name, p) for p in patterns)  # noqa: E731
@@ -137,8 +157,15 @@ def check_weights(target: dict[str, torch.Tensor], source: CheckpointWeights, ma
     )
     if missing or unexpected or reshaped:
         hint = " (no names in common: another model family?)" if not set(target) & set(source.weights) else ""
-        parts = [f"{label} {_listing(keys)}" for label, keys in
-                 (("missing from the checkpoint:", missing), ("not in this model:", unexpected), ("shapes differ:", reshaped)) if keys]
+        parts = [
+            f"{label} {_listing(keys)}"
+            for label, keys in (
+                ("missing from the checkpoint:", missing),
+                ("not in this model:", unexpected),
+                ("shapes differ:", reshaped),
+            )
+            if keys
+        ]
         raise ValueError(f"{source.path}: cannot initialise {model_name} from it{hint}; " + "; ".join(parts))
 
 
@@ -154,8 +181,14 @@ def load_weights(model: nn.Module, source: CheckpointWeights, mapping: KeyMappin
     dropped = sorted(n for n in source.weights if n not in target)
     log.info(
         "initialised %s from %s (%s weights): %d tensors loaded, %d new (%s), %d dropped (%s)",
-        type(model).__name__, source.path, "EMA" if source.ema else "raw", len(target) - len(fresh),
-        len(fresh), _groups(fresh), len(dropped), _groups(dropped),
+        type(model).__name__,
+        source.path,
+        "EMA" if source.ema else "raw",
+        len(target) - len(fresh),
+        len(fresh),
+        _groups(fresh),
+        len(dropped),
+        _groups(dropped),
     )
 
 

@@ -24,9 +24,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from uma_lightning.checkpoint.directory import commit, prune, staging_path, step_dirname
-from uma_lightning.checkpoint.manifest import CheckpointError, MANIFEST, describe_files, write_json_durably, write_manifest
-from uma_lightning.checkpoint.weights import STATE_FILE
+from uma_lightning.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    describe_files,
+    write_json_durably,
+    write_manifest,
+)
 from uma_lightning.checkpoint.storage import save_tensors
+from uma_lightning.checkpoint.weights import STATE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +60,21 @@ class CheckpointWriter:
         self.process_group = process_group
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if async_save else None
-        self._stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False)) if async_save else None
+        self._stager = (
+            DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False)) if async_save else None
+        )
         self._pending: Optional[Future] = None
         self._staged = threading.Event()
         self._staged.set()
 
-    def save(self, step: int, state: dict, tensors: dict[str, torch.Tensor], summary: dict, commit_after: Optional[threading.Event] = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: dict,
+        tensors: dict[str, torch.Tensor],
+        summary: dict,
+        commit_after: Optional[threading.Event] = None,
+    ) -> None:
         """Save ``tensors`` (this rank's, live) and ``state`` (JSON, written by rank 0) as the checkpoint of ``step``;
         with ``commit_after`` (background saves only), everything is written but the commit waits for that event."""
         self.wait()
@@ -69,7 +84,9 @@ class CheckpointWriter:
             self._write(step, state, tensors, summary, time.monotonic(), 0.0)
             return
         self._staged.clear()
-        self._pending = self._executor.submit(self._stage_and_write, step, state, tensors, summary, time.monotonic(), commit_after)
+        self._pending = self._executor.submit(
+            self._stage_and_write, step, state, tensors, summary, time.monotonic(), commit_after
+        )
 
     def wait_staged(self) -> None:
         """Block until the pending save no longer reads the live tensors; call before changing them."""
@@ -91,15 +108,31 @@ class CheckpointWriter:
                 self._executor.shutdown(wait=True)
                 self._stager.close()
 
-    def _stage_and_write(self, step: int, state: dict, tensors: dict, summary: dict, started: float, commit_after: Optional[threading.Event]) -> None:
+    def _stage_and_write(
+        self,
+        step: int,
+        state: dict,
+        tensors: dict,
+        summary: dict,
+        started: float,
+        commit_after: Optional[threading.Event],
+    ) -> None:
         try:
             staged = self._stager.stage(tensors)
         finally:
             self._staged.set()
         self._write(step, state, staged, summary, started, time.monotonic() - started, commit_after)
 
-    def _write(self, step: int, state: dict, tensors: dict, summary: dict, started: float, staging_s: float,
-               commit_after: Optional[threading.Event] = None) -> None:
+    def _write(
+        self,
+        step: int,
+        state: dict,
+        tensors: dict,
+        summary: dict,
+        started: float,
+        staging_s: float,
+        commit_after: Optional[threading.Event] = None,
+    ) -> None:
         staging = staging_path(self.root, step)
         save_tensors(tensors, staging, self.process_group)
         files = self._checksums_of_all_ranks(staging)
@@ -115,9 +148,18 @@ class CheckpointWriter:
         commit(staging, final)
         removed = prune(self.root, self.keep_last, self.keep_every_n_steps)
         elapsed = time.monotonic() - started
-        how = f"in the background, training blocked for at most {staging_s:.2f} s" if self._executor else "synchronously"
-        log.info("checkpoint of step %d saved to %s: %.1f MB in %.2f s (%s)%s", step, final, size / 1e6, elapsed, how,
-                 f"; deleted {', '.join(p.name for p in removed)}" if removed else "")
+        how = (
+            f"in the background, training blocked for at most {staging_s:.2f} s" if self._executor else "synchronously"
+        )
+        log.info(
+            "checkpoint of step %d saved to %s: %.1f MB in %.2f s (%s)%s",
+            step,
+            final,
+            size / 1e6,
+            elapsed,
+            how,
+            f"; deleted {', '.join(p.name for p in removed)}" if removed else "",
+        )
 
     def _checksums_of_all_ranks(self, staging: Path) -> dict[str, dict]:
         """Each rank checksums the files it wrote (DCP names them ``__<rank>_<n>.distcp``); rank 0 gets them all."""

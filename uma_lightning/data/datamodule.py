@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import ConcatDataset, DataLoader
 
-from uma_lightning.data.dataset import FrameDataset, NormMode, Normalizer, Window
+from uma_lightning.data.dataset import FrameDataset, Normalizer, NormMode, Window
 from uma_lightning.data.frame_store import FrameStore, default_store_dir, open_store
 from uma_lightning.data.generate import default_cache_dir, ensure_dataset
 from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
@@ -170,7 +170,9 @@ class RobotDataModule(L.LightningDataModule):
         "dataset_seed": "generation.seed",
         **{name: f"order.{name}" for name in ("seed", "samples_per_epoch", "shuffle_buffer", "partitions")},
         **{field.name: f"loader.{field.name}" for field in dataclasses.fields(LoaderConfig)},
-        "storage_options": "storage.options", "shard_cache_dir": "storage.cache_dir", "shard_cache_gb": "storage.cache_gb",
+        "storage_options": "storage.options",
+        "shard_cache_dir": "storage.cache_dir",
+        "shard_cache_gb": "storage.cache_gb",
         "prefetch_batches": "storage.prefetch_batches",
     }
 
@@ -223,7 +225,19 @@ class RobotDataModule(L.LightningDataModule):
             sources = [DatasetSource(root)]
         else:
             generation = self.generation
-            sources = [DatasetSource(str(ensure_dataset("planar_arm", generation.n_episodes, generation.image_size, generation.seed, generation.cache_dir)))]
+            sources = [
+                DatasetSource(
+                    str(
+                        ensure_dataset(
+                            "planar_arm",
+                            generation.n_episodes,
+                            generation.image_size,
+                            generation.seed,
+                            generation.cache_dir,
+                        )
+                    )
+                )
+            ]
         # Every argument, a subclass's too; plain types only, so checkpoints load with weights_only=True.
         self.save_hyperparameters(ignore=["datasets", "storage"])
         sections = {"order": self.order_settings, "loader": self.loader, "generation": self.generation}
@@ -236,7 +250,8 @@ class RobotDataModule(L.LightningDataModule):
         storage = self.storage
         shard_cache = storage.cache_dir or str(default_cache_dir() / "shards")
         self.metadata = [
-            LeRobotMetadata.load(Storage(s.root, shard_cache, int(storage.cache_gb * 2**30), storage.options)) for s in sources
+            LeRobotMetadata.load(Storage(s.root, shard_cache, int(storage.cache_gb * 2**30), storage.options))
+            for s in sources
         ]
         self.root = self.metadata[0].root
         first = self.metadata[0]
@@ -249,7 +264,9 @@ class RobotDataModule(L.LightningDataModule):
             action_horizon=action_horizon,
             fps=first.fps,
             # Only when every dataset of a mixture records it with the same size: a batch holds it for all samples or none.
-            environment_state_dim=first.environment_state_dim if len({m.environment_state_dim for m in self.metadata}) == 1 else 0,
+            environment_state_dim=first.environment_state_dim
+            if len({m.environment_state_dim for m in self.metadata}) == 1
+            else 0,
         )
         for source, meta in zip(sources[1:], self.metadata[1:]):
             shape = (len(meta.cameras), self._image_size(meta), meta.state_dim, meta.action_dim, meta.fps)
@@ -262,7 +279,13 @@ class RobotDataModule(L.LightningDataModule):
         self.splits = [split_episodes(len(meta.episodes), val_episodes) for meta in self.metadata]
         self.train_episodes, self.val_episodes = self.splits[0]
         for meta, (train, val) in zip(self.metadata, self.splits):
-            logger.info("dataset %s (LeRobot %s): %d train and %d validation episodes", meta.root, meta.version, len(train), len(val))
+            logger.info(
+                "dataset %s (LeRobot %s): %d train and %d validation episodes",
+                meta.root,
+                meta.version,
+                len(train),
+                len(val),
+            )
         # Built here, not in setup(), so a bad mode fails at construction and inference can undo
         # the normalisation without loading the dataset.
         self.norm_modes = [(s.state_norm or state_norm, s.action_norm or action_norm) for s in sources]
@@ -275,11 +298,15 @@ class RobotDataModule(L.LightningDataModule):
         ]
         self.state_normalizer, self.action_normalizer = self.normalizers[0]
         self.order = OrderConfig(
-            **dataclasses.asdict(self.order_settings), batch_size=batch_size, weights=tuple(float(s.weight) for s in sources)
+            **dataclasses.asdict(self.order_settings),
+            batch_size=batch_size,
+            weights=tuple(float(s.weight) for s in sources),
         )
         self.pin_memory = torch.cuda.is_available() if self.loader.pin_memory is None else self.loader.pin_memory
         # Opened here, not in setup(), so a corrupt store fails at construction (`uma: error: ...`).
-        self.frame_stores: dict[int, Optional[FrameStore]] = {d: self._frame_store(d) for d in range(len(self.metadata))}
+        self.frame_stores: dict[int, Optional[FrameStore]] = {
+            d: self._frame_store(d) for d in range(len(self.metadata))
+        }
         self.train_sets: Optional[list[FrameDataset]] = None
         self.val_sets: Optional[list[FrameDataset]] = None
 
@@ -296,7 +323,11 @@ class RobotDataModule(L.LightningDataModule):
         if not self.val_sets:
             return []  # no validation episodes: Lightning skips validation
         config = OrderConfig(
-            seed=0, batch_size=self.hparams.batch_size, shuffle=False, drop_last=False, weights=(1.0,) * len(self.val_sets)
+            seed=0,
+            batch_size=self.hparams.batch_size,
+            shuffle=False,
+            drop_last=False,
+            weights=(1.0,) * len(self.val_sets),
         )
         return self._loader(self.val_sets, config, resumable=False)
 
@@ -310,7 +341,9 @@ class RobotDataModule(L.LightningDataModule):
         frames over ranks)."""
         sets = self.val_sets if self.hparams.predict_split == "val" else self.train_sets
         if not sets:
-            raise ValueError(f"predict_split={self.hparams.predict_split!r} has no episodes (val_episodes={self.hparams.val_episodes})")
+            raise ValueError(
+                f"predict_split={self.hparams.predict_split!r} has no episodes (val_episodes={self.hparams.val_episodes})"
+            )
         workers = self.loader.num_workers
         return DataLoader(
             ConcatDataset(sets),
@@ -354,13 +387,23 @@ class RobotDataModule(L.LightningDataModule):
         directory = default_store_dir(meta, size, default_cache_dir()) if setting == "auto" else Path(setting)
         store = open_store(directory, meta)
         if store is None and setting != "auto":
-            raise ValueError(f"loader.frame_store={setting!r}: no valid frame store of {meta.root} there (see the log); write one with `uma data cache`")
+            raise ValueError(
+                f"loader.frame_store={setting!r}: no valid frame store of {meta.root} there (see the log); write one with `uma data cache`"
+            )
         if store is not None and store.size != size:
             if setting != "auto":
-                raise ValueError(f"loader.frame_store={setting!r} holds {store.size[0]}x{store.size[1]} frames, but the loader wants {size[0]}x{size[1]}")
+                raise ValueError(
+                    f"loader.frame_store={setting!r} holds {store.size[0]}x{store.size[1]} frames, but the loader wants {size[0]}x{size[1]}"
+                )
             store = None
         if store is not None:
-            logger.info("frame store %s: %d camera(s) of %s read from decoded frames (%.1f GiB), not decoded", directory, len(store.cameras), meta.root, store.nbytes / 2**30)
+            logger.info(
+                "frame store %s: %d camera(s) of %s read from decoded frames (%.1f GiB), not decoded",
+                directory,
+                len(store.cameras),
+                meta.root,
+                store.nbytes / 2**30,
+            )
         else:
             logger.info("no frame store for %s (looked in %s): frames are decoded", meta.root, directory)
         return store
@@ -402,7 +445,9 @@ class RobotDataModule(L.LightningDataModule):
         trainer = self.trainer
         rank, world = data_parallel_rank(trainer)
         device = trainer.strategy.root_device if trainer is not None else None
-        stream = BatchStream(sets, config, rank, world, loader.on_bad_data, self.storage.prefetch_batches, loader.plan_batches)
+        stream = BatchStream(
+            sets, config, rank, world, loader.on_bad_data, self.storage.prefetch_batches, loader.plan_batches
+        )
         return RobotDataLoader(
             stream,
             num_workers=loader.num_workers,
@@ -426,7 +471,9 @@ class RobotDataModule(L.LightningDataModule):
             chosen, why = "fork", "fastest start, and nothing in this process makes fork unsafe"
         if chosen == "forkserver":
             # Workers fork from a server that has already imported the loader, so each starts in milliseconds.
-            multiprocessing.get_context("forkserver").set_forkserver_preload(["uma_lightning.forkserver_preload", "uma_lightning.data.loader"])
+            multiprocessing.get_context("forkserver").set_forkserver_preload(
+                ["uma_lightning.forkserver_preload", "uma_lightning.data.loader"]
+            )
         if getattr(self, "_logged_start_method", None) != chosen:
             logger.info("data loader workers: %d started with %s (%s)", self.loader.num_workers, chosen, why)
             self._logged_start_method = chosen

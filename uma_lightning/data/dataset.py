@@ -24,13 +24,17 @@ import torch
 from torch.utils.data import Dataset
 
 from uma_lightning.data.cache import LRU
-from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, STATE_KEY, DatasetError, EpisodeData, LeRobotMetadata
 from uma_lightning.data.frame_store import FrameStore
+from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, STATE_KEY, DatasetError, EpisodeData, LeRobotMetadata
 from uma_lightning.data.video import CudaVideoReader, VideoError, VideoReader
 
 NormMode = Literal["mean_std", "min_max", "quantile"]
 # The two statistics each normalisation mode is built from.
-MODE_STATISTICS: dict[str, tuple[str, str]] = {"mean_std": ("mean", "std"), "min_max": ("min", "max"), "quantile": ("q01", "q99")}
+MODE_STATISTICS: dict[str, tuple[str, str]] = {
+    "mean_std": ("mean", "std"),
+    "min_max": ("min", "max"),
+    "quantile": ("q01", "q99"),
+}
 ArrayLike = TypeVar("ArrayLike", np.ndarray, torch.Tensor)
 # Errors that mean "this sample's data is bad", as opposed to a bug or a bad config.
 BAD_DATA_ERRORS = (DatasetError, VideoError)
@@ -75,7 +79,11 @@ class Normalizer:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Normalizer:
-        return cls(values["mode"], np.asarray(values["offset"], dtype=np.float32), np.asarray(values["scale"], dtype=np.float32))
+        return cls(
+            values["mode"],
+            np.asarray(values["offset"], dtype=np.float32),
+            np.asarray(values["scale"], dtype=np.float32),
+        )
 
     def normalize(self, x: ArrayLike) -> ArrayLike:
         offset, scale = self._like(x)
@@ -103,7 +111,10 @@ class Window:
         """History of `n_obs_steps` frames ending at the sample's frame; `action_horizon` actions from it."""
         if n_obs_steps < 1 or action_horizon < 1:
             raise ValueError(f"n_obs_steps and action_horizon must be >= 1, got {n_obs_steps}, {action_horizon}")
-        return cls(tuple((k - n_obs_steps + 1) / fps for k in range(n_obs_steps)), tuple(k / fps for k in range(action_horizon)))
+        return cls(
+            tuple((k - n_obs_steps + 1) / fps for k in range(n_obs_steps)),
+            tuple(k / fps for k in range(action_horizon)),
+        )
 
 
 class FrameDataset(Dataset):
@@ -136,7 +147,9 @@ class FrameDataset(Dataset):
         self.episodes = tuple(range(n_total)) if episodes is None else tuple(int(e) for e in episodes)
         invalid = [e for e in self.episodes if not 0 <= e < n_total]
         if invalid or not self.episodes:
-            raise ValueError(f"{metadata.root}: episodes must be a non-empty subset of 0..{n_total - 1}, got invalid {invalid}")
+            raise ValueError(
+                f"{metadata.root}: episodes must be a non-empty subset of 0..{n_total - 1}, got invalid {invalid}"
+            )
         if max_open_files < 1:
             raise ValueError(f"max_open_files must be >= 1, got {max_open_files}")
         self.metadata = metadata
@@ -158,8 +171,12 @@ class FrameDataset(Dataset):
         self.environment_state_normalizer = None  # samples carry the current frame's environment state when set
         if environment_state:
             if not metadata.environment_state_dim or ENV_STATE_KEY not in metadata.stats:
-                raise DatasetError(f"{metadata.root}: no {ENV_STATE_KEY!r} feature with statistics, which the environment-state loss needs")
-            self.environment_state_normalizer = Normalizer.from_stats("mean_std", metadata.stats[ENV_STATE_KEY], ENV_STATE_KEY)
+                raise DatasetError(
+                    f"{metadata.root}: no {ENV_STATE_KEY!r} feature with statistics, which the environment-state loss needs"
+                )
+            self.environment_state_normalizer = Normalizer.from_stats(
+                "mean_std", metadata.stats[ENV_STATE_KEY], ENV_STATE_KEY
+            )
         self.lengths = np.array([metadata.episodes[e].length for e in self.episodes], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
         self._pid: int | None = None
@@ -199,7 +216,9 @@ class FrameDataset(Dataset):
         if images is None:
             images = torch.empty(self.images_shape, dtype=torch.uint8)
         elif tuple(images.shape) != self.images_shape or images.dtype != torch.uint8:
-            raise ValueError(f"{self.metadata.root}: sample images must be uint8 {self.images_shape}, got {images.dtype} {tuple(images.shape)}")
+            raise ValueError(
+                f"{self.metadata.root}: sample images must be uint8 {self.images_shape}, got {images.dtype} {tuple(images.shape)}"
+            )
         episode, t = self.locate(row)
         data = self._episode(episode)
         length = len(data.timestamp)
@@ -256,7 +275,8 @@ class FrameDataset(Dataset):
                 frame_index=raw.frame_index,
                 global_index=raw.global_index,
                 task_index=raw.task_index,
-                environment_state=None if self.environment_state_normalizer is None
+                environment_state=None
+                if self.environment_state_normalizer is None
                 else self.environment_state_normalizer.normalize(raw.environment_state).astype(np.float32),
             )
 
@@ -277,7 +297,9 @@ class FrameDataset(Dataset):
                 relative, start = self.metadata.episodes[episode].videos[camera]
                 in_file = start + times
                 frame_numbers = np.rint(in_file * self.metadata.fps).astype(np.int64).tolist()
-                keep.setdefault(relative, {}).update(zip(frame_numbers, np.rint(in_file * 1e6).astype(np.int64).tolist()))
+                keep.setdefault(relative, {}).update(
+                    zip(frame_numbers, np.rint(in_file * 1e6).astype(np.int64).tolist())
+                )
         wanted = self._requests(rows)
         files = [(episode, camera) for episode in wanted for camera in self.metadata.cameras]
         for episode, camera in sorted(files, key=lambda key: self.metadata.episodes[key[0]].videos[key[1]]):
@@ -285,7 +307,9 @@ class FrameDataset(Dataset):
             if self.frame_store is not None and relative in self.frame_store:
                 continue
             try:
-                self._reader(episode, camera).cache_frames(start + wanted[episode], self.tolerance_s, decoded, keep=keep.get(relative))
+                self._reader(episode, camera).cache_frames(
+                    start + wanted[episode], self.tolerance_s, decoded, keep=keep.get(relative)
+                )
             except VideoError as error:
                 raise VideoError(f"episode {episode}: {error}") from error
 
@@ -325,7 +349,9 @@ class FrameDataset(Dataset):
             return {}
         positions = np.searchsorted(self.starts, rows, side="right") - 1
         # Every row's frames at once, clipped to its episode; then split by episode (rows are sorted).
-        steps = np.clip((rows - self.starts[positions])[:, None] + self.obs_offsets, 0, (self.lengths[positions] - 1)[:, None])
+        steps = np.clip(
+            (rows - self.starts[positions])[:, None] + self.obs_offsets, 0, (self.lengths[positions] - 1)[:, None]
+        )
         splits = np.flatnonzero(np.diff(positions)) + 1
         times = {}
         for position, episode_steps in zip(positions[np.r_[0, splits]].tolist(), np.split(steps, splits)):
@@ -341,7 +367,9 @@ class FrameDataset(Dataset):
         relative = self.metadata.episodes[episode].videos[camera][0]
         return files.get(
             ("video", relative),
-            lambda: self.reader_class(self.metadata.video_path(episode, camera), self.decoder_threads, self.decode_size, name=relative),
+            lambda: self.reader_class(
+                self.metadata.video_path(episode, camera), self.decoder_threads, self.decode_size, name=relative
+            ),
         )
 
     def _frames(self, episode: int, camera: str, times: np.ndarray, out: np.ndarray) -> None:
@@ -352,11 +380,15 @@ class FrameDataset(Dataset):
         try:
             if self.frame_store is not None and relative in self.frame_store:
                 same_size = tuple(self.frame_store.size) == self.image_size
-                frames = self.frame_store.frames(relative, start + times, self.tolerance_s, out=out if same_size else None)
+                frames = self.frame_store.frames(
+                    relative, start + times, self.tolerance_s, out=out if same_size else None
+                )
             else:
                 reader = self._reader(episode, camera)
                 same_size = tuple(reader.size or ()) == self.image_size
-                frames = reader.frames_at(start + times, self.tolerance_s, cache=decoded, out=out if same_size else None)
+                frames = reader.frames_at(
+                    start + times, self.tolerance_s, cache=decoded, out=out if same_size else None
+                )
         except VideoError as error:
             raise VideoError(f"episode {episode}: {error}") from error
         if frames is not out:
@@ -381,7 +413,9 @@ def resize_frames(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     if frames.shape[1:3] == tuple(size):
         return frames
     pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
-    scaled = torch.nn.functional.interpolate(pixels, size=tuple(size), mode="bilinear", align_corners=False, antialias=True)
+    scaled = torch.nn.functional.interpolate(
+        pixels, size=tuple(size), mode="bilinear", align_corners=False, antialias=True
+    )
     return scaled.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
 

@@ -112,7 +112,9 @@ class _Shard:
             if not 0 <= k <= last or abs(times[k] - time) > tolerance_s:
                 k = min(bisect.bisect_left(times, time - tolerance_s), last)
                 if abs(times[k] - time) > tolerance_s:
-                    raise VideoError(f"{self.path}: no stored frame at timestamp {time:.6f}s (tolerance {tolerance_s}s)")
+                    raise VideoError(
+                        f"{self.path}: no stored frame at timestamp {time:.6f}s (tolerance {tolerance_s}s)"
+                    )
             found.append(k)
         return found
 
@@ -140,7 +142,9 @@ class FrameStore:
     def nbytes(self) -> int:
         return sum(int(np.prod(shard.shape)) for shard in self._shards.values())
 
-    def frames(self, relative: str, timestamps: np.ndarray, tolerance_s: float, out: np.ndarray | None = None) -> np.ndarray:
+    def frames(
+        self, relative: str, timestamps: np.ndarray, tolerance_s: float, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """uint8 [N, H, W, 3] at `timestamps` (seconds in the file), written into `out` when it is given;
         a time without a stored frame is an error."""
         shard = self._shards[relative]
@@ -185,16 +189,31 @@ def open_store(directory: Path, metadata: LeRobotMetadata) -> FrameStore | None:
             raise ValueError("unknown format")
         del cameras
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise FrameStoreError(f"frame store {manifest_path} is corrupt ({error}); rebuild it with `uma data cache {metadata.root} --rebuild`") from error
-    for relative, entry in files.items():
+        raise FrameStoreError(
+            f"frame store {manifest_path} is corrupt ({error}); rebuild it with `uma data cache {metadata.root} --rebuild`"
+        ) from error
+    for entry in files.values():
         shard = directory / entry["shard"]
         actual = shard.stat().st_size if shard.exists() else None
         if actual != entry["shard_size"] or _sample_hash(shard, actual) != entry["sample_hash"]:
-            why = "missing" if actual is None else f"{actual} bytes, expected {entry['shard_size']}" if actual != entry["shard_size"] else "its content changed"
-            raise FrameStoreError(f"frame store shard {shard} is corrupt ({why}); rebuild it with `uma data cache {metadata.root} --rebuild`")
+            why = (
+                "missing"
+                if actual is None
+                else f"{actual} bytes, expected {entry['shard_size']}"
+                if actual != entry["shard_size"]
+                else "its content changed"
+            )
+            raise FrameStoreError(
+                f"frame store shard {shard} is corrupt ({why}); rebuild it with `uma data cache {metadata.root} --rebuild`"
+            )
     stale = _stale_file(manifest, metadata)
     if stale:
-        logger.warning("frame store %s is stale, not used: %s; rebuild it with `uma data cache %s --rebuild`", directory, stale, metadata.root)
+        logger.warning(
+            "frame store %s is stale, not used: %s; rebuild it with `uma data cache %s --rebuild`",
+            directory,
+            stale,
+            metadata.root,
+        )
         return None
     return FrameStore(directory, manifest)
 
@@ -248,7 +267,9 @@ def build_store(
         written += count * size[0] * size[1] * 3
         if written > max_bytes:
             shutil.rmtree(partial, ignore_errors=True)
-            raise FrameStoreError(f"frame store {directory}: over the bound of {max_bytes / 2**30:.1f} GiB at {relative}")
+            raise FrameStoreError(
+                f"frame store {directory}: over the bound of {max_bytes / 2**30:.1f} GiB at {relative}"
+            )
         shard_size = (partial / name).stat().st_size
         entries[relative] = {
             "shard": name,
@@ -260,7 +281,13 @@ def build_store(
             "source": source_identity(metadata, relative),
         }
         logger.info("frame store: %d frames of %s", count, relative)
-    manifest = {"format": STORE_FORMAT, "source": str(metadata.root), "image_size": list(size), "cameras": list(cameras), "files": entries}
+    manifest = {
+        "format": STORE_FORMAT,
+        "source": str(metadata.root),
+        "image_size": list(size),
+        "cameras": list(cameras),
+        "files": entries,
+    }
     (partial / MANIFEST).write_text(json.dumps(manifest) + "\n")
     if directory.exists():
         shutil.rmtree(directory)
@@ -273,7 +300,9 @@ def verify_store(directory: Path) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
     for entry in manifest["files"].values():
         if _hash_file(directory / entry["shard"]) != entry["blake2b"]:
-            raise FrameStoreError(f"frame store shard {directory / entry['shard']} is corrupt (its hash differs from the manifest's)")
+            raise FrameStoreError(
+                f"frame store shard {directory / entry['shard']} is corrupt (its hash differs from the manifest's)"
+            )
 
 
 def _decode_into(source: Path, target: Path, size: tuple[int, int]) -> tuple[list[float], int]:

@@ -96,7 +96,12 @@ def rollout_expert(env: PlanarArmEnv, seed: int) -> Rollout:
         obs, _, terminated, truncated, info = env.step(action)
         done = terminated or truncated
     return Rollout(
-        np.stack(frames), np.stack(states), np.stack(actions).astype(np.float32), obs["instruction"], info["success"], np.stack(environment_states)
+        np.stack(frames),
+        np.stack(states),
+        np.stack(actions).astype(np.float32),
+        obs["instruction"],
+        info["success"],
+        np.stack(environment_states),
     )
 
 
@@ -127,12 +132,23 @@ def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed
             rollout = rollout_expert(env, episode_seed)
             if not rollout.success:  # only successful demonstrations are worth imitating
                 continue
-            writer.add_episode({CAMERA: rollout.frames}, rollout.states, rollout.actions, rollout.instruction, rollout.environment_states)
+            writer.add_episode(
+                {CAMERA: rollout.frames},
+                rollout.states,
+                rollout.actions,
+                rollout.instruction,
+                rollout.environment_states,
+            )
             written += 1
             if written % log_every == 0 or written == n_episodes:
                 logger.info("%d/%d episodes (%.1fs)", written, n_episodes, time.perf_counter() - start)
         path = writer.finalize()
-    logger.info("generated %s in %.1fs (%d failed expert episodes skipped)", path, time.perf_counter() - start, attempts - written)
+    logger.info(
+        "generated %s in %.1fs (%d failed expert episodes skipped)",
+        path,
+        time.perf_counter() - start,
+        attempts - written,
+    )
     return path
 
 
@@ -166,14 +182,18 @@ REALISTIC_STATE_NAMES = tuple(f"joint_{k}" for k in range(6))
 REALISTIC_TASKS = ("pick up the red block", "open the drawer", "place the cup on the shelf", "push the button")
 
 
-def realistic_episode(preset: RealisticPreset, episode: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, str]:
+def realistic_episode(
+    preset: RealisticPreset, episode: int
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, str]:
     """(frames per camera, state [T, 6], action [T, 6], instruction) of one episode, a pure function of (preset, episode)."""
     rng = np.random.default_rng([preset.seed, episode])
     length = int(round(preset.seconds * preset.fps))
     size = preset.image_size
     t = np.arange(length) / preset.fps
     frequencies, phases = rng.uniform(0.05, 0.4, (2, 6)), rng.uniform(0, 2 * np.pi, (1, 6))
-    state = (np.sin(2 * np.pi * frequencies[0] * t[:, None] + phases) * np.cos(2 * np.pi * frequencies[1] * t[:, None])).astype(np.float32)
+    state = (
+        np.sin(2 * np.pi * frequencies[0] * t[:, None] + phases) * np.cos(2 * np.pi * frequencies[1] * t[:, None])
+    ).astype(np.float32)
     action = np.concatenate([state[1:], state[-1:]]).astype(np.float32)  # the next state is the target
     frames = {}
     yy, xx = np.mgrid[0:size, 0:size]

@@ -100,7 +100,15 @@ class EpisodeData:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.state, self.action, self.timestamp, self.frame_index, self.global_index, self.task_index, self.environment_state)
+        arrays = (
+            self.state,
+            self.action,
+            self.timestamp,
+            self.frame_index,
+            self.global_index,
+            self.task_index,
+            self.environment_state,
+        )
         return sum(array.nbytes for array in arrays if array is not None)
 
 
@@ -154,7 +162,9 @@ class LeRobotMetadata:
         metadata = cls(storage, info, tasks, episodes, stats)
         sizes = {camera: metadata.camera_size(camera) for camera in metadata.cameras}
         if len(set(sizes.values())) > 1:
-            logger.info("%s: cameras differ in size %s; samples scale them to %s", storage.root, sizes, metadata.image_size)
+            logger.info(
+                "%s: cameras differ in size %s; samples scale them to %s", storage.root, sizes, metadata.image_size
+            )
         # LeRobot computes statistics per episode and aggregates them; a dataset edited by hand or by
         # another tool may lack some. They are a pass over the parquet columns, so compute them here.
         missing = [key for key in VECTOR_KEYS if key in info["features"] and key not in stats]
@@ -197,7 +207,9 @@ class LeRobotMetadata:
         camera loses detail; smaller cameras are resized to it when read."""
         sizes = [self.camera_size(camera) for camera in self.cameras]
         if not sizes:
-            raise DatasetError(f"{self.storage.url('meta/info.json')}: no video feature; samples need at least one camera")
+            raise DatasetError(
+                f"{self.storage.url('meta/info.json')}: no video feature; samples need at least one camera"
+            )
         return max(sizes, key=lambda size: (size[0] * size[1], size))
 
     def feature_names(self, key: str) -> list[str]:
@@ -224,7 +236,9 @@ class LeRobotMetadata:
             names = [name for group in groups for name in group]
         if not isinstance(names, list) or len(names) != dim:
             count = len(names) if isinstance(names, list) else type(names).__name__
-            raise DatasetError(f"{where} has {count} names for its shape {feature['shape']} ({dim} dimensions): {names!r}")
+            raise DatasetError(
+                f"{where} has {count} names for its shape {feature['shape']} ({dim} dimensions): {names!r}"
+            )
         self._names[key] = [str(name) for name in names]
         return self._names[key]
 
@@ -273,7 +287,9 @@ class LeRobotMetadata:
         episode = self.episodes[episode_index]
         path = self.data_path(episode_index)
         optional = (ENV_STATE_KEY,) if self.environment_state_dim else ()
-        columns = self._read(episode_index, path, (STATE_KEY, ACTION_KEY, *optional, *INDEX_KEYS), open_parquet, check_schema=True)
+        columns = self._read(
+            episode_index, path, (STATE_KEY, ACTION_KEY, *optional, *INDEX_KEYS), open_parquet, check_schema=True
+        )
         where = f"episode {episode_index}: {path}"
         length = episode.length
         if not np.array_equal(columns["frame_index"], np.arange(length)):
@@ -311,11 +327,13 @@ class LeRobotMetadata:
 
     def _local(self, episode_index: int, relative: str, kind: str) -> Path:
         # A remote file's cached copy can be evicted by another process between download and use: fetch it again once.
-        for attempt in range(2 if self.storage.remote else 1):
+        for _attempt in range(2 if self.storage.remote else 1):
             try:
                 path = self.storage.path(relative)
             except StorageError as error:
-                raise DatasetError(f"episode {episode_index}: {kind} file {self.storage.url(relative)}: {error}") from error
+                raise DatasetError(
+                    f"episode {episode_index}: {kind} file {self.storage.url(relative)}: {error}"
+                ) from error
             if path.is_file():
                 return path
         raise DatasetError(f"episode {episode_index}: {kind} file {path} is missing")
@@ -379,14 +397,18 @@ def _load_v2(storage: Storage, info: dict[str, Any], cameras: list[str]) -> tupl
     task_rows = sorted(_read_jsonl(storage, tasks_path, ("task_index", "task")), key=lambda row: row["task_index"])
     if [row["task_index"] for row in task_rows] != list(range(len(task_rows))):
         raise DatasetError(f"{storage.url(tasks_path)}: task_index values are not 0..{len(task_rows) - 1}")
-    rows = sorted(_read_jsonl(storage, episodes_path, ("episode_index", "tasks", "length")), key=lambda r: r["episode_index"])
+    rows = sorted(
+        _read_jsonl(storage, episodes_path, ("episode_index", "tasks", "length")), key=lambda r: r["episode_index"]
+    )
     chunks = info.get("chunks_size", CHUNKS_SIZE)
     episodes, first_index = [], 0
     for row in rows:
         index, length = int(row["episode_index"]), int(row["length"])
         names = {"episode_chunk": index // chunks, "episode_index": index}
         videos = {camera: (info["video_path"].format(**names, video_key=camera), 0.0) for camera in cameras}
-        episodes.append(EpisodeInfo(index, length, tuple(row["tasks"]), info["data_path"].format(**names), 0, first_index, videos))
+        episodes.append(
+            EpisodeInfo(index, length, tuple(row["tasks"]), info["data_path"].format(**names), 0, first_index, videos)
+        )
         first_index += length
     return tuple(row["task"] for row in task_rows), episodes
 
@@ -396,7 +418,9 @@ def _load_v3(storage: Storage, info: dict[str, Any], cameras: list[str]) -> tupl
     tasks_table = _read_parquet(storage, tasks_path)
     task_column = "task" if "task" in tasks_table.column_names else _pandas_index_column(tasks_table)
     if "task_index" not in tasks_table.column_names or task_column not in tasks_table.column_names:
-        raise DatasetError(f"{storage.url(tasks_path)}: needs columns 'task_index' and 'task' (or a pandas index of tasks)")
+        raise DatasetError(
+            f"{storage.url(tasks_path)}: needs columns 'task_index' and 'task' (or a pandas index of tasks)"
+        )
     by_index = dict(zip(tasks_table.column("task_index").to_pylist(), tasks_table.column(task_column).to_pylist()))
     if sorted(by_index) != list(range(len(by_index))):
         raise DatasetError(f"{storage.url(tasks_path)}: task_index values are not 0..{len(by_index) - 1}")
@@ -418,7 +442,9 @@ def _load_v3(storage: Storage, info: dict[str, Any], cameras: list[str]) -> tupl
     rows.sort(key=lambda row: row["episode_index"])
     data_template = info["data_path"]
     video_template = info.get("video_path") or V3_VIDEO_PATH
-    data_files = [data_template.format(chunk_index=r["data/chunk_index"], file_index=r["data/file_index"]) for r in rows]
+    data_files = [
+        data_template.format(chunk_index=r["data/chunk_index"], file_index=r["data/file_index"]) for r in rows
+    ]
     # A data file holds consecutive episodes; an episode's first row is its offset from the file's first frame.
     file_start: dict[str, int] = {}
     for name, row in zip(data_files, rows):
@@ -428,7 +454,9 @@ def _load_v3(storage: Storage, info: dict[str, Any], cameras: list[str]) -> tupl
         videos = {
             camera: (
                 video_template.format(
-                    video_key=camera, chunk_index=row[f"videos/{camera}/chunk_index"], file_index=row[f"videos/{camera}/file_index"]
+                    video_key=camera,
+                    chunk_index=row[f"videos/{camera}/chunk_index"],
+                    file_index=row[f"videos/{camera}/file_index"],
                 ),
                 float(row[f"videos/{camera}/from_timestamp"]),
             )
@@ -436,7 +464,15 @@ def _load_v3(storage: Storage, info: dict[str, Any], cameras: list[str]) -> tupl
         }
         start = int(row["dataset_from_index"])
         episodes.append(
-            EpisodeInfo(int(row["episode_index"]), int(row["length"]), tuple(row["tasks"]), name, start - file_start[name], start, videos)
+            EpisodeInfo(
+                int(row["episode_index"]),
+                int(row["length"]),
+                tuple(row["tasks"]),
+                name,
+                start - file_start[name],
+                start,
+                videos,
+            )
         )
     return tasks, episodes
 

@@ -72,7 +72,9 @@ class BatchStream(IterableDataset):
         shapes = {source.images_shape for source in self.sources}
         if len(shapes) > 1:
             roots = ", ".join(f"{source.metadata.root}: {source.images_shape}" for source in self.sources)
-            raise ValueError(f"the datasets' samples have different image shapes [steps, cameras, height, width, 3] ({roots}); one batch needs one shape")
+            raise ValueError(
+                f"the datasets' samples have different image shapes [steps, cameras, height, width, 3] ({roots}); one batch needs one shape"
+            )
         self.images_shape = shapes.pop()
         self.n_batches = EpochOrder(self.layouts, config, epoch=0).n_batches  # the same in every epoch
         self.position = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, first batch), set by the loader
@@ -163,7 +165,11 @@ class BatchStream(IterableDataset):
         for local in entering:
             # Not remote datasets: finding a batch's frames reads its episodes' data files, which would
             # fetch them long before the prefetch does.
-            rows = {d: r for d, r in self._rows_by_source(order, [local]).items() if not self.sources[d].metadata.storage.remote}
+            rows = {
+                d: r
+                for d, r in self._rows_by_source(order, [local]).items()
+                if not self.sources[d].metadata.storage.remote
+            }
             if held and not all(self.sources[d].room_to_hold() for d in rows):
                 return
             for d, source_rows in rows.items():
@@ -264,7 +270,9 @@ class RobotDataLoader(DataLoader):
             self.batches += 1
             if self.batches >= length:
                 self.epoch, self.batches = self.epoch + 1, 0
-            if batch:  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
+            if (
+                batch
+            ):  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
                 yield batch
 
     def _buffer_pool_for_pass(self) -> BatchBufferPool | None:
@@ -294,7 +302,9 @@ class RobotDataLoader(DataLoader):
         if local * world != global_batches:
             logger.warning(
                 "resuming at global batch %d on %d ranks: skipping %d batch(es) to reach a multiple of the rank count",
-                global_batches, world, local * world - global_batches,
+                global_batches,
+                world,
+                local * world - global_batches,
             )
         self.epoch, self.batches = int(state["epoch"]), local
         if self.batches >= len(self):

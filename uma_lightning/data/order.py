@@ -57,7 +57,9 @@ class OrderSettings:
 
     def __post_init__(self) -> None:
         if self.partitions < 1 or self.shuffle_buffer < 0:
-            raise ValueError(f"need partitions >= 1 and shuffle_buffer >= 0, got {self.partitions}, {self.shuffle_buffer}")
+            raise ValueError(
+                f"need partitions >= 1 and shuffle_buffer >= 0, got {self.partitions}, {self.shuffle_buffer}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +97,9 @@ class EpochOrder:
         else:
             self.partitions = 1
         self.per_partition = total // self.partitions
-        per_partition_batches = self.per_partition // batch if config.drop_last else math.ceil(self.per_partition / batch)
+        per_partition_batches = (
+            self.per_partition // batch if config.drop_last else math.ceil(self.per_partition / batch)
+        )
         self.n_batches = per_partition_batches * self.partitions
         self._cached: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._source_orders: dict[tuple[int, int], np.ndarray] = {}
@@ -141,7 +145,9 @@ class EpochOrder:
         """The first `count` rows of dataset d's part p, continuing into new passes when it runs out."""
         size = self.sources[d].n_samples // self.partitions
         if size == 0:
-            raise ValueError(f"dataset {d} has {self.sources[d].n_samples} samples, fewer than the {self.partitions} partitions")
+            raise ValueError(
+                f"dataset {d} has {self.sources[d].n_samples} samples, fewer than the {self.partitions} partitions"
+            )
         parts, taken, passes = [], 0, 0
         while taken < count:
             stream = self._source_order(d, passes)
@@ -157,7 +163,9 @@ class EpochOrder:
         if key not in self._source_orders:
             source = self.sources[d]
             rng = self._rng(1, d, passes)
-            episodes = [e for shard in rng.permutation(len(source.shards)) for e in rng.permutation(source.shards[shard])]
+            episodes = [
+                e for shard in rng.permutation(len(source.shards)) for e in rng.permutation(source.shards[shard])
+            ]
             lengths = np.asarray(source.lengths, dtype=np.int64)
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
             self._source_orders[key] = concatenated_ranges(starts[episodes], lengths[episodes])

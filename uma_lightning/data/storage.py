@@ -150,7 +150,9 @@ class ShardCache:
             if len(etag) == 32 and "-" not in etag and md5.hexdigest() != etag:  # a plain MD5 ETag (single-part upload)
                 raise StorageError(f"download of {url} is corrupt: MD5 {md5.hexdigest()} differs from the ETag {etag}")
             os.replace(partial, path)
-            _sidecar(path).write_text(json.dumps({"url": url, "size": size, "sha256": sha256.hexdigest(), "etag": etag}))
+            _sidecar(path).write_text(
+                json.dumps({"url": url, "size": size, "sha256": sha256.hexdigest(), "etag": etag})
+            )
         finally:
             partial.unlink(missing_ok=True)
             reservation.unlink(missing_ok=True)
@@ -173,7 +175,11 @@ class ShardCache:
                 if total + incoming <= self.max_bytes:
                     break
                 if _mtime(path) >= recent:
-                    logger.warning("shard cache %s is smaller than the files in use; evicting recently used %s", self.directory, entry.get("url"))
+                    logger.warning(
+                        "shard cache %s is smaller than the files in use; evicting recently used %s",
+                        self.directory,
+                        entry.get("url"),
+                    )
                 # Unlinking a file another process has open is safe on POSIX: its reads go on.
                 path.unlink(missing_ok=True)
                 _sidecar(path).unlink(missing_ok=True)
@@ -266,7 +272,7 @@ class Storage:
         if not self.remote:
             return sorted(str(p.relative_to(self.root)) for p in self.root.glob(pattern))
         prefix = self.fs._strip_protocol(self.root).rstrip("/") + "/"
-        return sorted(p[len(prefix):] for p in self.fs.glob(prefix + pattern))
+        return sorted(p[len(prefix) :] for p in self.fs.glob(prefix + pattern))
 
     @property
     def fs(self) -> Any:

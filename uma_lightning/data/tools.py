@@ -21,7 +21,15 @@ import numpy as np
 
 from uma_lightning.data.frame_store import FrameStoreError, build_store, default_store_dir, open_store, verify_store
 from uma_lightning.data.generate import RealisticPreset, default_cache_dir, ensure_realistic
-from uma_lightning.data.lerobot import ACTION_KEY, ENV_STATE_KEY, INDEX_KEYS, STATE_KEY, VECTOR_KEYS, DatasetError, LeRobotMetadata
+from uma_lightning.data.lerobot import (
+    ACTION_KEY,
+    ENV_STATE_KEY,
+    INDEX_KEYS,
+    STATE_KEY,
+    VECTOR_KEYS,
+    DatasetError,
+    LeRobotMetadata,
+)
 from uma_lightning.data.stats import compute_stats, stats_to_json
 from uma_lightning.data.storage import Storage, StorageError
 from uma_lightning.data.video import CODECS, VideoError, VideoReader
@@ -38,7 +46,9 @@ def main(argv: list[str]) -> int:
     info = commands.add_parser("info", help="what a dataset holds")
     info.add_argument("root")
     info.add_argument("--episode", type=int, default=0, help="episode of the preview")
-    info.add_argument("--preview", type=Path, help="write a contact sheet PNG of the episode: frames, instruction, actions")
+    info.add_argument(
+        "--preview", type=Path, help="write a contact sheet PNG of the episode: frames, instruction, actions"
+    )
     stats = commands.add_parser("stats", help="feature statistics by a fast pass over the parquet files")
     stats.add_argument("root")
     stats.add_argument("--cameras", action="store_true", help="also decode video for image statistics")
@@ -48,27 +58,47 @@ def main(argv: list[str]) -> int:
     convert.add_argument("source")
     convert.add_argument("target", type=Path)
     convert.add_argument("--to", choices=("v2.1", "v3.0"), required=True, dest="version")
-    convert.add_argument("--data-file-mb", type=float, default=100.0, help="v3.0: start a new parquet file past this size")
+    convert.add_argument(
+        "--data-file-mb", type=float, default=100.0, help="v3.0: start a new parquet file past this size"
+    )
     convert.add_argument("--video-file-mb", type=float, default=500.0, help="v3.0: start a new mp4 past this size")
-    cache = commands.add_parser("cache", help="decode every frame once into a memory-mappable frame store on local disk")
+    cache = commands.add_parser(
+        "cache", help="decode every frame once into a memory-mappable frame store on local disk"
+    )
     cache.add_argument("root")
-    cache.add_argument("--image-size", type=int, default=None, help="square side to store the frames at (default: as stored)")
+    cache.add_argument(
+        "--image-size", type=int, default=None, help="square side to store the frames at (default: as stored)"
+    )
     cache.add_argument("--cameras", nargs="+", default=None, help="cameras to store (default: all)")
-    cache.add_argument("--out", type=Path, default=None, help="store directory (default: where the loader looks, under the uma cache)")
+    cache.add_argument(
+        "--out", type=Path, default=None, help="store directory (default: where the loader looks, under the uma cache)"
+    )
     cache.add_argument("--max-gb", type=float, default=100.0, help="refuse to write a store larger than this")
-    cache.add_argument("--rebuild", action="store_true", help="write the store again even if it is valid (a corrupt one is always rewritten with this)")
-    cache.add_argument("--verify", action="store_true", help="hash every shard of an existing store whole against its manifest")
-    generate = commands.add_parser("generate", help="generate a benchmark dataset into the cache (once; later calls print its path)")
+    cache.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="write the store again even if it is valid (a corrupt one is always rewritten with this)",
+    )
+    cache.add_argument(
+        "--verify", action="store_true", help="hash every shard of an existing store whole against its manifest"
+    )
+    generate = commands.add_parser(
+        "generate", help="generate a benchmark dataset into the cache (once; later calls print its path)"
+    )
     generate.add_argument("--preset", choices=("realistic",), required=True)
     generate.add_argument("--codec", choices=sorted(CODECS), default="av1")
     generate.add_argument("--gop", type=int, default=2, help="frames per group of pictures (LeRobot writes 2)")
     generate.add_argument("--episodes", type=int, default=RealisticPreset.n_episodes)
     generate.add_argument("--seconds", type=float, default=RealisticPreset.seconds, help="length of each episode")
     generate.add_argument("--version", choices=("v2.1", "v3.0"), default="v2.1")
-    generate.add_argument("--out", type=Path, default=None, help="directory the dataset goes under (default: the uma cache)")
+    generate.add_argument(
+        "--out", type=Path, default=None, help="directory the dataset goes under (default: the uma cache)"
+    )
     args = parser.parse_args(argv)
     if args.command == "generate":
-        preset = RealisticPreset(n_episodes=args.episodes, seconds=args.seconds, codec=args.codec, gop=args.gop, version=args.version)
+        preset = RealisticPreset(
+            n_episodes=args.episodes, seconds=args.seconds, codec=args.codec, gop=args.gop, version=args.version
+        )
         start = time.perf_counter()
         print(ensure_realistic(preset, args.out))
         logger.info("dataset ready in %.1fs", time.perf_counter() - start)
@@ -98,10 +128,18 @@ def main(argv: list[str]) -> int:
 def print_info(metadata: LeRobotMetadata) -> None:
     lengths = [e.length for e in metadata.episodes]
     print(f"dataset   {metadata.root}")
-    print(f"format    LeRobot {metadata.version}, robot {metadata.info.get('robot_type', 'unknown')}, {metadata.fps:g} fps")
-    print(f"episodes  {len(lengths)}, {sum(lengths)} frames (length {min(lengths)}..{max(lengths)}, mean {np.mean(lengths):.1f})")
+    print(
+        f"format    LeRobot {metadata.version}, robot {metadata.info.get('robot_type', 'unknown')}, {metadata.fps:g} fps"
+    )
+    print(
+        f"episodes  {len(lengths)}, {sum(lengths)} frames (length {min(lengths)}..{max(lengths)}, mean {np.mean(lengths):.1f})"
+    )
     print(f"files     {len(metadata.shards())} data file(s)")
-    print(f"tasks     {len(metadata.tasks)}: " + "; ".join(metadata.tasks[:5]) + (" ..." if len(metadata.tasks) > 5 else ""))
+    print(
+        f"tasks     {len(metadata.tasks)}: "
+        + "; ".join(metadata.tasks[:5])
+        + (" ..." if len(metadata.tasks) > 5 else "")
+    )
     for camera in metadata.cameras:
         shape = metadata.features[camera]["shape"]
         print(f"camera    {camera}: {shape[1]}x{shape[0]}")
@@ -110,7 +148,9 @@ def print_info(metadata: LeRobotMetadata) -> None:
         names = metadata.features[key].get("names") or [str(i) for i in range(metadata.features[key]["shape"][0])]
         print(f"{key}:")
         for i, name in enumerate(names):
-            print(f"  {name:>16}  mean {stats['mean'][i]:+.4f}  std {stats['std'][i]:.4f}  min {stats['min'][i]:+.4f}  max {stats['max'][i]:+.4f}")
+            print(
+                f"  {name:>16}  mean {stats['mean'][i]:+.4f}  std {stats['std'][i]:.4f}  min {stats['min'][i]:+.4f}  max {stats['max'][i]:+.4f}"
+            )
 
 
 def write_preview(metadata: LeRobotMetadata, episode: int, path: Path, columns: int = 8) -> None:
@@ -126,7 +166,9 @@ def write_preview(metadata: LeRobotMetadata, episode: int, path: Path, columns: 
     for camera in metadata.cameras:
         reader = VideoReader(metadata.video_path(episode, camera))
         try:
-            frames = reader.frames_at(metadata.episodes[episode].videos[camera][1] + data.timestamp[picks], tolerance_s=1e-4)
+            frames = reader.frames_at(
+                metadata.episodes[episode].videos[camera][1] + data.timestamp[picks], tolerance_s=1e-4
+            )
         finally:
             reader.close()
         rows.append([Image.fromarray(frame).resize((cell, cell), Image.NEAREST) for frame in frames])
@@ -143,7 +185,12 @@ def write_preview(metadata: LeRobotMetadata, episode: int, path: Path, columns: 
             sheet.paste(image, (margin + k * cell, y + 14))
             draw.text((margin + k * cell + 2, y + 16), f"t={data.timestamp[picks[k]]:.1f}s", fill="white")
         y += cell + 18
-    _plot(draw, data.action, (margin, y + margin, width - margin, y + plot_height), metadata.features[ACTION_KEY].get("names"))
+    _plot(
+        draw,
+        data.action,
+        (margin, y + margin, width - margin, y + plot_height),
+        metadata.features[ACTION_KEY].get("names"),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
 
@@ -157,7 +204,8 @@ def _plot(draw, values: np.ndarray, box: tuple[int, int, int, int], names) -> No
     steps = max(len(values) - 1, 1)
     for d in range(values.shape[1]):
         points = [
-            (left + (right - left) * t / steps, bottom - (bottom - top) * (float(v) - low) / span) for t, v in enumerate(values[:, d])
+            (left + (right - left) * t / steps, bottom - (bottom - top) * (float(v) - low) / span)
+            for t, v in enumerate(values[:, d])
         ]
         colour = colours[d % len(colours)]
         draw.line(points, fill=colour, width=2)
@@ -174,12 +222,20 @@ def run_cache(metadata: LeRobotMetadata, args: argparse.Namespace) -> None:
         return
     if not args.rebuild:
         store = open_store(directory, metadata)  # a corrupt one raises, naming the file
-        if store is not None and store.size == size and (args.cameras is None or set(args.cameras) <= set(store.cameras)):
+        if (
+            store is not None
+            and store.size == size
+            and (args.cameras is None or set(args.cameras) <= set(store.cameras))
+        ):
             print(f"frame store {directory} is up to date")
             return
     start = time.perf_counter()
-    store = build_store(metadata, directory, size, tuple(args.cameras) if args.cameras else None, int(args.max_gb * 2**30))
-    print(f"wrote frame store {directory}: {len(store.cameras)} camera(s), {store.nbytes / 2**30:.2f} GiB in {time.perf_counter() - start:.1f}s")
+    store = build_store(
+        metadata, directory, size, tuple(args.cameras) if args.cameras else None, int(args.max_gb * 2**30)
+    )
+    print(
+        f"wrote frame store {directory}: {len(store.cameras)} camera(s), {store.nbytes / 2**30:.2f} GiB in {time.perf_counter() - start:.1f}s"
+    )
 
 
 def run_stats(metadata: LeRobotMetadata, cameras: bool, frame_stride: int, write: bool) -> None:
@@ -196,12 +252,17 @@ def run_stats(metadata: LeRobotMetadata, cameras: bool, frame_stride: int, write
         print(json.dumps(stats_to_json(stats), indent=2))
 
 
-def convert_dataset(metadata: LeRobotMetadata, target: Path, version: str, data_file_mb: float, video_file_mb: float) -> None:
+def convert_dataset(
+    metadata: LeRobotMetadata, target: Path, version: str, data_file_mb: float, video_file_mb: float
+) -> None:
     """Rewrite every episode (low-dimensional columns as they are, video decoded and re-encoded)."""
     vectors = [key for key in VECTOR_KEYS if key in metadata.features]
     dropped = [k for k, f in metadata.features.items() if f["dtype"] != "video" and k not in (*vectors, *INDEX_KEYS)]
     if dropped:
-        logger.warning("convert: columns %s are not carried over (the writer knows cameras, state, action and environment state)", dropped)
+        logger.warning(
+            "convert: columns %s are not carried over (the writer knows cameras, state, action and environment state)",
+            dropped,
+        )
     names = {key: metadata.feature_names(key) for key in vectors}
     start = last = time.perf_counter()
     readers: dict[Path, VideoReader] = {}  # v3.0 sources: one reader per file, decoding its episodes in order
@@ -230,7 +291,9 @@ def convert_dataset(metadata: LeRobotMetadata, target: Path, version: str, data_
                     readers = {path: VideoReader(path)}
                 times = episode.videos[camera][1] + data.timestamp.astype(np.float64)
                 frames[camera] = readers[path].frames_at(times, tolerance_s=1e-4)
-            writer.add_episode(frames, data.state, data.action, metadata.tasks[data.task_index[0]], data.environment_state)
+            writer.add_episode(
+                frames, data.state, data.action, metadata.tasks[data.task_index[0]], data.environment_state
+            )
             now = time.perf_counter()
             if now - last >= 5.0 or episode.index + 1 == n:
                 logger.info("convert: %d/%d episodes (%.1fs)", episode.index + 1, n, now - start)

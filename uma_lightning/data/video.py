@@ -22,7 +22,6 @@ import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-
 _REFORMATTERS: dict[int, VideoReformatter] = {}
 
 
@@ -89,7 +88,9 @@ class VideoStreamWriter:
     reproduces the same files.
     """
 
-    def __init__(self, path: str | Path, fps: float, height: int, width: int, crf: int = 20, gop: int = 2, codec: str = "h264"):
+    def __init__(
+        self, path: str | Path, fps: float, height: int, width: int, crf: int = 20, gop: int = 2, codec: str = "h264"
+    ):
         self.path = Path(path)
         if height % 2 or width % 2:
             raise ValueError(f"{self.path}: yuv420p needs even height and width, got {height}x{width}")
@@ -113,7 +114,9 @@ class VideoStreamWriter:
         """Encode `frames`; returns the time span [from, to) they occupy in the file, in seconds."""
         frames = np.asarray(frames)
         if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[1:] != self.shape or len(frames) == 0:
-            raise ValueError(f"{self.path}: frames must be uint8 [T >= 1, {', '.join(map(str, self.shape))}], got {frames.dtype} {frames.shape}")
+            raise ValueError(
+                f"{self.path}: frames must be uint8 [T >= 1, {', '.join(map(str, self.shape))}], got {frames.dtype} {frames.shape}"
+            )
         start = self.frames
         for planes in rgb_to_yuv420p(frames):
             frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
@@ -133,7 +136,9 @@ class VideoStreamWriter:
         self.close()
 
 
-def encode_video(frames: np.ndarray, path: str | Path, fps: float, crf: int = 20, gop: int = 2, codec: str = "h264") -> None:
+def encode_video(
+    frames: np.ndarray, path: str | Path, fps: float, crf: int = 20, gop: int = 2, codec: str = "h264"
+) -> None:
     """Write uint8 RGB frames [T, H, W, 3] to a new mp4 at `path`."""
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
@@ -155,7 +160,9 @@ class VideoReader:
     # and at 224x224 less than one.
     SEEK_PIXELS = 35_000
 
-    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None, name: str | None = None) -> None:
+    def __init__(
+        self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None, name: str | None = None
+    ) -> None:
         self.path = Path(path)
         self.name = name or str(self.path)  # the file in decoded-frame cache keys (a dataset's relative path)
         try:
@@ -186,7 +193,9 @@ class VideoReader:
     def nbytes_per_frame(self) -> int:
         return self.size[0] * self.size[1] * 3
 
-    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+    def frames_at(
+        self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Frames at `timestamps`, uint8 [N, H, W, 3], written into `out` when it is given (a slot of a
         batch: each frame is then copied once, from the decoder's output to the batch). With an `LRU`
         cache, frames are looked up by (file name, microsecond) first, and the frames returned are stored there."""
@@ -194,7 +203,9 @@ class VideoReader:
         if out is None:
             out = np.empty((len(query), *self.size, 3), dtype=np.uint8)
         elif out.shape != (len(query), *self.size, 3):
-            raise ValueError(f"{self.path}: frames at {len(query)} timestamps of {self.size} need an out buffer of {(len(query), *self.size, 3)}, got {out.shape}")
+            raise ValueError(
+                f"{self.path}: frames at {len(query)} timestamps of {self.size} need an out buffer of {(len(query), *self.size, 3)}, got {out.shape}"
+            )
         # Python scalars, not numpy calls: a sample asks for a few frames, and per-call overhead
         # would cost more than copying them.
         done: dict[float, int] = {}  # timestamp -> the slot that already holds its frame
@@ -210,7 +221,9 @@ class VideoReader:
             done[target] = k
         return out
 
-    def cache_frames(self, timestamps: np.ndarray, tolerance_s: float, cache: Any, keep: dict[int, int] | None = None) -> None:
+    def cache_frames(
+        self, timestamps: np.ndarray, tolerance_s: float, cache: Any, keep: dict[int, int] | None = None
+    ) -> None:
         """Decode the frames at `timestamps` that the `LRU` cache lacks into it, in time order, without
         assembling them (samples read them from the cache). `keep` maps frame numbers (time x fps,
         rounded) to the microsecond keys later requests will use: frames decoded on the way that it
@@ -263,7 +276,9 @@ class VideoReader:
         self._first_after_seek = None
         self._last_key = None
 
-    def _decode_until(self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> tuple[np.ndarray | None, float | None]:
+    def _decode_until(
+        self, target: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None
+    ) -> tuple[np.ndarray | None, float | None]:
         """Decode forward to `target`: (the frame, its time), or (None, time of the first frame past it)."""
         if self._frames is None:
             self._seek(target)
@@ -280,7 +295,9 @@ class VideoReader:
                         self._gop_frames = max(self._gop_frames, round((time - self._last_key) / self._frame_s))
                     self._last_key = time
                 if time < target - tolerance_s:
-                    self._keep(frame, time, tolerance_s, cache, keep)  # others are not converted to RGB: never asked for
+                    self._keep(
+                        frame, time, tolerance_s, cache, keep
+                    )  # others are not converted to RGB: never asked for
                     continue
                 if time > target + tolerance_s:
                     return None, time
@@ -294,7 +311,9 @@ class VideoReader:
         self._frames = None  # end of file: the next request seeks
         return None, self._last_time
 
-    def _keep(self, frame: av.VideoFrame, time: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None) -> None:
+    def _keep(
+        self, frame: av.VideoFrame, time: float, tolerance_s: float, cache: Any, keep: dict[int, int] | None
+    ) -> None:
         if keep is None or cache is None:
             return
         micros = keep.get(int(round(time / self._frame_s)))
@@ -348,7 +367,9 @@ def decode_video(path: str | Path) -> DecodedVideo:
     return DecodedVideo(path, np.stack(frames), np.asarray(timestamps))
 
 
-def decode_frames_at(path: str | Path, timestamps: np.ndarray, tolerance_s: float = 1e-4, size: tuple[int, int] | None = None) -> np.ndarray:
+def decode_frames_at(
+    path: str | Path, timestamps: np.ndarray, tolerance_s: float = 1e-4, size: tuple[int, int] | None = None
+) -> np.ndarray:
     """Frames of a video file at the given timestamps (seconds), uint8 [N, H, W, 3]."""
     reader = VideoReader(path, size=size)
     try:
@@ -379,7 +400,10 @@ def choose_decoder(setting: str, num_workers: int) -> tuple[str, str]:
     if found is None:
         return "cpu", "no GPU decoder (torchcodec's CUDA build or PyNvVideoCodec) with a CUDA device is installed"
     if num_workers > 0:
-        return "cpu", f"{found} decodes in the training process, and loader.num_workers is {num_workers} (set it to 0 for GPU decoding)"
+        return (
+            "cpu",
+            f"{found} decodes in the training process, and loader.num_workers is {num_workers} (set it to 0 for GPU decoding)",
+        )
     return "cuda", f"{found} on {__import__('torch').cuda.get_device_name()}"
 
 
@@ -388,7 +412,9 @@ class CudaVideoReader:
     GPU's, so frames differ from the CPU path's by a few levels; the frames come back to host memory
     for collation, as the CPU path's do."""
 
-    def __init__(self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None, name: str | None = None) -> None:
+    def __init__(
+        self, path: str | Path, threads: int = 1, size: tuple[int, int] | None = None, name: str | None = None
+    ) -> None:
         from torchcodec.decoders import VideoDecoder
 
         self.path = Path(path)
@@ -398,7 +424,9 @@ class CudaVideoReader:
         except (RuntimeError, ValueError, OSError) as error:
             raise VideoError(f"cannot open video {self.path} on the GPU: {error}") from error
 
-    def frames_at(self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+    def frames_at(
+        self, timestamps: np.ndarray, tolerance_s: float, cache: Any = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         import torch
 
         query = np.asarray(timestamps, dtype=np.float64).reshape(-1)
@@ -411,14 +439,21 @@ class CudaVideoReader:
             raise VideoError(f"{self.path}: no frame at timestamp {query[off][0]:.6f}s (tolerance {tolerance_s}s)")
         frames = batch.data
         if self.size is not None and tuple(frames.shape[-2:]) != tuple(self.size):
-            frames = torch.nn.functional.interpolate(frames.float(), size=self.size, mode="area").round_().clamp_(0, 255).to(torch.uint8)
+            frames = (
+                torch.nn.functional.interpolate(frames.float(), size=self.size, mode="area")
+                .round_()
+                .clamp_(0, 255)
+                .to(torch.uint8)
+            )
         frames = frames.permute(0, 2, 3, 1).cpu().numpy()
         if out is None:
             return np.ascontiguousarray(frames)
         out[...] = frames
         return out
 
-    def cache_frames(self, timestamps: np.ndarray, tolerance_s: float, cache: Any, keep: dict[int, int] | None = None) -> None:
+    def cache_frames(
+        self, timestamps: np.ndarray, tolerance_s: float, cache: Any, keep: dict[int, int] | None = None
+    ) -> None:
         """Nothing: the GPU decoder decodes a sample's frames together when the sample is read."""
 
     def close(self) -> None:

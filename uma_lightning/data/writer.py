@@ -113,14 +113,21 @@ class LeRobotWriter:
             shutil.rmtree(self.partial, ignore_errors=True)
 
     def add_episode(
-        self, frames: Mapping[str, np.ndarray], state: np.ndarray, action: np.ndarray, task: str, environment_state: np.ndarray | None = None
+        self,
+        frames: Mapping[str, np.ndarray],
+        state: np.ndarray,
+        action: np.ndarray,
+        task: str,
+        environment_state: np.ndarray | None = None,
     ) -> int:
         """Write one episode: per-camera uint8 frames [T, H, W, 3], state [T, state_dim],
         action [T, action_dim], its instruction and, when the writer was given
         ``environment_state_names``, the environment state [T, environment_state_dim].
         Returns the episode index."""
         episode_index = len(self._episodes)
-        vectors = self._check_episode(episode_index, frames, {STATE_KEY: state, ACTION_KEY: action, ENV_STATE_KEY: environment_state}, task)
+        vectors = self._check_episode(
+            episode_index, frames, {STATE_KEY: state, ACTION_KEY: action, ENV_STATE_KEY: environment_state}, task
+        )
         length = len(vectors[STATE_KEY])
         task_index = self._tasks.setdefault(task, len(self._tasks))
         frame_index = np.arange(length, dtype=np.int64)
@@ -145,7 +152,9 @@ class LeRobotWriter:
             if self.version == "v2.1":
                 video_path = self.partial / self._v2_path(V2_VIDEO_PATH, episode_index, camera)
                 video_path.parent.mkdir(parents=True, exist_ok=True)
-                with VideoStreamWriter(video_path, self.fps, *self.image_size, crf=self.crf, gop=self.gop, codec=self.codec) as video:
+                with VideoStreamWriter(
+                    video_path, self.fps, *self.image_size, crf=self.crf, gop=self.gop, codec=self.codec
+                ) as video:
                     video.add(frames[camera])
             else:
                 row.update(self._append_video(camera, frames[camera]))
@@ -204,7 +213,9 @@ class LeRobotWriter:
             )
         _write_json(meta / "info.json", info)
         os.rename(self.partial, self.root)
-        logger.info("wrote %d episodes, %d frames to %s (LeRobot %s)", n_episodes, self._total_frames, self.root, self.version)
+        logger.info(
+            "wrote %d episodes, %d frames to %s (LeRobot %s)", n_episodes, self._total_frames, self.root, self.version
+        )
         return self.root
 
     # ---- v3.0 files ----------------------------------------------------------------------------
@@ -234,7 +245,9 @@ class LeRobotWriter:
             if video is not None:
                 video.close()
             chunk_file = _next_file(chunk_file) if video is not None else (0, 0)
-            path = self.partial / V3_VIDEO_PATH.format(video_key=camera, chunk_index=chunk_file[0], file_index=chunk_file[1])
+            path = self.partial / V3_VIDEO_PATH.format(
+                video_key=camera, chunk_index=chunk_file[0], file_index=chunk_file[1]
+            )
             path.parent.mkdir(parents=True, exist_ok=True)
             video = VideoStreamWriter(path, self.fps, *self.image_size, crf=self.crf, gop=self.gop, codec=self.codec)
             self._videos[camera] = (video, chunk_file)
@@ -270,7 +283,9 @@ class LeRobotWriter:
 
     # ---- checks and layout ---------------------------------------------------------------------
 
-    def _features(self, state_names: list[str], action_names: list[str], environment_state_names: list[str]) -> dict[str, Any]:
+    def _features(
+        self, state_names: list[str], action_names: list[str], environment_state_names: list[str]
+    ) -> dict[str, Any]:
         height, width = self.image_size
         video_info = {
             "video.fps": self.fps,
@@ -294,13 +309,19 @@ class LeRobotWriter:
         features[STATE_KEY] = {"dtype": "float32", "shape": [len(state_names)], "names": state_names}
         features[ACTION_KEY] = {"dtype": "float32", "shape": [len(action_names)], "names": action_names}
         if environment_state_names:
-            features[ENV_STATE_KEY] = {"dtype": "float32", "shape": [len(environment_state_names)], "names": environment_state_names}
+            features[ENV_STATE_KEY] = {
+                "dtype": "float32",
+                "shape": [len(environment_state_names)],
+                "names": environment_state_names,
+            }
         features["timestamp"] = {"dtype": "float32", "shape": [1], "names": None}
         for key in INDEX_KEYS[1:]:
             features[key] = {"dtype": "int64", "shape": [1], "names": None}
         return features
 
-    def _check_episode(self, episode: int, frames: Mapping[str, np.ndarray], given: Mapping[str, Any], task: str) -> dict[str, np.ndarray]:
+    def _check_episode(
+        self, episode: int, frames: Mapping[str, np.ndarray], given: Mapping[str, Any], task: str
+    ) -> dict[str, np.ndarray]:
         where = f"{self.root} episode {episode}"
         if not isinstance(task, str) or not task.strip():
             raise ValueError(f"{where}: task must be a non-empty string, got {task!r}")
@@ -332,7 +353,9 @@ class LeRobotWriter:
         return vectors
 
     def _v2_path(self, template: str, episode_index: int, camera: str = "") -> str:
-        return template.format(episode_chunk=episode_index // CHUNKS_SIZE, episode_index=episode_index, video_key=camera)
+        return template.format(
+            episode_chunk=episode_index // CHUNKS_SIZE, episode_index=episode_index, video_key=camera
+        )
 
 
 def _next_file(chunk_file: tuple[int, int]) -> tuple[int, int]:
@@ -343,17 +366,27 @@ def _next_file(chunk_file: tuple[int, int]) -> tuple[int, int]:
 def _to_arrow(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
     if pa.types.is_fixed_size_list(arrow_type):
         return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), arrow_type.list_size)
-    return pa.array(values.reshape(len(values)), type=arrow_type)  # a vector of one is a scalar column, as LeRobot stores it
+    return pa.array(
+        values.reshape(len(values)), type=arrow_type
+    )  # a vector of one is a scalar column, as LeRobot stores it
 
 
 def _write_tasks_parquet(path: Path, tasks: Mapping[str, int]) -> None:
     """meta/tasks.parquet as LeRobot writes it with pandas: a task_index column indexed by the task text."""
-    table = pa.table({"task_index": pa.array(list(tasks.values()), pa.int64()), "task": pa.array(list(tasks), pa.string())})
+    table = pa.table(
+        {"task_index": pa.array(list(tasks.values()), pa.int64()), "task": pa.array(list(tasks), pa.string())}
+    )
     pandas_metadata = {
         "index_columns": ["task"],
         "column_indexes": [],
         "columns": [
-            {"name": "task_index", "field_name": "task_index", "pandas_type": "int64", "numpy_type": "int64", "metadata": None},
+            {
+                "name": "task_index",
+                "field_name": "task_index",
+                "pandas_type": "int64",
+                "numpy_type": "int64",
+                "metadata": None,
+            },
             {"name": "task", "field_name": "task", "pandas_type": "unicode", "numpy_type": "object", "metadata": None},
         ],
         "creator": {"library": "pyarrow", "version": pa.__version__},

@@ -82,7 +82,9 @@ def _image_tokenizer_flops(cfg: RobotModelConfig) -> tuple[int, int]:
     later_convolutions = cells * (c * 9 * c + 2 * c * 9 * c + k * 2 * c)
     coordinates = k * 2 * dim
     film = dim * 4 * c if v.film else 0
-    return 2 * n_images * (first_convolution + expected_position), 2 * n_images * (later_convolutions + coordinates + film)
+    return 2 * n_images * (first_convolution + expected_position), 2 * n_images * (
+        later_convolutions + coordinates + film
+    )
 
 
 def _linear_per_token(b: TransformerConfig, index: int) -> int:
@@ -113,7 +115,9 @@ def forward_flops_per_sample(cfg: RobotModelConfig) -> dict[str, int]:
 
 def training_flops_per_sample(cfg: RobotModelConfig) -> int:
     parts = forward_flops_per_sample(cfg)
-    return 2 * parts["data_fed"] + 3 * (parts["image_features"] + parts["backbone_linear"] + parts["attention"] + parts["head"])
+    return 2 * parts["data_fed"] + 3 * (
+        parts["image_features"] + parts["backbone_linear"] + parts["attention"] + parts["head"]
+    )
 
 
 def training_flops_per_unit(cfg: RobotModelConfig) -> tuple[int, list[int], int]:
@@ -147,7 +151,11 @@ def flow_training_flops_per_sample(cfg: RobotModelConfig, expert: TransformerCon
         + _environment_state_head_flops(cfg)
     )
     key_value_projection = 2 * b.dim * b.n_kv_heads * b.head_dim
-    forward_only = 0 if cfg.environment_state_head else 2 * prefix * (_linear_per_token(b, b.n_layers - 1) - key_value_projection) + backbone_attention
+    forward_only = (
+        0
+        if cfg.environment_state_head
+        else 2 * prefix * (_linear_per_token(b, b.n_layers - 1) - key_value_projection) + backbone_attention
+    )
     return 2 * data_fed + 3 * trained - 2 * forward_only
 
 

@@ -55,7 +55,13 @@ def sample_time(n: int, cfg: FlowMatchingConfig, device=None) -> torch.Tensor:
 
 
 def sample_noise_and_time(
-    sample_ids: torch.Tensor, step: int, shape: tuple[int, ...], cfg: FlowMatchingConfig, seed: int, dtype=torch.float32, device=None
+    sample_ids: torch.Tensor,
+    step: int,
+    shape: tuple[int, ...],
+    cfg: FlowMatchingConfig,
+    seed: int,
+    dtype=torch.float32,
+    device=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Noise [B, *shape] and training times [B], each sample's drawn from its own generator, seeded by
     (seed, step, sample id). The draws of a sample do not depend on the batch it sits in, so
@@ -91,7 +97,9 @@ def velocity_loss(predicted: torch.Tensor, target: torch.Tensor, mask: torch.Ten
     return ((squared * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
 
 
-def euler_sample(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor, steps: int) -> torch.Tensor:
+def euler_sample(
+    velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor, steps: int
+) -> torch.Tensor:
     """Integrate from x = noise at t = 1 to t = 0 with ``steps`` Euler steps of velocity(x, t [B])."""
     x, dt = noise, -1.0 / steps
     for step in range(steps):

@@ -32,8 +32,12 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # the same parameters, not copies
         self.rank, self.scale = rank, alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device, dtype=base.weight.dtype))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device, dtype=base.weight.dtype))
+        self.lora_a = nn.Parameter(
+            torch.empty(rank, base.in_features, device=base.weight.device, dtype=base.weight.dtype)
+        )
+        self.lora_b = nn.Parameter(
+            torch.zeros(base.out_features, rank, device=base.weight.device, dtype=base.weight.dtype)
+        )
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # as nn.Linear initialises its weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +45,13 @@ class LoRALinear(nn.Linear):
 
     def merged(self) -> nn.Linear:
         """A plain linear layer computing the same function."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype)
+        linear = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
         with torch.no_grad():
             linear.weight.copy_(self.weight + self.scale * self.lora_b @ self.lora_a)
             if self.bias is not None:

@@ -36,8 +36,9 @@ tokens to the ranks owning their experts and back.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,9 @@ class MoEConfig:
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"moe.top_k must be between 1 and n_experts={self.n_experts}, got {self.top_k}")
         if self.n_shared < 0 or self.every_n_layers < 1:
-            raise ValueError(f"moe.n_shared must be >= 0 and moe.every_n_layers >= 1, got {self.n_shared} and {self.every_n_layers}")
+            raise ValueError(
+                f"moe.n_shared must be >= 0 and moe.every_n_layers >= 1, got {self.n_shared} and {self.every_n_layers}"
+            )
         if self.score not in ROUTER_SCORES:
             raise ValueError(f"moe.score must be one of {', '.join(ROUTER_SCORES)}, got {self.score!r}")
         if self.bias_update not in BIAS_UPDATES:
@@ -120,7 +123,9 @@ class GroupedExperts(nn.Module):
         self.kernels = KernelConfig()
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        return expert_feed_forward(x, counts, self.w1, self.w3, self.w2, backend=self.kernels.experts, swiglu_backend=self.kernels.swiglu)
+        return expert_feed_forward(
+            x, counts, self.w1, self.w3, self.w2, backend=self.kernels.experts, swiglu_backend=self.kernels.swiglu
+        )
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.w1, std=std)
@@ -275,7 +280,9 @@ class ExpertBalancing:
     def record(self, model: nn.Module) -> None:
         for name, layer in moe_layers(model):
             if "routed" in layer.stats:
-                self.routed[name] = layer.stats["routed"] + self.routed[name] if name in self.routed else layer.stats["routed"]
+                self.routed[name] = (
+                    layer.stats["routed"] + self.routed[name] if name in self.routed else layer.stats["routed"]
+                )
 
     def update(self, model: nn.Module, sum_over_ranks: Callable[[dict[str, Tensor]], dict[str, Tensor]]) -> None:
         """``sum_over_ranks`` runs on every rank, also one whose layers (none, on some pipeline stages) recorded nothing."""

@@ -71,8 +71,12 @@ class NetworkConfig:
                 "observation.environment_state; this data has none (or not every dataset of the mixture has it)"
             )
         return RobotModelConfig(
-            backbone=load_size(self.size), spec=spec, vision=self.vision, max_text_len=self.max_text_len,
-            environment_state_head=self.environment_state_weight > 0, **stage_fields,
+            backbone=load_size(self.size),
+            spec=spec,
+            vision=self.vision,
+            max_text_len=self.max_text_len,
+            environment_state_head=self.environment_state_weight > 0,
+            **stage_fields,
         )
 
 
@@ -86,7 +90,10 @@ def grouped_settings(hparams: Mapping) -> dict:
     flat = {key: hparams[key] for key in FLAT_NETWORK_KEYS if key in hparams}
     if not flat:
         return dict(hparams)
-    return {**{k: v for k, v in hparams.items() if k not in flat}, "network": {**flat, **(hparams.get("network") or {})}}
+    return {
+        **{k: v for k, v in hparams.items() if k not in flat},
+        "network": {**flat, **(hparams.get("network") or {})},
+    }
 
 
 def use_kernels(model: nn.Module, kernels: KernelConfig, transformers: list[nn.Module]) -> None:

@@ -37,7 +37,9 @@ class RobotModelConfig:
 
     def __post_init__(self) -> None:
         if self.environment_state_head and not self.spec.environment_state_dim:
-            raise ValueError("environment_state_head needs data that records an environment state (spec.environment_state_dim is 0)")
+            raise ValueError(
+                "environment_state_head needs data that records an environment state (spec.environment_state_dim is 0)"
+            )
 
     @property
     def tokens_per_image(self) -> int:
@@ -75,7 +77,9 @@ class LinearCrossEntropy(nn.Module):
     hidden states [B, n, dim] and a head's weight [bins, dim]. A module of its own, so a parallel plan
     can set the layouts of its inputs: the kernel takes whole, plain tensors."""
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, backend: str = "auto"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return linear_cross_entropy(hidden, weight, targets, backend=backend, per_sample=True)
 
 
@@ -93,7 +97,9 @@ class RobotBase(nn.Module):
         self.text_tokenizer = ByteTokenizer(cfg.max_text_len)
         self.text_embed = nn.Embedding(ByteTokenizer.vocab_size, dim)
         self.image_tokenizer = build_image_tokenizer(cfg.vision, spec.image_size, dim)
-        self.instruction_pooling = InstructionPooling() if cfg.vision.film else None  # what conditions the image tokenizer
+        self.instruction_pooling = (
+            InstructionPooling() if cfg.vision.film else None
+        )  # what conditions the image tokenizer
         self.camera_embed = nn.Embedding(len(spec.cameras), dim)
         self.state_proj = nn.Linear(spec.state_dim, dim)
         self.backbone = Transformer(cfg.backbone, max_seq_len=max_seq_len)
@@ -114,13 +120,17 @@ class RobotBase(nn.Module):
         if self.environment_state_head is not None:
             self.environment_state_head.reset_parameters()
 
-    def embed_prefix(self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
+    def embed_prefix(
+        self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
+    ) -> torch.Tensor:
         """[B, prefix_len, dim] from images [B, T, C, H, W, 3] uint8, state [B, T, state_dim], text ids and mask [B, L]."""
         batch, steps, cameras = images.shape[:3]
         text = self.text_embed(text_ids)
         instruction = None
         if self.instruction_pooling is not None:
-            instruction = self.instruction_pooling(text, text_mask).repeat_interleave(steps * cameras, dim=0)  # once per image
+            instruction = self.instruction_pooling(text, text_mask).repeat_interleave(
+                steps * cameras, dim=0
+            )  # once per image
         camera = self.image_tokenizer(images.flatten(0, 2), instruction)  # [B*T*C, tokens per image, dim]
         camera = camera.view(batch, steps, cameras, -1, camera.shape[-1])
         camera = camera + self.camera_embed.weight[None, None, :, None, :]
@@ -129,13 +139,17 @@ class RobotBase(nn.Module):
 
     def prefix_padding_mask(self, text_mask: torch.Tensor) -> torch.Tensor:
         """[B, prefix_len], True on real tokens: every token but the instruction's padding bytes."""
-        obs = torch.ones(text_mask.shape[0], self.cfg.prefix_len - text_mask.shape[1], dtype=torch.bool, device=text_mask.device)
+        obs = torch.ones(
+            text_mask.shape[0], self.cfg.prefix_len - text_mask.shape[1], dtype=torch.bool, device=text_mask.device
+        )
         return torch.cat((text_mask, obs), dim=1)
 
     def predict_environment_state(self, last_prefix_hidden: torch.Tensor) -> torch.Tensor:
         """[B, environment_state_dim] from the final hidden state [B, dim] of the last prefix token."""
         if self.environment_state_head is None:
-            raise ValueError("this model has no environment-state head: build it with RobotModelConfig(environment_state_head=True)")
+            raise ValueError(
+                "this model has no environment-state head: build it with RobotModelConfig(environment_state_head=True)"
+            )
         return self.environment_state_head(last_prefix_hidden)
 
     def encode_prefix(
@@ -144,7 +158,9 @@ class RobotBase(nn.Module):
         """Hidden states [B, prefix_len, dim] of the bidirectional prefix, and the cache of its keys and values."""
         prefix = self.embed_prefix(images, state, text_ids, text_mask)
         cache = KVCache.empty(self.cfg.backbone.n_layers)
-        hidden = self.backbone(prefix, prefix_len=prefix.shape[1], key_padding_mask=self.prefix_padding_mask(text_mask), cache=cache)
+        hidden = self.backbone(
+            prefix, prefix_len=prefix.shape[1], key_padding_mask=self.prefix_padding_mask(text_mask), cache=cache
+        )
         return hidden, cache
 
 
@@ -195,7 +211,9 @@ class RobotTransformer(RobotBase):
         ``with_environment_state`` returns (that output, the predicted environment state [B, dim]).
         """
         h = self.embed_sequence(images, state, text_ids, text_mask, action_tokens)
-        hidden = self.backbone(h, prefix_len=self.cfg.prefix_len, key_padding_mask=self.sequence_padding_mask(text_mask))
+        hidden = self.backbone(
+            h, prefix_len=self.cfg.prefix_len, key_padding_mask=self.sequence_padding_mask(text_mask)
+        )
         hidden = self.action_states(hidden)
         if loss_targets is None:
             out = self.action_head(hidden)
@@ -206,14 +224,23 @@ class RobotTransformer(RobotBase):
     # The steps of forward, each usable on its own (a pipeline stage runs some of them).
 
     def embed_sequence(
-        self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor, action_tokens: torch.Tensor
+        self,
+        images: torch.Tensor,
+        state: torch.Tensor,
+        text_ids: torch.Tensor,
+        text_mask: torch.Tensor,
+        action_tokens: torch.Tensor,
     ) -> torch.Tensor:
         """The backbone's input [B, seq_len, dim]: the prefix, then every action token but the last."""
-        return torch.cat((self.embed_prefix(images, state, text_ids, text_mask), self.embed_actions(action_tokens[:, :-1])), dim=1)
+        return torch.cat(
+            (self.embed_prefix(images, state, text_ids, text_mask), self.embed_actions(action_tokens[:, :-1])), dim=1
+        )
 
     def sequence_padding_mask(self, text_mask: torch.Tensor) -> torch.Tensor:
         """[B, seq_len], True on real tokens: every token but the instruction's padding bytes."""
-        real = torch.ones(text_mask.shape[0], self.cfg.seq_len - text_mask.shape[1], dtype=torch.bool, device=text_mask.device)
+        real = torch.ones(
+            text_mask.shape[0], self.cfg.seq_len - text_mask.shape[1], dtype=torch.bool, device=text_mask.device
+        )
         return torch.cat((text_mask, real), dim=1)
 
     def action_states(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,12 @@ def load_size(size: str | dict | TransformerConfig | ModelSize) -> TransformerCo
         if size not in preset_names():
             close = difflib.get_close_matches(size, preset_names(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown model size {size!r}{hint} (presets: {', '.join(preset_names())}, or a YAML path)")
-        return _from_dict({**_read_yaml(_PRESET_DIR / f"{size}.yaml"), "name": size}, source=f"configs/model/{size}.yaml")
+            raise ValueError(
+                f"unknown model size {size!r}{hint} (presets: {', '.join(preset_names())}, or a YAML path)"
+            )
+        return _from_dict(
+            {**_read_yaml(_PRESET_DIR / f"{size}.yaml"), "name": size}, source=f"configs/model/{size}.yaml"
+        )
     if isinstance(size, dict):
         base = size.get("name")
         fields = dict(size)

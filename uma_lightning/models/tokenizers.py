@@ -82,7 +82,9 @@ class ImagePatchTokenizer(_ImageTokenizer):
         self.proj.reset_parameters()
 
     def forward(self, frames: torch.Tensor, instruction: torch.Tensor | None = None) -> torch.Tensor:
-        return self.proj(self.normalised_pixels(frames, self.proj.weight.dtype)).flatten(2).transpose(1, 2) + self.position
+        return (
+            self.proj(self.normalised_pixels(frames, self.proj.weight.dtype)).flatten(2).transpose(1, 2) + self.position
+        )
 
 
 class ImageKeypointTokenizer(_ImageTokenizer):

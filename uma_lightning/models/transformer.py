@@ -42,7 +42,9 @@ class TransformerConfig:
         if isinstance(self.moe, Mapping):  # from a YAML preset or saved hyperparameters
             unknown = sorted(set(self.moe) - {f.name for f in dataclasses.fields(MoEConfig)})
             if unknown:
-                raise ValueError(f"model size: unknown moe key(s) {unknown}; known keys: {[f.name for f in dataclasses.fields(MoEConfig)]}")
+                raise ValueError(
+                    f"model size: unknown moe key(s) {unknown}; known keys: {[f.name for f in dataclasses.fields(MoEConfig)]}"
+                )
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
@@ -136,14 +138,25 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin, backend=self.kernels.rotary), apply_rotary(k, cos, sin, backend=self.kernels.rotary)
+        q, k = (
+            apply_rotary(q, cos, sin, backend=self.kernels.rotary),
+            apply_rotary(k, cos, sin, backend=self.kernels.rotary),
+        )
         if cache is not None and cache.keys is not None:
             k, v = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
             # Fewer queries than keys: SDPA takes that; the flash paths expect one length for both.
             backend = "reference" if self.kernels.attention == "reference" else "sdpa"
             out = attention(q, k, v, causal=False, key_padding_mask=key_padding_mask, backend=backend)
         else:
-            out = attention(q, k, v, causal=True, prefix_len=prefix_len, key_padding_mask=key_padding_mask, backend=self.kernels.attention)
+            out = attention(
+                q,
+                k,
+                v,
+                causal=True,
+                prefix_len=prefix_len,
+                key_padding_mask=key_padding_mask,
+                backend=self.kernels.attention,
+            )
         out = self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         return out if cache is None else (out, k, v)
 
@@ -160,6 +173,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), backend=self.kernels.swiglu))
+
 
 def build_feed_forward(cfg: TransformerConfig, index: int) -> nn.Module:
     """Layer ``index``'s feed-forward: dense SwiGLU, or experts where ``cfg.moe`` places them."""
@@ -185,7 +199,9 @@ class Block(nn.Module):
         cache's and these tokens', which the caller stores in the cache. They leave as outputs, so a
         wrapper that hooks a block's outputs (to gather its weights again for backward) sees the
         gradients that come back through them."""
-        attended = self.attn(self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=cache)
+        attended = self.attn(
+            self.attn_norm(x), cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=cache
+        )
         if cache is not None:
             attended, keys, values = attended
         x = x + attended
@@ -213,13 +229,20 @@ class Transformer(nn.Module):
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter and buffer in place; also used after meta-device construction."""
-        cos, sin = rotary_tables(self.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=self.norm.weight.device)
+        cos, sin = rotary_tables(
+            self.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=self.norm.weight.device
+        )
         self.rope_cos, self.rope_sin = cos, sin
         # Residual projections are scaled down with depth so the residual stream's variance stays flat.
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for layer in self.layers:
             dense = isinstance(layer.ffn, FeedForward)
-            for linear in (layer.attn.wq, layer.attn.wk, layer.attn.wv, *((layer.ffn.w1, layer.ffn.w3) if dense else ())):
+            for linear in (
+                layer.attn.wq,
+                layer.attn.wk,
+                layer.attn.wv,
+                *((layer.ffn.w1, layer.ffn.w3) if dense else ()),
+            ):
                 nn.init.trunc_normal_(linear.weight, std=0.02)
             for linear in (layer.attn.wo, *((layer.ffn.w2,) if dense else ())):
                 nn.init.trunc_normal_(linear.weight, std=out_std)
@@ -253,7 +276,11 @@ class Transformer(nn.Module):
         if cache is not None:
             if len(cache.layers) != len(self.layers):
                 raise ValueError(f"cache of {len(cache.layers)} layers given to a backbone of {len(self.layers)}")
-            new = key_padding_mask if key_padding_mask is not None else torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+            new = (
+                key_padding_mask
+                if key_padding_mask is not None
+                else torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+            )
             key_padding_mask = new if start == 0 else torch.cat((cache.key_padding_mask, new), dim=1)
             cache.key_padding_mask = key_padding_mask
             layer_caches = cache.layers
@@ -263,5 +290,7 @@ class Transformer(nn.Module):
                 continue
             # The block gets a snapshot of the cache, which it only reads; the cache is extended here.
             past = LayerKV(layer_cache.keys, layer_cache.values)
-            h, layer_cache.keys, layer_cache.values = layer(h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=past)
+            h, layer_cache.keys, layer_cache.values = layer(
+                h, cos, sin, prefix_len=prefix_len, key_padding_mask=key_padding_mask, cache=past
+            )
         return self.norm(h)

@@ -7,4 +7,12 @@ from uma_lightning.modules.midtrain import MidtrainModule
 from uma_lightning.modules.posttrain import PosttrainModule
 from uma_lightning.modules.pretrain import PretrainModule
 
-__all__ = ["LoraConfig", "MidtrainModule", "NetworkConfig", "OptimizerConfig", "PosttrainModule", "PretrainModule", "StageModule"]
+__all__ = [
+    "LoraConfig",
+    "MidtrainModule",
+    "NetworkConfig",
+    "OptimizerConfig",
+    "PosttrainModule",
+    "PretrainModule",
+    "StageModule",
+]

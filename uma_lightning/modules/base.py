@@ -116,18 +116,24 @@ class StageModule(L.LightningModule):
         """
         super().__init__()
         if spec is None:
-            raise ValueError(f"{type(self).__name__} needs the data spec: pass spec=datamodule.spec (uma fit links it for you)")
+            raise ValueError(
+                f"{type(self).__name__} needs the data spec: pass spec=datamodule.spec (uma fit links it for you)"
+            )
         self.spec = DataSpec(**spec) if isinstance(spec, dict) else spec
         self.network = network_of({"network": network})
         self.environment_state_weight = self.network.environment_state_weight
         self.model_config = self.network.robot_config(self.spec)
         self.kernels = self.network.kernels
-        self.optimizer_config = OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
+        self.optimizer_config = (
+            OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
+        )
         self.init_from = init_from
         # The resolved size is recorded, so a checkpoint does not depend on the preset files.
         network = {**plain(self.network), "size": dataclasses.asdict(self.model_config.backbone)}
         resolved = {"spec": plain(self.spec), "network": network, "optimizer": plain(self.optimizer_config)}
-        self.save_hyperparameters({**constructor_arguments(inspect.currentframe(), StageModule), **resolved}, logger=False)
+        self.save_hyperparameters(
+            {**constructor_arguments(inspect.currentframe(), StageModule), **resolved}, logger=False
+        )
         self.model: nn.Module | None = None
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
@@ -156,15 +162,24 @@ class StageModule(L.LightningModule):
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(batch)")
 
-    def add_environment_state_loss(self, out: dict[str, torch.Tensor], predicted: torch.Tensor | None, batch: dict) -> dict[str, torch.Tensor]:
+    def add_environment_state_loss(
+        self, out: dict[str, torch.Tensor], predicted: torch.Tensor | None, batch: dict
+    ) -> dict[str, torch.Tensor]:
         """With a prediction of the environment state ([B, dim], None without the head), add its
         weighted mean squared error to ``out["loss"]`` and report the parts (``action_loss``,
         ``environment_state_mse``: 1.0 is no better than predicting the dataset mean)."""
         if predicted is None:
             return out
-        dtype = torch.promote_types(predicted.dtype, torch.float32)  # at least float32; float64 (uma parity) stays float64
+        dtype = torch.promote_types(
+            predicted.dtype, torch.float32
+        )  # at least float32; float64 (uma parity) stays float64
         mse = F.mse_loss(predicted.to(dtype), batch["environment_state"].to(dtype))
-        return {**out, "loss": out["loss"] + self.environment_state_weight * mse, "action_loss": out["loss"].detach(), "environment_state_mse": mse.detach()}
+        return {
+            **out,
+            "loss": out["loss"] + self.environment_state_weight * mse,
+            "action_loss": out["loss"].detach(),
+            "environment_state_mse": mse.detach(),
+        }
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
         cfg = self.optimizer_config
@@ -205,7 +220,9 @@ class StageModule(L.LightningModule):
     def policy(self) -> Policy:
         """A ``Policy`` over this module's inference weights (shared, not copied)."""
         if self.hparams.normalization is None:
-            raise ValueError(f"{type(self).__name__} has no normalization statistics: pass normalization=datamodule.normalization()")
+            raise ValueError(
+                f"{type(self).__name__} has no normalization statistics: pass normalization=datamodule.normalization()"
+            )
         return Policy(self.inference_model, self.spec, self.hparams.normalization, self.inference_options())
 
     # ---- Lightning hooks ----------------------------------------------------------------------
@@ -214,7 +231,9 @@ class StageModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if self.hparams.normalization is None and datamodule is not None and hasattr(datamodule, "normalization"):
             self.hparams.normalization = datamodule.normalization()
-        names = (self.hparams.normalization or {}).get("action", {}).get("names") or [f"dim_{i}" for i in range(self.spec.action_dim)]
+        names = (self.hparams.normalization or {}).get("action", {}).get("names") or [
+            f"dim_{i}" for i in range(self.spec.action_dim)
+        ]
         for split in EVAL_STAGES:
             if split not in self.action_errors:
                 self.action_errors[split] = ActionError(self.spec.action_horizon, names, prefix=f"{split}/")
@@ -251,7 +270,12 @@ class StageModule(L.LightningModule):
         log.info(
             "context: %d -> %d observation steps, %d -> %d-step action chunks; backbone RoPE positions 0..%d "
             "(rotary frequencies unchanged, theta %g: positions are relative, and this stage trains the new range)",
-            before[0], after[0], before[1], after[1], positions - 1, self.model_config.backbone.rope_theta,
+            before[0],
+            after[0],
+            before[1],
+            after[1],
+            positions - 1,
+            self.model_config.backbone.rope_theta,
         )
 
     def configure_optimizers(self):
@@ -292,11 +316,18 @@ class StageModule(L.LightningModule):
             correct = ((out["predicted_tokens"] == out["target_tokens"]) & real).sum(1)
             self.token_accuracy[split].update(correct / real.sum(1).clamp(min=1))
             self.log(f"{split}/token_accuracy", self.token_accuracy[split])
-        self.log_dict({f"{split}/{k}": v for k, v in scalars.items()}, prog_bar=True, batch_size=len(batch["instruction"]), sync_dist=True)
+        self.log_dict(
+            {f"{split}/{k}": v for k, v in scalars.items()},
+            prog_bar=True,
+            batch_size=len(batch["instruction"]),
+            sync_dist=True,
+        )
         if pipeline_of(self) is not None:
             return  # this rank holds only its pipeline stages: predicted chunks need the whole model (said in the plan's log line)
         policy = self.policy()
-        predicted = policy.denormalize_actions(policy.predict_normalized(batch["images"], batch["state"], batch["instruction"]))
+        predicted = policy.denormalize_actions(
+            policy.predict_normalized(batch["images"], batch["state"], batch["instruction"])
+        )
         target = policy.denormalize_actions(batch["actions"])
         self.action_errors[split].update(predicted, target, batch["action_mask"])
 

@@ -29,8 +29,12 @@ class ActionError(Metric):
     def update(self, predicted: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """predicted and target [B, horizon, D] in the same units; mask [B, horizon] True on real steps."""
         if predicted.shape != target.shape or predicted.shape[1:] != self.squared.shape:
-            raise ValueError(f"predicted {tuple(predicted.shape)} and target {tuple(target.shape)} must both be [B, {self.squared.shape[0]}, {self.squared.shape[1]}]")
-        real = torch.ones(predicted.shape[:2], dtype=torch.bool, device=predicted.device) if mask is None else mask.bool()
+            raise ValueError(
+                f"predicted {tuple(predicted.shape)} and target {tuple(target.shape)} must both be [B, {self.squared.shape[0]}, {self.squared.shape[1]}]"
+            )
+        real = (
+            torch.ones(predicted.shape[:2], dtype=torch.bool, device=predicted.device) if mask is None else mask.bool()
+        )
         error = (predicted.double() - target.double()) * real[..., None]
         self.squared += error.pow(2).sum(dim=0)
         self.absolute += error.abs().sum(dim=0)

@@ -17,5 +17,7 @@ class MidtrainModule(PretrainModule):
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and not self.init_from:
-            raise ValueError("mid-training continues a pretrained model: set model.init_from to a pretraining checkpoint")
+            raise ValueError(
+                "mid-training continues a pretrained model: set model.init_from to a pretraining checkpoint"
+            )
         super().setup(stage)

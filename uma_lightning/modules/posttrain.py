@@ -31,7 +31,15 @@ log = logging.getLogger("uma_lightning")
 class PosttrainModule(StageModule):
     # The discrete action head of earlier stages is replaced by the action expert, which starts fresh.
     key_mapping = KeyMapping(
-        fresh=("action_in.*", "action_time_mlp.*", "expert.*", "action_out.*", "*.lora_a", "*.lora_b", *ENVIRONMENT_STATE_HEAD),
+        fresh=(
+            "action_in.*",
+            "action_time_mlp.*",
+            "expert.*",
+            "action_out.*",
+            "*.lora_a",
+            "*.lora_b",
+            *ENVIRONMENT_STATE_HEAD,
+        ),
         dropped=("action_embed.*", "action_dim_embed.*", "action_head.*", *ENVIRONMENT_STATE_HEAD),
     )
 
@@ -78,14 +86,24 @@ class PosttrainModule(StageModule):
         # Drawn per sample, keyed by the run's seed, the step and the sample's id: every layout of
         # the same global batch (one process, data-parallel slices) trains on the same draws.
         noise, t = sample_noise_and_time(
-            batch["sample_id"], self.global_step, actions.shape[1:], self.flow, torch.initial_seed(), dtype=actions.dtype, device=actions.device
+            batch["sample_id"],
+            self.global_step,
+            actions.shape[1:],
+            self.flow,
+            torch.initial_seed(),
+            dtype=actions.dtype,
+            device=actions.device,
         )
         noisy, target = noisy_sample(actions, noise, t)
         if self.environment_state_weight:
-            velocity, environment_state = model(batch["images"], batch["state"], text_ids, text_mask, noisy, t, with_environment_state=True)
+            velocity, environment_state = model(
+                batch["images"], batch["state"], text_ids, text_mask, noisy, t, with_environment_state=True
+            )
         else:
             velocity, environment_state = model(batch["images"], batch["state"], text_ids, text_mask, noisy, t), None
-        return self.add_environment_state_loss({"loss": velocity_loss(velocity, target, batch["action_mask"])}, environment_state, batch)
+        return self.add_environment_state_loss(
+            {"loss": velocity_loss(velocity, target, batch["action_mask"])}, environment_state, batch
+        )
 
     # ---- model set-up: freezing, EMA ----------------------------------------------------------
 
@@ -100,7 +118,10 @@ class PosttrainModule(StageModule):
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.model.parameters())
         log.info(
-            "post-training %d of %d parameters (%.1f%%)%s%s", trainable, total, 100 * trainable / total,
+            "post-training %d of %d parameters (%.1f%%)%s%s",
+            trainable,
+            total,
+            100 * trainable / total,
             f"; LoRA rank {self.lora.rank} on {self.lora.targets}" if self.lora and self.lora.targets else "",
             f"; EMA decay {self.hparams.ema_decay} for evaluation and export" if self.ema_model is not None else "",
         )
@@ -136,7 +157,9 @@ class PosttrainModule(StageModule):
 
     @property
     def flops_per_sample(self) -> int:
-        return flow_training_flops_per_sample(self.model_config, self.expert_config.transformer_config(self.model_config.backbone))
+        return flow_training_flops_per_sample(
+            self.model_config, self.expert_config.transformer_config(self.model_config.backbone)
+        )
 
 
 def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:

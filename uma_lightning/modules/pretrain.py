@@ -43,11 +43,18 @@ class PretrainModule(StageModule):
         inputs = (batch["images"], batch["state"], text_ids, text_mask, targets)
         loss_targets = targets.masked_fill(~real, -100)
         if self.environment_state_weight:
-            (loss, predicted), environment_state = model(*inputs, loss_targets=loss_targets, with_environment_state=True)
+            (loss, predicted), environment_state = model(
+                *inputs, loss_targets=loss_targets, with_environment_state=True
+            )
         else:
             (loss, predicted), environment_state = model(*inputs, loss_targets=loss_targets), None
         accuracy = (((predicted == targets) & real).sum(1) / real.sum(1).clamp(min=1)).mean()
-        out = {"loss": loss, "token_accuracy": accuracy, "predicted_tokens": predicted, "target_tokens": targets.masked_fill(~real, -1)}
+        out = {
+            "loss": loss,
+            "token_accuracy": accuracy,
+            "predicted_tokens": predicted,
+            "target_tokens": targets.masked_fill(~real, -1),
+        }
         return self.add_environment_state_loss(out, environment_state, batch)
 
     @property

@@ -12,4 +12,14 @@ from uma_lightning.parallel.strategy import MeshStrategy, register_strategies
 
 register_strategies()
 
-__all__ = ["HeadPlan", "MeshShape", "MeshStrategy", "ParallelConfig", "Plan", "plan_for", "register_head", "register_plan", "replicated"]
+__all__ = [
+    "HeadPlan",
+    "MeshShape",
+    "MeshStrategy",
+    "ParallelConfig",
+    "Plan",
+    "plan_for",
+    "register_head",
+    "register_plan",
+    "replicated",
+]

@@ -34,7 +34,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in ("none", "full", "ops"):
-            raise ValueError(f"activation_checkpointing must be none, full or ops, got {self.activation_checkpointing!r}")
+            raise ValueError(
+                f"activation_checkpointing must be none, full or ops, got {self.activation_checkpointing!r}"
+            )
         if self.compile not in ("none", "blocks"):
             raise ValueError(f"compile must be none or blocks, got {self.compile!r}")
         if self.ac_every_n_blocks < 1:
@@ -122,12 +124,18 @@ def data_parallel_policies(config: ParallelConfig):
 
     # bf16 compute and all-gathers halve memory traffic; gradients are reduced in fp32 so the
     # sum over many ranks does not lose the small contributions.
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.bf16_params else MixedPrecisionPolicy()
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if config.bf16_params
+        else MixedPrecisionPolicy()
+    )
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.cpu_offload else OffloadPolicy()
     return mp_policy, offload
 
 
-def apply_fsdp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig, ignored: set[nn.Parameter] | None = None) -> str:
+def apply_fsdp(
+    blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig, ignored: set[nn.Parameter] | None = None
+) -> str:
     """FSDP2 on each block, then on the root for the parameters outside the blocks.
 
     A 1-D ``dp_mesh`` shards across all its ranks (FSDP); a 2-D (replicate, shard) mesh shards
@@ -138,9 +146,23 @@ def apply_fsdp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: Parall
 
     mp_policy, offload = data_parallel_policies(config)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload, ignored_params=ignored)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            reshard_after_forward=config.reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+            ignored_params=ignored,
+        )
     # The root's parameters are needed again right at the start of backward: keep them gathered.
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload, ignored_params=ignored)
+    fully_shard(
+        root,
+        mesh=dp_mesh,
+        reshard_after_forward=False,
+        mp_policy=mp_policy,
+        offload_policy=offload,
+        ignored_params=ignored,
+    )
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
     details = [f"reshard_after_forward={config.reshard_after_forward}"]
     if config.bf16_params:
@@ -162,7 +184,9 @@ def reshard_data_parallel(module: nn.Module) -> None:
             submodule.reshard()
 
 
-def apply_ddp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig, ignored: set[nn.Parameter] | None = None) -> str:
+def apply_ddp(
+    blocks: list[nn.Module], root: nn.Module, dp_mesh, config: ParallelConfig, ignored: set[nn.Parameter] | None = None
+) -> str:
     """Full replicas with gradients all-reduced per block, so each block's reduction overlaps the backward of the next."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -170,4 +194,6 @@ def apply_ddp(blocks: list[nn.Module], root: nn.Module, dp_mesh, config: Paralle
     for block in blocks:
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
     replicate(root, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
-    return f"DDP over {dp_mesh.size()} replicas, gradients all-reduced per block" + (" (bf16 params, fp32 reduce)" if config.bf16_params else "")
+    return f"DDP over {dp_mesh.size()} replicas, gradients all-reduced per block" + (
+        " (bf16 params, fp32 reduce)" if config.bf16_params else ""
+    )

@@ -27,11 +27,17 @@ class GlobalBatches(L.LightningDataModule):
         parts = replicas * self.micro_batches
         size = len(self.batches[0]["sample_id"]) // parts
         first = rank * self.micro_batches
-        slices = [_rows(b, part * size, (part + 1) * size) for b in self.batches for part in range(first, first + self.micro_batches)]
+        slices = [
+            _rows(b, part * size, (part + 1) * size)
+            for b in self.batches
+            for part in range(first, first + self.micro_batches)
+        ]
         return DataLoader(slices, batch_size=None, collate_fn=_identity)
 
 
-def fit_on_batches(module, batches: list[dict], strategy="auto", callbacks=(), micro_batches: int = 1, **trainer_args) -> L.Trainer:
+def fit_on_batches(
+    module, batches: list[dict], strategy="auto", callbacks=(), micro_batches: int = 1, **trainer_args
+) -> L.Trainer:
     """One optimizer step per global batch (accumulating over ``micro_batches`` slices); no logger,
     checkpoints, progress bar or validation. Runs on the CPU on the processes of a local group
     (``launch.run_local_group``) unless ``trainer_args`` say otherwise."""

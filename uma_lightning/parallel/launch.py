@@ -25,7 +25,9 @@ def run_local_group(target: Callable, world_size: int, args: tuple = (), timeout
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["__main__", target.__module__])
     port = free_port()
-    procs = [context.Process(target=_rank_main, args=(target, rank, world_size, port, args)) for rank in range(world_size)]
+    procs = [
+        context.Process(target=_rank_main, args=(target, rank, world_size, port, args)) for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout

@@ -65,7 +65,9 @@ class MeshShape:
 
     def __str__(self) -> str:
         stages = f"pp {self.pp} x " if self.pp > 1 else ""
-        experts = f" (ep {self.ep}: experts split over {self.ep} ranks, held by {self.expert_dp})" if self.ep > 1 else ""
+        experts = (
+            f" (ep {self.ep}: experts split over {self.ep} ranks, held by {self.expert_dp})" if self.ep > 1 else ""
+        )
         return f"{stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}{experts}"
 
 
@@ -76,7 +78,9 @@ def resolve_mesh_shape(sizes: dict[str, MeshSize], world_size: int, processes_pe
     resolved: dict[str, int] = {}
     auto = [name for name in MESH_DIMS if sizes[name] == "auto"]
     if len(auto) > 1:
-        raise ValueError(f"mesh: at most one of pp, dp_replicate, dp_shard, tp may be 'auto', got {describe_sizes(sizes)}")
+        raise ValueError(
+            f"mesh: at most one of pp, dp_replicate, dp_shard, tp may be 'auto', got {describe_sizes(sizes)}"
+        )
     for name in MESH_DIMS:
         value = _size(name, sizes[name], processes_per_node)
         if value != "auto":
@@ -121,10 +125,14 @@ def _check_ep(shape: MeshShape, ep: int) -> int:
             "or under ep and ep_fsdp without pp"
         )
     if shape.dp_replicate > 1 and shape.dp_shard > 1:
-        raise ValueError(f"mesh {shape}: ep {ep} inside HSDP (dp_replicate and dp_shard both above 1) is not supported; use dp_replicate 1 (ep_fsdp) or dp_shard 1 (ep)")
+        raise ValueError(
+            f"mesh {shape}: ep {ep} inside HSDP (dp_replicate and dp_shard both above 1) is not supported; use dp_replicate 1 (ep_fsdp) or dp_shard 1 (ep)"
+        )
     data = "dp_shard" if shape.dp_shard > 1 else "dp_replicate"
     if getattr(shape, data) % ep:
-        raise ValueError(f"mesh {shape}: ep {ep} does not divide the {getattr(shape, data)} data-parallel ranks ({data}) it splits the experts over")
+        raise ValueError(
+            f"mesh {shape}: ep {ep} does not divide the {getattr(shape, data)} data-parallel ranks ({data}) it splits the experts over"
+        )
     return ep
 
 
@@ -135,13 +143,27 @@ def build_mesh(shape: MeshShape, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     if shape.ep == 1:
-        return init_device_mesh(device_type, (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=MESH_DIMS)
+        return init_device_mesh(
+            device_type, (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=MESH_DIMS
+        )
     if shape.dp_shard > 1:
-        dims = {"pp": shape.pp, "dp_replicate": shape.dp_replicate, "expert_shard": shape.expert_dp, "ep": shape.ep, "tp": shape.tp}
+        dims = {
+            "pp": shape.pp,
+            "dp_replicate": shape.dp_replicate,
+            "expert_shard": shape.expert_dp,
+            "ep": shape.ep,
+            "tp": shape.tp,
+        }
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         mesh["expert_shard", "ep"]._flatten("dp_shard")
     else:
-        dims = {"pp": shape.pp, "expert_replicate": shape.expert_dp, "ep": shape.ep, "dp_shard": shape.dp_shard, "tp": shape.tp}
+        dims = {
+            "pp": shape.pp,
+            "expert_replicate": shape.expert_dp,
+            "ep": shape.ep,
+            "dp_shard": shape.dp_shard,
+            "tp": shape.tp,
+        }
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         mesh["expert_replicate", "ep"]._flatten("dp_replicate")
     return mesh

@@ -30,7 +30,9 @@ def moe_layer_sizes(module: nn.Module) -> dict[str, int]:
     return {name: layer.cfg.n_experts for name, layer in moe_layers(module)}
 
 
-def sum_per_moe_layer(rows: dict[str, Tensor], module: nn.Module, strategy, extra_columns: int = 0) -> dict[str, Tensor]:
+def sum_per_moe_layer(
+    rows: dict[str, Tensor], module: nn.Module, strategy, extra_columns: int = 0
+) -> dict[str, Tensor]:
     """``rows`` (this rank's MoE layers: a row of n_experts + ``extra_columns`` numbers each) summed
     over the ranks that hold each layer, for every MoE layer of ``module``, as float64. A collective:
     call it on every rank of a model with MoE layers anywhere (without any, it returns {} at once)."""

@@ -114,7 +114,9 @@ TOLERANCES = {
         "row-wise layers add partial matmul products across ranks, in the forward and the backward: every layer "
         "reorders sums, not just the final gradient reduction",
     ),
-    "hsdp": _tolerance(False, "as fsdp, with four ranks' gradients summed in two stages (within, then across replicas)"),
+    "hsdp": _tolerance(
+        False, "as fsdp, with four ranks' gradients summed in two stages (within, then across replicas)"
+    ),
     "fsdp_tp": _tolerance(False, "the tp and fsdp reorderings together"),
     "pp": _tolerance(
         False,
@@ -128,7 +130,9 @@ TOLERANCES = {
         "as ddp for the other parameters. An expert's owner sums the gradient over both ranks' tokens in one matmul, "
         "where the accumulating reference adds two per-slice sums",
     ),
-    "ep_fsdp": _tolerance(False, "the ep reordering, with the dense and the expert gradients summed by reduce-scatters"),
+    "ep_fsdp": _tolerance(
+        False, "the ep reordering, with the dense and the expert gradients summed by reduce-scatters"
+    ),
 }
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
@@ -168,7 +172,9 @@ class Case:
     batches: list[dict]
     strategies: list[str]
     trainer_args: dict = field(default_factory=dict)  # gradient clipping, as the recipe sets it
-    strategy_args: dict = field(default_factory=dict)  # MeshStrategy switches (activation checkpointing, compile...) of the strategy runs
+    strategy_args: dict = field(
+        default_factory=dict
+    )  # MeshStrategy switches (activation checkpointing, compile...) of the strategy runs
 
 
 def random_network(seed: int) -> list[str]:
@@ -180,8 +186,20 @@ def random_network(seed: int) -> list[str]:
     n_kv_heads = rng.choice([2, 4])
     n_heads = n_kv_heads * rng.choice([1, 2])
     dim = n_heads * rng.choice([8, 16])
-    size = {"name": "tiny", "n_layers": rng.randint(1, 3), "dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "ffn_dim": 2 * rng.randint(dim // 4, dim)}
-    vision = rng.choice([{"tokenizer": "patches"}, {"tokenizer": "keypoints", "n_keypoints": rng.choice([4, 8]), "channels": 8, "film": rng.random() < 0.5}])
+    size = {
+        "name": "tiny",
+        "n_layers": rng.randint(1, 3),
+        "dim": dim,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "ffn_dim": 2 * rng.randint(dim // 4, dim),
+    }
+    vision = rng.choice(
+        [
+            {"tokenizer": "patches"},
+            {"tokenizer": "keypoints", "n_keypoints": rng.choice([4, 8]), "channels": 8, "film": rng.random() < 0.5},
+        ]
+    )
     overrides = ["--model.network.size", json.dumps(size), "--model.network.vision", json.dumps(vision)]
     return overrides + ["--model.network.environment_state_weight", rng.choice(["0", "0.5"])]
 
@@ -194,15 +212,29 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--config", required=True, help="recipe YAML")
     parser.add_argument(
-        "--strategies", help=f"comma-separated, from {', '.join(LAYOUTS)} (default ddp,fsdp,tp; with --precision: one process)"
+        "--strategies",
+        help=f"comma-separated, from {', '.join(LAYOUTS)} (default ddp,fsdp,tp; with --precision: one process)",
     )
-    parser.add_argument("--steps", type=int, default=4, help="training steps, one global batch (data.batch_size samples) each")
-    parser.add_argument("--precision", choices=PRECISIONS, help="compare this precision with fp32, layer by layer, instead of strategies")
-    parser.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "ops"), help="in the strategy runs")
+    parser.add_argument(
+        "--steps", type=int, default=4, help="training steps, one global batch (data.batch_size samples) each"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="compare this precision with fp32, layer by layer, instead of strategies",
+    )
+    parser.add_argument(
+        "--activation-checkpointing", default="none", choices=("none", "full", "ops"), help="in the strategy runs"
+    )
     parser.add_argument("--ac-every-n-blocks", type=int, default=1)
     parser.add_argument("--compile", default="none", choices=("none", "blocks"), help="in the strategy runs")
     parser.add_argument("--compile-backend", default="inductor")
-    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP, in the strategy runs")
+    parser.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FSDP, in the strategy runs",
+    )
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP, in the strategy runs")
     parser.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule, in the pp strategy runs")
     parser.add_argument("--pp-microbatches", type=int, help="pipeline microbatches (default: one per stage)")
@@ -211,11 +243,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
     args, overrides = parser.parse_known_args(argv)
     default = "" if args.precision else "ddp,fsdp,tp"
-    strategies = [s.strip() for s in (args.strategies if args.strategies is not None else default).split(",") if s.strip()]
+    strategies = [
+        s.strip() for s in (args.strategies if args.strategies is not None else default).split(",") if s.strip()
+    ]
     try:
         unknown = [s for s in strategies if s not in LAYOUTS]
         if unknown or not (strategies or args.precision):
-            raise ConfigError(f"--strategies: unknown strategy {', '.join(unknown) or '(none given)'}; choose from {', '.join(LAYOUTS)}")
+            raise ConfigError(
+                f"--strategies: unknown strategy {', '.join(unknown) or '(none given)'}; choose from {', '.join(LAYOUTS)}"
+            )
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         module, batches, trainer_args = resolve(args.config, overrides, args.steps)
@@ -232,8 +268,15 @@ def main(argv: list[str]) -> int:
         "compile_backend": args.compile_backend,
         "reshard_after_forward": args.reshard_after_forward,
         "cpu_offload": args.cpu_offload,
-        **({"pp_schedule": args.pp_schedule, "pp_microbatches": args.pp_microbatches, "pp_virtual_stages": args.pp_virtual_stages}
-           if any(LAYOUTS[s][1].get("pp", 1) > 1 for s in strategies) else {}),
+        **(
+            {
+                "pp_schedule": args.pp_schedule,
+                "pp_microbatches": args.pp_microbatches,
+                "pp_virtual_stages": args.pp_virtual_stages,
+            }
+            if any(LAYOUTS[s][1].get("pp", 1) > 1 for s in strategies)
+            else {}
+        ),
     }
     global_batch = len(batches[0]["sample_id"])
     if args.precision:
@@ -269,7 +312,9 @@ def check_experts(module, strategies: list[str]) -> None:
         with torch.device("meta"):
             model = module.build_model()
         if not moe_layers(model):
-            raise ConfigError(f"{', '.join(wanting)}: the model has no mixture-of-experts layers to split (use a size with a moe: section, e.g. --model.network.size tiny_moe)")
+            raise ConfigError(
+                f"{', '.join(wanting)}: the model has no mixture-of-experts layers to split (use a size with a moe: section, e.g. --model.network.size tiny_moe)"
+            )
 
 
 def resolve(config: str, overrides: list[str], steps: int):
@@ -285,7 +330,10 @@ def resolve(config: str, overrides: list[str], steps: int):
             break
     if len(batches) < steps:
         raise ConfigError(f"{config}: the training data has only {len(batches)} batches, fewer than --steps {steps}")
-    trainer_args = {"gradient_clip_val": cli.trainer.gradient_clip_val, "gradient_clip_algorithm": cli.trainer.gradient_clip_algorithm}
+    trainer_args = {
+        "gradient_clip_val": cli.trainer.gradient_clip_val,
+        "gradient_clip_algorithm": cli.trainer.gradient_clip_algorithm,
+    }
     return cli.model, batches, trainer_args
 
 
@@ -298,8 +346,18 @@ def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str,
         work = Path(tmp)
         references, jobs = {}, []
         for index, case in enumerate(cases):
-            log.info("parity %s: %d steps of global batch %d; references on one process", case.label, len(case.batches), len(case.batches[0]["sample_id"]))
-            job = {"module": case.module, "batches": case.batches, "trainer_args": {**case.trainer_args, **FLOAT64}, "strategy_args": case.strategy_args}
+            log.info(
+                "parity %s: %d steps of global batch %d; references on one process",
+                case.label,
+                len(case.batches),
+                len(case.batches[0]["sample_id"]),
+            )
+            job = {
+                "module": case.module,
+                "batches": case.batches,
+                "trainer_args": {**case.trainer_args, **FLOAT64},
+                "strategy_args": case.strategy_args,
+            }
             whole = train(job, None, work / f"{index}-reference.pt")
             # The accumulating references follow the whole-batch run's weights, as the strategies do
             # (one slice: the whole-batch run itself).
@@ -313,7 +371,14 @@ def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str,
         results: dict[str, dict[str, dict]] = {case.label: {} for case in cases}
         for world_size in sorted({LAYOUTS[name][0] for case in cases for name in case.strategies}):
             runs = [
-                (job, [{"name": n, "sizes": LAYOUTS[n][1], "out": str(work / f"{index}-{n}.pt")} for n in cases[index].strategies if LAYOUTS[n][0] == world_size])
+                (
+                    job,
+                    [
+                        {"name": n, "sizes": LAYOUTS[n][1], "out": str(work / f"{index}-{n}.pt")}
+                        for n in cases[index].strategies
+                        if LAYOUTS[n][0] == world_size
+                    ],
+                )
                 for index, job in jobs
             ]
             runs = [(job, strategies) for job, strategies in runs if strategies]
@@ -329,7 +394,9 @@ def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str,
                     if LAYOUTS[name][0] == world_size:
                         whole, accumulated = references[case.label]
                         run = torch.load(work / f"{index}-{name}.pt", weights_only=True)
-                        results[case.label][name] = compare(TOLERANCES[name], whole, accumulated[data_parallel_size(name)], run)
+                        results[case.label][name] = compare(
+                            TOLERANCES[name], whole, accumulated[data_parallel_size(name)], run
+                        )
     return results
 
 
@@ -341,7 +408,10 @@ def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> 
     loss_diffs = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(run["losses"], whole_batch["losses"])]
     grad_diffs = gradient_diffs(whole_batch["grads"], run["grads"])
     divergence = first_divergence(grad_diffs, tol.grad)
-    update_diffs = [_relative_update_diff(run["params"][k], whole_batch["params"][k], whole_batch["params"][k - 1]) for k in range(1, steps + 1)]
+    update_diffs = [
+        _relative_update_diff(run["params"][k], whole_batch["params"][k], whole_batch["params"][k - 1])
+        for k in range(1, steps + 1)
+    ]
     initial = first_difference(run["params"][0], whole_batch["params"][0])
     replicas = next(({"parameter": n, "max_abs_diff": d} for n, d in run["replica_spread"].items() if d), None)
     routing = first_routing_difference(whole_batch, run)
@@ -392,13 +462,28 @@ def first_routing_difference(reference: dict, run: dict) -> dict | None:
     the step, with both values; None if none. A layer the run did not report on differs too."""
     steps = zip(reference["routing"], run["routing"], reference["expert_biases"], run["expert_biases"])
     for step, (expected, counts, expected_biases, biases) in enumerate(steps, start=1):
-        for what, values, wanted in (("tokens per expert", counts, expected), ("balancing bias", biases, expected_biases)):
+        for what, values, wanted in (
+            ("tokens per expert", counts, expected),
+            ("balancing bias", biases, expected_biases),
+        ):
             for layer, want in wanted.items():
                 got = values.get(layer)
                 if got is None or not torch.equal(want, got):
-                    return {"step": step, "layer": layer, "what": what, "expected": want.tolist(), "got": None if got is None else got.tolist()}
+                    return {
+                        "step": step,
+                        "layer": layer,
+                        "what": what,
+                        "expected": want.tolist(),
+                        "got": None if got is None else got.tolist(),
+                    }
     if len(reference["routing"]) != len(run["routing"]):
-        return {"step": min(len(reference["routing"]), len(run["routing"])) + 1, "layer": None, "what": "steps", "expected": None, "got": None}
+        return {
+            "step": min(len(reference["routing"]), len(run["routing"])) + 1,
+            "layer": None,
+            "what": "steps",
+            "expected": None,
+            "got": None,
+        }
     return None
 
 
@@ -484,7 +569,17 @@ def print_report(config: str, results: dict, global_batch: int) -> None:
         f"gradient over its largest element (tolerance {tol.grad:.1e}); update diff: per step |params - reference| / "
         f"|reference update|, L2 over all parameters (tolerance {tol.update:.1e}). margin: tolerance / difference, worst of the three"
     )
-    header = ["strategy", "processes", "mesh", "max loss diff", "max grad diff", "max update diff", "margin", "bitwise vs accum.", "result"]
+    header = [
+        "strategy",
+        "processes",
+        "mesh",
+        "max loss diff",
+        "max grad diff",
+        "max update diff",
+        "margin",
+        "bitwise vs accum.",
+        "result",
+    ]
     rows = [header]
     for name, r in results.items():
         mesh = "x".join(str(LAYOUTS[name][1].get(dim, 1)) for dim in MESH_DIMS)

@@ -36,7 +36,10 @@ SCHEDULE_CLASSES = {
 }
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SHAPED = ("ZBVZeroBubble",)
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")  # their backward is two passes: input gradients, then weight gradients
+ZERO_BUBBLE = (
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+)  # their backward is two passes: input gradients, then weight gradients
 
 
 @dataclass(frozen=True)
@@ -58,11 +61,17 @@ class PipelineConfig:
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"pp_microbatches must be >= 1, got {self.microbatches}")
         if self.schedule in SINGLE_STAGE and self.virtual_stages != 1:
-            raise ValueError(f"pp_schedule {self.schedule} runs one stage per rank, got pp_virtual_stages {self.virtual_stages}; use Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble")
+            raise ValueError(
+                f"pp_schedule {self.schedule} runs one stage per rank, got pp_virtual_stages {self.virtual_stages}; use Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
+            )
         if self.schedule in V_SHAPED and self.virtual_stages != 2:
-            raise ValueError(f"pp_schedule {self.schedule} runs exactly 2 stages per rank, got pp_virtual_stages {self.virtual_stages}")
+            raise ValueError(
+                f"pp_schedule {self.schedule} runs exactly 2 stages per rank, got pp_virtual_stages {self.virtual_stages}"
+            )
         if self.schedule not in SINGLE_STAGE + V_SHAPED and self.virtual_stages < 2:
-            raise ValueError(f"pp_schedule {self.schedule} interleaves 2 or more stages per rank, got pp_virtual_stages {self.virtual_stages}")
+            raise ValueError(
+                f"pp_schedule {self.schedule} interleaves 2 or more stages per rank, got pp_virtual_stages {self.virtual_stages}"
+            )
         if self.split is not None:
             object.__setattr__(self, "split", tuple(self.split))
 
@@ -73,11 +82,17 @@ class PipelineConfig:
         """One-line ValueError if ``pp`` ranks cannot run this schedule on per-replica batches of ``batch_size``."""
         microbatches = self.n_microbatches(pp)
         if microbatches < pp:
-            raise ValueError(f"pp_microbatches {microbatches} is fewer than the {pp} pipeline ranks: some would never have work")
+            raise ValueError(
+                f"pp_microbatches {microbatches} is fewer than the {pp} pipeline ranks: some would never have work"
+            )
         if self.schedule not in SINGLE_STAGE + V_SHAPED and microbatches % pp:
-            raise ValueError(f"pp_schedule {self.schedule} takes a multiple of the {pp} pipeline ranks as pp_microbatches, got {microbatches}")
+            raise ValueError(
+                f"pp_schedule {self.schedule} takes a multiple of the {pp} pipeline ranks as pp_microbatches, got {microbatches}"
+            )
         if batch_size is not None and batch_size % microbatches:
-            raise ValueError(f"a batch of {batch_size} samples (data.batch_size) does not divide into {microbatches} microbatches (pp_microbatches)")
+            raise ValueError(
+                f"a batch of {batch_size} samples (data.batch_size) does not divide into {microbatches} microbatches (pp_microbatches)"
+            )
 
     def stage_indices(self, pp: int, rank: int) -> list[int]:
         """The stages ``rank`` of ``pp`` holds, in order."""
@@ -105,7 +120,16 @@ class Pipeline:
     (``moe_stats.py``).
     """
 
-    def __init__(self, modules: dict[int, nn.Module], n_stages: int, config: PipelineConfig, pp_mesh, device: torch.device, loss_fn: Callable, moe_layers: dict[str, int]):
+    def __init__(
+        self,
+        modules: dict[int, nn.Module],
+        n_stages: int,
+        config: PipelineConfig,
+        pp_mesh,
+        device: torch.device,
+        loss_fn: Callable,
+        moe_layers: dict[str, int],
+    ):
         self.modules, self.n_stages, self.config, self.device, self.loss_fn = modules, n_stages, config, device, loss_fn
         self.moe_layers = moe_layers
         self.pp_group = pp_mesh.get_group()
@@ -119,7 +143,9 @@ class Pipeline:
         self.step_microbatches = self.microbatches  # those of the last step (evaluation's may be fewer)
         self.parameters = [p for module in modules.values() for p in module.parameters()]
         self._set_aside: list[torch.Tensor | None] = [None] * len(self.parameters)
-        self._schedules: dict[tuple[bool, int], tuple[object, int]] = {}  # (training, batch size) -> (schedule, microbatches)
+        self._schedules: dict[
+            tuple[bool, int], tuple[object, int]
+        ] = {}  # (training, batch size) -> (schedule, microbatches)
 
     def _schedule(self, training: bool, batch_size: int):
         key = (training, batch_size)
@@ -127,17 +153,28 @@ class Pipeline:
             import torch.distributed.pipelining as pipelining
 
             # Evaluation batches need not divide as training's must: the most microbatches that divide them.
-            microbatches = self.microbatches if training else max(m for m in range(1, self.microbatches + 1) if batch_size % m == 0)
-            stages = [pipelining.PipelineStage(module, index, self.n_stages, self.device, group=self.pp_group) for index, module in self.modules.items()]
+            microbatches = (
+                self.microbatches
+                if training
+                else max(m for m in range(1, self.microbatches + 1) if batch_size % m == 0)
+            )
+            stages = [
+                pipelining.PipelineStage(module, index, self.n_stages, self.device, group=self.pp_group)
+                for index, module in self.modules.items()
+            ]
             # Forward only, one stage per rank, every schedule runs the microbatches in order as GPipe
             # does; GPipe also takes fewer microbatches than stages, which 1F1B refuses.
             schedule_name = self.config.schedule if training or self.config.schedule not in SINGLE_STAGE else "GPipe"
             schedule_class = getattr(pipelining, SCHEDULE_CLASSES[schedule_name])
-            schedule = schedule_class(stages[0] if self.config.schedule in SINGLE_STAGE else stages, microbatches, loss_fn=self.loss_fn)
+            schedule = schedule_class(
+                stages[0] if self.config.schedule in SINGLE_STAGE else stages, microbatches, loss_fn=self.loss_fn
+            )
             self._schedules[key] = (schedule, microbatches)
         return self._schedules[key]
 
-    def step(self, first_inputs: tuple, shared: dict, target: torch.Tensor, outputs_like: Callable[[int], tuple]) -> tuple[torch.Tensor, ...]:
+    def step(
+        self, first_inputs: tuple, shared: dict, target: torch.Tensor, outputs_like: Callable[[int], tuple]
+    ) -> tuple[torch.Tensor, ...]:
         """Run the schedule on a batch: ``first_inputs`` feed the first stage, ``shared`` (keyword
         tensors, split like the batch) reach every stage's forward, ``target`` the loss. Returns the
         last stage's merged outputs on every rank (shaped and typed as ``outputs_like(microbatches)``)."""
@@ -187,7 +224,7 @@ class _WaitTimer:
     sits idle for its neighbours, the pipeline's bubble, without changing what the schedule runs.
     """
 
-    def __enter__(self) -> "_WaitTimer":
+    def __enter__(self) -> _WaitTimer:
         import torch.distributed.pipelining.schedules as schedules
 
         self.seconds = 0.0

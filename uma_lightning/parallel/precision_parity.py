@@ -42,16 +42,37 @@ INIT_SCALE = 2.0**8
 
 
 def compare_precision(
-    module, batches: list[dict], trainer_args: dict, precision: str, layout: tuple[int, dict] | None, strategy_args: dict, timeout: float = 600
+    module,
+    batches: list[dict],
+    trainer_args: dict,
+    precision: str,
+    layout: tuple[int, dict] | None,
+    strategy_args: dict,
+    timeout: float = 600,
 ) -> dict:
     """Train in fp32 and in ``precision`` (on one process, or on ``layout``'s processes and mesh sizes in a
     local group), each step from the weights of a one-process fp32 run; per-layer errors of the low-precision run against fp32."""
 
     def job(chosen: str, trajectory=None) -> dict:
         # As a plugin: strategies refuse the 16-mixed flag.
-        plugin = MixedPrecision(chosen, "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if chosen == "16-mixed" else None) if chosen != "32-true" else None
+        plugin = (
+            MixedPrecision(
+                chosen,
+                "cpu",
+                scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if chosen == "16-mixed" else None,
+            )
+            if chosen != "32-true"
+            else None
+        )
         args = {**trainer_args, **({"plugins": [plugin]} if plugin else {"precision": "32-true"})}
-        return {"module": module, "batches": batches, "trainer_args": args, "trajectory": trajectory, "strategy_args": strategy_args, "activations": True}
+        return {
+            "module": module,
+            "batches": batches,
+            "trainer_args": args,
+            "trajectory": trajectory,
+            "strategy_args": strategy_args,
+            "activations": True,
+        }
 
     with tempfile.TemporaryDirectory(prefix="uma-precision-") as tmp:
         work = Path(tmp)
@@ -61,7 +82,10 @@ def compare_precision(
             low = train(job(precision, reference["params"]), None, work / "low.pt", activations=True)
         else:
             world_size, sizes = layout
-            runs = [(job(name, reference["params"]), [{"sizes": sizes, "out": str(work / f"{name}.pt")}]) for name in ("32-true", precision)]
+            runs = [
+                (job(name, reference["params"]), [{"sizes": sizes, "out": str(work / f"{name}.pt")}])
+                for name in ("32-true", precision)
+            ]
             torch.save(runs, work / "runs.pt")  # see parity.check_parity
             run_local_group(worker, world_size, (str(work / "runs.pt"),), timeout)
             fp32, low = (torch.load(work / f"{name}.pt", weights_only=True) for name in ("32-true", precision))
@@ -76,7 +100,11 @@ def layer_errors(fp32: dict, low: dict, precision: str) -> dict:
         for name, ref in ref_step.items():
             layers[name]["activation"] = max(layers[name]["activation"], _relative(low_step.get(name), ref))
     # Non-finite gradients make the grad scaler skip the step: not a layer's error, unless the output overflowed.
-    skipped = [k for k, grads in enumerate(low["grads"], start=1) if precision == "16-mixed" and not all(torch.isfinite(g).all() for g in grads.values())]
+    skipped = [
+        k
+        for k, grads in enumerate(low["grads"], start=1)
+        if precision == "16-mixed" and not all(torch.isfinite(g).all() for g in grads.values())
+    ]
     for step, (ref_grads, low_grads) in enumerate(zip(fp32["grads"], low["grads"]), start=1):
         if step in skipped:
             continue
@@ -128,14 +156,20 @@ def print_precision_report(config: str, precision: str, results: dict, global_ba
         )
         print("per-step |loss diff|: " + "  ".join(f"{d:.2e}" for d in r["loss_diffs"]))
         if r["skipped_steps"]:
-            print(f"the grad scaler skipped step(s) {', '.join(map(str, r['skipped_steps']))} (gradients not finite): their gradients are not compared")
+            print(
+                f"the grad scaler skipped step(s) {', '.join(map(str, r['skipped_steps']))} (gradients not finite): their gradients are not compared"
+            )
         rows = [["layer", "output error", "gradient error", ""]]
         for e in r["ranked"][:TOP]:
-            rows.append([e["layer"], f"{e['activation']:.2e}", f"{e['gradient']:.2e}", "FLAGGED" if e["flagged"] else ""])
+            rows.append(
+                [e["layer"], f"{e['activation']:.2e}", f"{e['gradient']:.2e}", "FLAGGED" if e["flagged"] else ""]
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if r["flagged"]:
-            print(f"{len(r['flagged'])} layer(s) lose more than {precision} should, first {r['flagged'][0]}: candidates to keep in fp32")
+            print(
+                f"{len(r['flagged'])} layer(s) lose more than {precision} should, first {r['flagged'][0]}: candidates to keep in fp32"
+            )
         else:
             print(f"ok: every layer within {r['bound']:.2g} of fp32")

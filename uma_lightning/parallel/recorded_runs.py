@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch import Callback
 
 from uma_lightning.models.moe import moe_layers
-from uma_lightning.parallel.moe_stats import sum_per_moe_layer
 from uma_lightning.parallel.fixed_batches import fit_on_batches
+from uma_lightning.parallel.moe_stats import sum_per_moe_layer
 
 COMPARE_DTYPE = torch.float64  # what every record holds, whatever the run's precision
 
@@ -36,7 +36,9 @@ def train(job: dict, strategy, out: Path, micro_batches: int = 1, activations: b
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = fit_on_batches(module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"])
+        trainer = fit_on_batches(
+            module, job["batches"], strategy or "auto", [recorder], micro_batches, **job["trainer_args"]
+        )
     finally:
         torch.set_num_threads(threads)
     return torch.load(out, weights_only=True) if trainer.is_global_zero else {}
@@ -51,7 +53,12 @@ def worker(runs_file: str) -> None:
         runs = pickle.load(f)  # written by check_parity a moment ago, in its private folder
     for job, strategies in runs:
         for run in strategies:
-            train(job, MeshStrategy(**run["sizes"], **job["strategy_args"]), Path(run["out"]), activations=job.get("activations", False))
+            train(
+                job,
+                MeshStrategy(**run["sizes"], **job["strategy_args"]),
+                Path(run["out"]),
+                activations=job.get("activations", False),
+            )
 
 
 class Recorder(Callback):
@@ -64,7 +71,14 @@ class Recorder(Callback):
     With a ``trajectory`` (a reference's ``params``), each step starts from the reference's weights.
     """
 
-    def __init__(self, out: Path, micro_batches: int, trajectory: list[dict] | None = None, activations: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        out: Path,
+        micro_batches: int,
+        trajectory: list[dict] | None = None,
+        activations: bool = False,
+        seed: int = 0,
+    ):
         self.out, self.micro_batches, self.trajectory, self.seed = out, micro_batches, trajectory, seed
         self.batch_losses: list[torch.Tensor] = []
         self.grads: list[dict[str, torch.Tensor]] = []
@@ -93,7 +107,11 @@ class Recorder(Callback):
             self.activations.append({})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append(_from_every_stage({name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None}, pl_module))
+        self.grads.append(
+            _from_every_stage(
+                {name: _full(p.grad) for name, p in pl_module.named_parameters() if p.grad is not None}, pl_module
+            )
+        )
         # The step's choices per expert (all its micro-batches), before the balancing bias consumes them.
         balancing = getattr(pl_module, "expert_balancing", None)
         if balancing is not None:
@@ -112,7 +130,14 @@ class Recorder(Callback):
         if trainer.is_global_zero:
             n = self.micro_batches
             losses = [float(sum(self.batch_losses[i : i + n])) for i in range(0, len(self.batch_losses), n)]
-            record = {"losses": losses, "grads": self.grads, "params": self.params, "replica_spread": self.replica_spread, "routing": self.routing, "expert_biases": self.expert_biases}
+            record = {
+                "losses": losses,
+                "grads": self.grads,
+                "params": self.params,
+                "replica_spread": self.replica_spread,
+                "routing": self.routing,
+                "expert_biases": self.expert_biases,
+            }
             if self.record_activations:
                 record.update(activations=self.activations, layer_order=self.layer_order)
             torch.save(record, self.out)
@@ -151,7 +176,9 @@ def full_parameters(module) -> dict[str, torch.Tensor]:
 
 def full_expert_biases(module) -> dict[str, torch.Tensor]:
     """Every MoE layer's balancing bias (a buffer, which ``full_parameters`` leaves out), as it does the parameters."""
-    return _from_every_stage({f"{name}.expert_bias": _full(layer.expert_bias) for name, layer in moe_layers(module)}, module)
+    return _from_every_stage(
+        {f"{name}.expert_bias": _full(layer.expert_bias) for name, layer in moe_layers(module)}, module
+    )
 
 
 def _from_every_stage(tensors: dict[str, torch.Tensor], module) -> dict[str, torch.Tensor]:

@@ -99,7 +99,13 @@ class MeshStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.mesh_sizes: dict[str, MeshSize] = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ep": ep}
+        self.mesh_sizes: dict[str, MeshSize] = {
+            "pp": pp,
+            "dp_replicate": dp_replicate,
+            "dp_shard": dp_shard,
+            "tp": tp,
+            "ep": ep,
+        }
         # Checked in set_world_ranks, where an error reaches the command line as one line (raised
         # here, LightningCLI would report only that the strategy argument did not parse).
         self._pipeline_args = (pp_schedule, pp_microbatches, pp_virtual_stages, pp_split)
@@ -192,7 +198,9 @@ class MeshStrategy(ModelParallelStrategy):
                 applied = pipeline_robot(model, self.device_mesh, config, self.pipeline_config, self.root_device)
             else:
                 applied = plan.parallelize(model, self.device_mesh, config)
-            self._log(f"parallel plan {plan.name} on {model_class}: {'; '.join(applied) or 'nothing to apply on one process'}")
+            self._log(
+                f"parallel plan {plan.name} on {model_class}: {'; '.join(applied) or 'nothing to apply on one process'}"
+            )
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
         if self.shape.pp == 1:
@@ -223,7 +231,9 @@ def describe(shape: MeshShape) -> str:
         data = "DDP"
     else:
         data = ""
-    parts = [p for p in ("PP" if shape.pp > 1 else "", data, "TP" if shape.tp > 1 else "", "EP" if shape.ep > 1 else "") if p]
+    parts = [
+        p for p in ("PP" if shape.pp > 1 else "", data, "TP" if shape.tp > 1 else "", "EP" if shape.ep > 1 else "") if p
+    ]
     return " x ".join(parts) or "one process"
 
 
@@ -235,7 +245,9 @@ def _is_parallelized(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in module.parameters()) or any(isinstance(m, FSDPModule) for m in module.modules())
+    return any(isinstance(p, DTensor) for p in module.parameters()) or any(
+        isinstance(m, FSDPModule) for m in module.modules()
+    )
 
 
 def _no_plan_message(module: nn.Module) -> str:
@@ -248,15 +260,39 @@ def _no_plan_message(module: nn.Module) -> str:
 
 PRESETS: dict[str, tuple[str, dict]] = {
     # Replicas hold whole tensors, so a DDP checkpoint is one file, loadable without a process group.
-    "ddp": ("data parallel: full replicas, all-reduced gradients", {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "save_distributed_checkpoint": False}),
-    "fsdp": ("FSDP2: parameters, gradients and optimizer state sharded over all processes", {"dp_replicate": 1, "dp_shard": "auto", "tp": 1}),
+    "ddp": (
+        "data parallel: full replicas, all-reduced gradients",
+        {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "save_distributed_checkpoint": False},
+    ),
+    "fsdp": (
+        "FSDP2: parameters, gradients and optimizer state sharded over all processes",
+        {"dp_replicate": 1, "dp_shard": "auto", "tp": 1},
+    ),
     "tp": ("tensor parallel over all processes", {"dp_replicate": 1, "dp_shard": 1, "tp": "auto"}),
-    "hsdp": ("HSDP: shard within each node, replicate across nodes", {"dp_replicate": "auto", "dp_shard": "node", "tp": 1}),
-    "fsdp_tp": ("tensor parallel within each node, FSDP across nodes", {"dp_replicate": 1, "dp_shard": "auto", "tp": "node"}),
-    "pp": ("pipeline parallel: stages of layers over all processes", {"pp": "auto", "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
-    "pp_fsdp": ("two pipeline stages, FSDP over the processes of each", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 1}),
-    "pp_fsdp_tp": ("two pipeline stages, tensor parallel over pairs of processes in each, FSDP over the pairs", {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 2}),
-    "ep": ("expert parallel over all processes, other parameters replicated (DDP)", {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "ep": "auto"}),
+    "hsdp": (
+        "HSDP: shard within each node, replicate across nodes",
+        {"dp_replicate": "auto", "dp_shard": "node", "tp": 1},
+    ),
+    "fsdp_tp": (
+        "tensor parallel within each node, FSDP across nodes",
+        {"dp_replicate": 1, "dp_shard": "auto", "tp": "node"},
+    ),
+    "pp": (
+        "pipeline parallel: stages of layers over all processes",
+        {"pp": "auto", "dp_replicate": 1, "dp_shard": 1, "tp": 1},
+    ),
+    "pp_fsdp": (
+        "two pipeline stages, FSDP over the processes of each",
+        {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 1},
+    ),
+    "pp_fsdp_tp": (
+        "two pipeline stages, tensor parallel over pairs of processes in each, FSDP over the pairs",
+        {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 2},
+    ),
+    "ep": (
+        "expert parallel over all processes, other parameters replicated (DDP)",
+        {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "ep": "auto"},
+    ),
     "ep_fsdp": (
         "FSDP over all processes, experts split within each node and sharded across nodes",
         {"dp_replicate": 1, "dp_shard": "auto", "tp": 1, "ep": "node"},

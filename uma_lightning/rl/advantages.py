@@ -10,8 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, terminated: torch.Tensor,
-        done: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_values: torch.Tensor,
+    terminated: torch.Tensor,
+    done: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016): ``(advantages, value targets)``."""
     deltas = rewards + gamma * next_values * (~terminated) - values
     carry = (gamma * lam) * (~done)
@@ -23,9 +30,18 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, 
     return advantages, advantages + values
 
 
-def vtrace(log_rhos: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
-           terminated: torch.Tensor, done: torch.Tensor, gamma: float, lam: float = 1.0,
-           rho_bar: float = 1.0, c_bar: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def vtrace(
+    log_rhos: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_values: torch.Tensor,
+    terminated: torch.Tensor,
+    done: torch.Tensor,
+    gamma: float,
+    lam: float = 1.0,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """V-trace (Espeholt et al. 2018) for data from an older policy: ``(policy-gradient advantages,
     value targets)``. ``log_rhos`` are log(pi_current / pi_behaviour) of the taken actions; ``lam``
     scales the traces as in the paper's remark 2, so with equal policies the value targets are the

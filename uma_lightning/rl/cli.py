@@ -29,7 +29,9 @@ class RLCLI(UmaCLI):
 
     def link_data_to_model(self, parser) -> None:
         # The learner's networks are built for the environment's shapes, read by the data module.
-        parser.link_arguments("data", "model.init_args.env", compute_fn=lambda data: data.env_spec, apply_on="instantiate")
+        parser.link_arguments(
+            "data", "model.init_args.env", compute_fn=lambda data: data.env_spec, apply_on="instantiate"
+        )
 
 
 def main(argv: list[str]) -> int:

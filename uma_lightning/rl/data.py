@@ -77,8 +77,13 @@ class RolloutDataModule(L.LightningDataModule):
             seed: Seed of environments and action sampling; None uses the run's ``seed_everything``.
         """
         super().__init__()
-        for name, value in (("total_env_steps", total_env_steps), ("n_workers", n_workers), ("envs_per_worker", envs_per_worker),
-                            ("steps_per_chunk", steps_per_chunk), ("return_window", return_window)):
+        for name, value in (
+            ("total_env_steps", total_env_steps),
+            ("n_workers", n_workers),
+            ("envs_per_worker", envs_per_worker),
+            ("steps_per_chunk", steps_per_chunk),
+            ("return_window", return_window),
+        ):
             if value < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
         if max_policy_lag < 0:
@@ -113,33 +118,70 @@ class RolloutDataModule(L.LightningDataModule):
         rank = self.trainer.global_rank if self.trainer is not None else 0
         seed = hp.seed if hp.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         setup = ActorSetup(
-            spec=self.env_spec, env_kwargs=dict(hp.env_kwargs or {}), n_envs=hp.envs_per_worker, steps=hp.steps_per_chunk,
+            spec=self.env_spec,
+            env_kwargs=dict(hp.env_kwargs or {}),
+            n_envs=hp.envs_per_worker,
+            steps=hp.steps_per_chunk,
             # Ranks get different seeds; a resumed run continues with fresh episodes, not its first ones again.
-            seed=seed + 100_003 * rank + self.env_steps, synchronous=hp.max_policy_lag == 0,
+            seed=seed + 100_003 * rank + self.env_steps,
+            synchronous=hp.max_policy_lag == 0,
             return_discount=return_discount,
         )
         server = None
         if hp.inference == "server":
-            device = hp.server_device if hp.server_device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            server = {"max_batch": hp.server_max_batch or hp.n_workers * hp.envs_per_worker,
-                      "max_wait": hp.server_max_wait_ms / 1000, "device": device}
+            device = (
+                hp.server_device if hp.server_device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            )
+            server = {
+                "max_batch": hp.server_max_batch or hp.n_workers * hp.envs_per_worker,
+                "max_wait": hp.server_max_wait_ms / 1000,
+                "device": device,
+            }
         n_params = sum(p.numel() for p in policy.parameters())
         mode = "synchronous" if setup.synchronous else f"asynchronous, max policy lag {hp.max_policy_lag}"
-        where = "per-worker inference" if server is None else (
-            f"inference server on {server['device']} (batches of up to {server['max_batch']} observations or {hp.server_max_wait_ms} ms)")
-        log.info("actors: %d %s worker(s) x %d %s envs, %d steps per chunk, %s, %s; policy of %d parameters",
-                 hp.n_workers, hp.backend, hp.envs_per_worker, self.env_spec.env, hp.steps_per_chunk, mode, where, n_params)
+        where = (
+            "per-worker inference"
+            if server is None
+            else (
+                f"inference server on {server['device']} (batches of up to {server['max_batch']} observations or {hp.server_max_wait_ms} ms)"
+            )
+        )
+        log.info(
+            "actors: %d %s worker(s) x %d %s envs, %d steps per chunk, %s, %s; policy of %d parameters",
+            hp.n_workers,
+            hp.backend,
+            hp.envs_per_worker,
+            self.env_spec.env,
+            hp.steps_per_chunk,
+            mode,
+            where,
+            n_params,
+        )
         if hp.backend == "ray":
             from uma_lightning.rl.ray_backend import RayActors
 
-            self.actors = RayActors(setup, policy, hp.n_workers, server=server, heartbeat_timeout=hp.heartbeat_timeout,
-                                    startup_timeout=hp.startup_timeout, address=hp.ray_address)
+            self.actors = RayActors(
+                setup,
+                policy,
+                hp.n_workers,
+                server=server,
+                heartbeat_timeout=hp.heartbeat_timeout,
+                startup_timeout=hp.startup_timeout,
+                address=hp.ray_address,
+            )
         else:
             from uma_lightning.rl.local import LocalActors
 
             slots = hp.slots_per_worker or max(1, hp.max_policy_lag)
-            self.actors = LocalActors(setup, policy, hp.n_workers, slots_per_worker=slots, server=server,
-                                      heartbeat_timeout=hp.heartbeat_timeout, startup_timeout=hp.startup_timeout)
+            self.actors = LocalActors(
+                setup,
+                policy,
+                hp.n_workers,
+                slots_per_worker=slots,
+                server=server,
+                heartbeat_timeout=hp.heartbeat_timeout,
+                startup_timeout=hp.startup_timeout,
+            )
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:
         """Make ``policy``'s current weights the newest version; actors switch at their next chunk."""
@@ -183,8 +225,12 @@ class RolloutDataModule(L.LightningDataModule):
             self.actors = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"env_steps": self.env_steps, "dropped_chunks": self.dropped_chunks, "restarts": self.restarts,
-                "recent_returns": list(self.recent_returns)}
+        return {
+            "env_steps": self.env_steps,
+            "dropped_chunks": self.dropped_chunks,
+            "restarts": self.restarts,
+            "recent_returns": list(self.recent_returns),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.env_steps, self.dropped_chunks = state["env_steps"], state["dropped_chunks"]

@@ -117,8 +117,15 @@ class EnvVector:
         for i, (instance, seed) in enumerate(zip(self.envs, seeds, strict=True)):
             obs_out[i] = instance.reset(seed=seed)[0]
 
-    def step(self, actions: np.ndarray, obs_out: np.ndarray, final_obs_out: np.ndarray, reward_out: np.ndarray,
-             terminated_out: np.ndarray, truncated_out: np.ndarray) -> None:
+    def step(
+        self,
+        actions: np.ndarray,
+        obs_out: np.ndarray,
+        final_obs_out: np.ndarray,
+        reward_out: np.ndarray,
+        terminated_out: np.ndarray,
+        truncated_out: np.ndarray,
+    ) -> None:
         """Step env ``i`` with ``actions[i]``. ``final_obs_out[i]`` gets the observation the step returned;
         ``obs_out[i]`` the one to act on next, the next episode's first where this one ended."""
         for i, instance in enumerate(self.envs):

@@ -44,18 +44,24 @@ def make_links(ctx, n_workers: int, n_envs: int, obs_dim: int, action_dim: int) 
     for _ in range(n_workers):
         request_reader, request_writer = ctx.Pipe(duplex=False)
         response_reader, response_writer = ctx.Pipe(duplex=False)
-        links.append(ServerLink(
-            request=SharedArrays({"obs": ((n_envs, obs_dim), torch.float32)}),
-            response=SharedArrays({
-                "action": ((n_envs, action_dim), torch.float32),
-                "log_prob": ((n_envs,), torch.float32),
-                "value": ((n_envs,), torch.float32),
-                "version": ((1,), torch.int64),
-            }),
-            request_reader=request_reader, request_writer=request_writer,
-            response_reader=response_reader, response_writer=response_writer,
-            generation=generation,
-        ))
+        links.append(
+            ServerLink(
+                request=SharedArrays({"obs": ((n_envs, obs_dim), torch.float32)}),
+                response=SharedArrays(
+                    {
+                        "action": ((n_envs, action_dim), torch.float32),
+                        "log_prob": ((n_envs,), torch.float32),
+                        "value": ((n_envs,), torch.float32),
+                        "version": ((1,), torch.int64),
+                    }
+                ),
+                request_reader=request_reader,
+                request_writer=request_writer,
+                response_reader=response_reader,
+                response_writer=response_writer,
+                generation=generation,
+            )
+        )
     return links
 
 
@@ -90,8 +96,15 @@ class ServerClient:
         return int(response["version"][0])
 
 
-def serve(policy: torch.nn.Module, weights: WeightStore, links: list[ServerLink], heartbeat,
-          max_batch: int, max_wait: float, device: str) -> None:
+def serve(
+    policy: torch.nn.Module,
+    weights: WeightStore,
+    links: list[ServerLink],
+    heartbeat,
+    max_batch: int,
+    max_wait: float,
+    device: str,
+) -> None:
     """The server loop; runs until ``heartbeat()`` raises SystemExit."""
     policy = policy.to(device).eval()
     state, version = policy.state_dict(), -1

@@ -44,7 +44,9 @@ class RLLearner(L.LightningModule):
         """
         super().__init__()
         if env is None:
-            raise ValueError(f"{type(self).__name__} needs the env spec: pass env=datamodule.env_spec (uma rl links it for you)")
+            raise ValueError(
+                f"{type(self).__name__} needs the env spec: pass env=datamodule.env_spec (uma rl links it for you)"
+            )
         self.env_spec = EnvSpec(**env) if isinstance(env, dict) else env
         self.gamma, self.seed = gamma, seed
         self.automatic_optimization = False  # an update takes many optimizer steps on one batch
@@ -77,7 +79,11 @@ class RLLearner(L.LightningModule):
             threads = max(1, (os.cpu_count() or 1) - experience.local_workers)
             if threads < torch.get_num_threads():
                 torch.set_num_threads(threads)
-                log.info("learner on CPU: %d intra-op thread(s), the cores its %d local actor processes leave", threads, experience.local_workers)
+                log.info(
+                    "learner on CPU: %d intra-op thread(s), the cores its %d local actor processes leave",
+                    threads,
+                    experience.local_workers,
+                )
         experience.start(self.policy, return_discount=self.gamma)
         experience.publish(self.policy, self.policy_version)
 

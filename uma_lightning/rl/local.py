@@ -79,8 +79,16 @@ class _Process:
 
 
 class LocalActors:
-    def __init__(self, setup: ActorSetup, policy: torch.nn.Module, n_workers: int, slots_per_worker: int = 2,
-                 server: Optional[dict[str, Any]] = None, heartbeat_timeout: float = 60.0, startup_timeout: float = 300.0):
+    def __init__(
+        self,
+        setup: ActorSetup,
+        policy: torch.nn.Module,
+        n_workers: int,
+        slots_per_worker: int = 2,
+        server: Optional[dict[str, Any]] = None,
+        heartbeat_timeout: float = 60.0,
+        startup_timeout: float = 300.0,
+    ):
         """
         Args:
             setup: Environments and chunk size of every worker.
@@ -128,7 +136,9 @@ class LocalActors:
                 self._supervise()
             by_conn = {worker.ready: worker for worker in self.workers}
             ready = wait(list(by_conn), timeout=0.2)
-            for worker in sorted((by_conn[c] for c in ready), key=lambda w: (w.index - self._next_worker) % self.n_workers):
+            for worker in sorted(
+                (by_conn[c] for c in ready), key=lambda w: (w.index - self._next_worker) % self.n_workers
+            ):
                 message = recv_message(worker.ready)
                 if message is None:
                     self._restart_worker(worker, f"exited with code {_exitcode(worker.process)}")
@@ -194,8 +204,13 @@ class LocalActors:
     def _restart_worker(self, worker: _Process, reason: str) -> None:
         if self.workers[worker.index] is not worker:
             return  # already replaced
-        log.warning("actor %d (pid %d, incarnation %d) %s; restarting it and discarding its unfinished chunk",
-                    worker.index, worker.process.pid, worker.incarnation, reason)
+        log.warning(
+            "actor %d (pid %d, incarnation %d) %s; restarting it and discarding its unfinished chunk",
+            worker.index,
+            worker.process.pid,
+            worker.incarnation,
+            reason,
+        )
         self._kill(worker)
         # A worker that dies before its first heartbeat fails at start-up (bad env, import error):
         # restarting it forever would hide that, so give up after a few attempts in a row.
@@ -203,8 +218,10 @@ class LocalActors:
         self.failed_starts[worker.index] = 0 if started else self.failed_starts[worker.index] + 1
         if self.failed_starts[worker.index] >= _MAX_FAILED_STARTS:
             self.close()
-            raise RuntimeError(f"actor {worker.index} failed to start {_MAX_FAILED_STARTS} times in a row ({reason}); "
-                               "its error is printed above")
+            raise RuntimeError(
+                f"actor {worker.index} failed to start {_MAX_FAILED_STARTS} times in a row ({reason}); "
+                "its error is printed above"
+            )
         worker.ready.close()
         worker.free.close()
         self.restarts += 1
@@ -222,8 +239,19 @@ class LocalActors:
         link = self.links[index] if self.links is not None else None
         process = self.ctx.Process(
             target=_worker_main,
-            args=(index, incarnation, self.setup, None if link else self.policy, self.weights, self.slots[index],
-                  ready_writer, free_reader, self.heartbeats, self._lifeline_reader, link),
+            args=(
+                index,
+                incarnation,
+                self.setup,
+                None if link else self.policy,
+                self.weights,
+                self.slots[index],
+                ready_writer,
+                free_reader,
+                self.heartbeats,
+                self._lifeline_reader,
+                link,
+            ),
             name=f"uma-actor-{index}",
             daemon=True,
         )
@@ -243,8 +271,17 @@ class LocalActors:
             self.links[0].generation += 1  # shared by all links: waiting workers re-send their requests
         process = self.ctx.Process(
             target=_server_main,
-            args=(self.policy, self.weights, self.links, self.heartbeats, self._lifeline_reader, self.n_workers,
-                  config["max_batch"], config["max_wait"], config["device"]),
+            args=(
+                self.policy,
+                self.weights,
+                self.links,
+                self.heartbeats,
+                self._lifeline_reader,
+                self.n_workers,
+                config["max_batch"],
+                config["max_wait"],
+                config["device"],
+            ),
             name="uma-inference-server",
             daemon=True,
         )
@@ -317,9 +354,19 @@ class _Pulse:
                 raise SystemExit(0)
 
 
-def _worker_main(index: int, incarnation: int, setup: ActorSetup, policy: Optional[torch.nn.Module],
-                 weights: WeightStore, slots: list[SharedArrays], ready, free, heartbeats: torch.Tensor,
-                 lifeline, link: Optional[ServerLink]) -> None:
+def _worker_main(
+    index: int,
+    incarnation: int,
+    setup: ActorSetup,
+    policy: Optional[torch.nn.Module],
+    weights: WeightStore,
+    slots: list[SharedArrays],
+    ready,
+    free,
+    heartbeats: torch.Tensor,
+    lifeline,
+    link: Optional[ServerLink],
+) -> None:
     _child_setup()
     heartbeat = _Pulse(heartbeats, index, lifeline)
     seed = setup.worker_seed(index, incarnation)

@@ -18,16 +18,16 @@ subclass that changes ``forward`` is acted with through ``forward`` again.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributions import Distribution, Independent, Normal
 
 from uma_lightning.rl.env import EnvSpec
-
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))  # as torch.distributions.Normal.log_prob writes it
 
@@ -46,9 +46,13 @@ def check_policy(policy: nn.Module, spec: EnvSpec, needs_value: bool) -> None:
         raise TypeError(f"{name}.forward must return a PolicyOutput(distribution, value), got {type(out).__name__}")
     action = out.distribution.sample()
     if tuple(action.shape) != (2, spec.action_dim):
-        raise ValueError(f"{name}: actions have shape {tuple(action.shape)[1:]}, env {spec.env} needs ({spec.action_dim},)")
+        raise ValueError(
+            f"{name}: actions have shape {tuple(action.shape)[1:]}, env {spec.env} needs ({spec.action_dim},)"
+        )
     if tuple(out.distribution.log_prob(action).shape) != (2,):
-        raise ValueError(f"{name}: log_prob must give one value per sample; wrap per-dimension distributions in Independent")
+        raise ValueError(
+            f"{name}: log_prob must give one value per sample; wrap per-dimension distributions in Independent"
+        )
     if needs_value and (out.value is None or tuple(out.value.shape) != (2,)):
         raise ValueError(f"{name}: this learner needs a value estimate of shape [B] from the policy")
 
@@ -132,7 +136,9 @@ class GaussianMLPPolicy(nn.Module):
     """Actor-critic for PPO: a diagonal Gaussian whose mean is an MLP of the observation, a learned
     state-independent log standard deviation, and a separate MLP value head."""
 
-    def __init__(self, spec: EnvSpec, hidden: Sequence[int] = (64, 64), normalize_obs: bool = True, init_log_std: float = 0.0):
+    def __init__(
+        self, spec: EnvSpec, hidden: Sequence[int] = (64, 64), normalize_obs: bool = True, init_log_std: float = 0.0
+    ):
         super().__init__()
         self.obs_norm = RunningNorm(spec.obs_dim) if normalize_obs else nn.Identity()
         self.actor = mlp([spec.obs_dim, *hidden, spec.action_dim], nn.Tanh, out_gain=0.01)
@@ -142,7 +148,9 @@ class GaussianMLPPolicy(nn.Module):
     def forward(self, obs: torch.Tensor) -> PolicyOutput:
         x = self.obs_norm(obs)
         mean = self.actor(x)
-        distribution = Independent(Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False), 1, validate_args=False)
+        distribution = Independent(
+            Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False), 1, validate_args=False
+        )
         return PolicyOutput(distribution, self.critic(x).squeeze(-1))
 
     def act(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,7 +166,7 @@ class GaussianMLPPolicy(nn.Module):
         log_prob = (action - mean).square_().neg_().div_(two_var).sub_(log_std).sub_(_LOG_SQRT_2PI).sum(-1)
         return action, log_prob, mlp_forward_(self.critic, x).squeeze(-1)
 
-    def numpy_act(self, batch: int) -> "NumpyAct":
+    def numpy_act(self, batch: int) -> NumpyAct:
         """``act`` for batches of ``batch`` float32 numpy observations on the CPU, bound to the weights
         as they are now (see ``NumpyAct``); bind again after copying new weights in."""
         return NumpyAct(self, batch)
@@ -295,8 +303,13 @@ class TanhGaussianMLPPolicy(nn.Module):
     """Actor for SAC: a Gaussian squashed by tanh into the action bounds; no value head (the learner's
     critics are not needed to act)."""
 
-    def __init__(self, spec: EnvSpec, hidden: Sequence[int] = (256, 256), normalize_obs: bool = False,
-                 log_std_bounds: tuple[float, float] = (-5.0, 2.0)):
+    def __init__(
+        self,
+        spec: EnvSpec,
+        hidden: Sequence[int] = (256, 256),
+        normalize_obs: bool = False,
+        log_std_bounds: tuple[float, float] = (-5.0, 2.0),
+    ):
         super().__init__()
         self.obs_norm = RunningNorm(spec.obs_dim) if normalize_obs else nn.Identity()
         self.net = mlp([spec.obs_dim, *hidden, 2 * spec.action_dim], nn.ReLU, out_gain=0.01)

@@ -64,7 +64,12 @@ class PPOLearner(RLLearner):
         self.policy = self.build_policy()
 
     def build_policy(self) -> torch.nn.Module:
-        return GaussianMLPPolicy(self.env_spec, tuple(self.hparams.hidden), normalize_obs=self.hparams.normalize_obs, init_log_std=self.hparams.init_log_std)
+        return GaussianMLPPolicy(
+            self.env_spec,
+            tuple(self.hparams.hidden),
+            normalize_obs=self.hparams.normalize_obs,
+            init_log_std=self.hparams.init_log_std,
+        )
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.policy.parameters(), lr=self.hparams.lr, eps=1e-5, fused=True)
@@ -84,11 +89,23 @@ class PPOLearner(RLLearner):
             values = out.value.view(steps, width)
             log_probs = out.distribution.log_prob(flat(data["action"])).view(steps, width)
             next_values = self.policy(flat(data["next_obs"])).value.view(steps, width)
-            advantages, returns = gae(rewards, values, next_values, terminated, done, self.gamma, self.hparams.gae_lambda)
+            advantages, returns = gae(
+                rewards, values, next_values, terminated, done, self.gamma, self.hparams.gae_lambda
+            )
             lagged = (data["version"] < self.policy_version).any(dim=0)  # per env column
             if lagged.any():
-                v_advantages, v_returns = vtrace(log_probs - data["log_prob"], rewards, values, next_values, terminated, done,
-                                                 self.gamma, self.hparams.gae_lambda, self.hparams.rho_bar, self.hparams.c_bar)
+                v_advantages, v_returns = vtrace(
+                    log_probs - data["log_prob"],
+                    rewards,
+                    values,
+                    next_values,
+                    terminated,
+                    done,
+                    self.gamma,
+                    self.hparams.gae_lambda,
+                    self.hparams.rho_bar,
+                    self.hparams.c_bar,
+                )
                 advantages = torch.where(lagged, v_advantages, advantages)
                 returns = torch.where(lagged, v_returns, returns)
 
@@ -101,7 +118,9 @@ class PPOLearner(RLLearner):
         n = obs.shape[0]
         size = min(self.hparams.minibatch_size, n)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version)
-        totals = torch.zeros(6, device=obs.device)  # policy loss, value loss, entropy, approx kl, clip fraction, grad norm
+        totals = torch.zeros(
+            6, device=obs.device
+        )  # policy loss, value loss, entropy, approx kl, clip fraction, grad norm
         n_steps = 0
         for _ in range(self.hparams.epochs):
             order = torch.randperm(n, generator=generator).to(obs.device)
@@ -114,7 +133,10 @@ class PPOLearner(RLLearner):
                 advantage = advantages[index]
                 if self.hparams.normalize_advantages:
                     advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
-                policy_loss = torch.max(-advantage * ratio, -advantage * ratio.clamp(1 - self.hparams.clip_ratio, 1 + self.hparams.clip_ratio)).mean()
+                policy_loss = torch.max(
+                    -advantage * ratio,
+                    -advantage * ratio.clamp(1 - self.hparams.clip_ratio, 1 + self.hparams.clip_ratio),
+                ).mean()
                 value_loss = 0.5 * (out.value - returns[index]).pow(2).mean()
                 entropy = out.distribution.entropy().mean()
                 loss = policy_loss + self.hparams.value_coef * value_loss - self.hparams.entropy_coef * entropy
@@ -132,8 +154,14 @@ class PPOLearner(RLLearner):
         means = (totals / max(n_steps, 1)).tolist()
         explained = 1 - (returns - flat(values)).var() / returns.var().clamp(min=1e-8)
         return {
-            "train/policy_loss": means[0], "train/value_loss": means[1], "train/entropy": means[2],
-            "train/approx_kl": means[3], "train/clip_fraction": means[4], "grad_norm": means[5],
-            "train/explained_variance": float(explained), "lr": lr,
-            "train/lagged_fraction": float(lagged.float().mean()), "learner/samples": float(n_steps * size),
+            "train/policy_loss": means[0],
+            "train/value_loss": means[1],
+            "train/entropy": means[2],
+            "train/approx_kl": means[3],
+            "train/clip_fraction": means[4],
+            "grad_norm": means[5],
+            "train/explained_variance": float(explained),
+            "lr": lr,
+            "train/lagged_fraction": float(lagged.float().mean()),
+            "learner/samples": float(n_steps * size),
         }

@@ -30,12 +30,20 @@ log = logging.getLogger("uma_lightning")
 
 
 class RayActors:
-    def __init__(self, setup: ActorSetup, policy: torch.nn.Module, n_workers: int, server: Optional[dict[str, Any]] = None,
-                 heartbeat_timeout: float = 60.0, startup_timeout: float = 300.0, address: Optional[str] = None):
+    def __init__(
+        self,
+        setup: ActorSetup,
+        policy: torch.nn.Module,
+        n_workers: int,
+        server: Optional[dict[str, Any]] = None,
+        heartbeat_timeout: float = 60.0,
+        startup_timeout: float = 300.0,
+        address: Optional[str] = None,
+    ):
         try:
             import ray
         except ImportError:
-            raise ImportError("data.backend=ray needs Ray: pip install -e \".[ray]\"") from None
+            raise ImportError('data.backend=ray needs Ray: pip install -e ".[ray]"') from None
         self.ray = ray
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
@@ -44,10 +52,14 @@ class RayActors:
         policy = copy.deepcopy(policy).cpu()
         self.server = None
         if server is not None:
-            server_cls = ray.remote(num_cpus=0, num_gpus=1 if server["device"].startswith("cuda") else 0, max_restarts=-1)(RayInferenceServer)
+            server_cls = ray.remote(
+                num_cpus=0, num_gpus=1 if server["device"].startswith("cuda") else 0, max_restarts=-1
+            )(RayInferenceServer)
             self.server = server_cls.remote(policy, server["max_batch"], server["max_wait"], server["device"])
         worker_cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RayRolloutWorker)
-        self.workers = [worker_cls.remote(index, setup, None if self.server else policy, self.server) for index in range(n_workers)]
+        self.workers = [
+            worker_cls.remote(index, setup, None if self.server else policy, self.server) for index in range(n_workers)
+        ]
         self.pending: dict[Any, tuple[int, float]] = {}  # in-flight rollout call -> (worker, submitted at)
         self.last_version = [-1] * n_workers  # per worker: newest version in its last chunk
         self.incarnations = [0] * n_workers  # restarts are counted when a worker answers from a new process
@@ -78,7 +90,9 @@ class RayActors:
                     data, pid = ray.get(ready[0])
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
                     # The call is lost with the process; Ray restarts the actor and the call is made again.
-                    log.warning("ray actor %d lost its call (%s); its unfinished chunk is discarded", index, type(err).__name__)
+                    log.warning(
+                        "ray actor %d lost its call (%s); its unfinished chunk is discarded", index, type(err).__name__
+                    )
                     self.started[index] = False
                     self.last_version[index] = -1
                     continue
@@ -91,8 +105,12 @@ class RayActors:
                 self.last_version[index] = int(data["version"].max())
                 self.started[index] = True
                 self.sequences[index] += 1
-                return Chunk({name: torch.from_numpy(array.copy()) for name, array in data.items()},
-                             index, self.incarnations[index], self.sequences[index])
+                return Chunk(
+                    {name: torch.from_numpy(array.copy()) for name, array in data.items()},
+                    index,
+                    self.incarnations[index],
+                    self.sequences[index],
+                )
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"no trajectory chunk within {timeout} s")
 
@@ -108,8 +126,11 @@ class RayActors:
 
     def _kill_hung(self) -> None:
         now = time.monotonic()
-        overdue = {ref: (index, self._call_limit(index)) for ref, (index, submitted) in self.pending.items()
-                   if now - submitted > self._call_limit(index)}
+        overdue = {
+            ref: (index, self._call_limit(index))
+            for ref, (index, submitted) in self.pending.items()
+            if now - submitted > self._call_limit(index)
+        }
         if not overdue:
             return
         # A call that finished while the learner was busy elsewhere (a long update) is not hung.
@@ -117,7 +138,9 @@ class RayActors:
         for ref in set(overdue) - set(finished):
             index, limit = overdue[ref]
             del self.pending[ref]
-            log.warning("ray actor %d did not finish a chunk within %.0f s (hung); killing it for Ray to restart", index, limit)
+            log.warning(
+                "ray actor %d did not finish a chunk within %.0f s (hung); killing it for Ray to restart", index, limit
+            )
             self.ray.kill(self.workers[index], no_restart=False)
             self.started[index] = False
             self.last_version[index] = -1

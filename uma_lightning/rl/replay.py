@@ -26,8 +26,16 @@ _POSITION, _SIZE = 0, 1
 
 
 class ReplayBuffer:
-    def __init__(self, capacity: int, layout: Layout, prioritized: bool = False, alpha: float = 0.6,
-                 beta: float = 0.4, eps: float = 1e-6, seed: int = 0):
+    def __init__(
+        self,
+        capacity: int,
+        layout: Layout,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-6,
+        seed: int = 0,
+    ):
         """
         Args:
             capacity: Transitions kept; the oldest are overwritten first.
@@ -120,7 +128,9 @@ class ReplayBuffer:
     def _sample_proportional(self, batch_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         total = self.tree[1]
         # Stratified: one draw in each of batch_size equal slices of the total mass.
-        u = (torch.arange(batch_size, dtype=torch.float64) + torch.rand(batch_size, dtype=torch.float64, generator=self.generator))
+        u = torch.arange(batch_size, dtype=torch.float64) + torch.rand(
+            batch_size, dtype=torch.float64, generator=self.generator
+        )
         u = (u / batch_size * total).clamp(max=total * (1 - 1e-12))
         nodes = torch.ones(batch_size, dtype=torch.int64)
         while nodes[0] < self.leaves:
@@ -153,10 +163,14 @@ class ReplayBuffer:
     def load_state_dict(self, state: dict) -> None:
         for key in ("capacity", "prioritized", "alpha"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"replay buffer in checkpoint has {key}={state[key]!r}, this buffer has {getattr(self, key)!r}")
+                raise ValueError(
+                    f"replay buffer in checkpoint has {key}={state[key]!r}, this buffer has {getattr(self, key)!r}"
+                )
         stored = {name: (tuple(t.shape[1:]), t.dtype) for name, t in state["storage"].items()}
         if stored != self.field_layout:
-            raise ValueError(f"replay buffer in checkpoint holds fields {stored}, this buffer holds {self.field_layout}")
+            raise ValueError(
+                f"replay buffer in checkpoint holds fields {stored}, this buffer holds {self.field_layout}"
+            )
         with self.lock:
             size = state["size"]
             for name, tensor in state["storage"].items():
@@ -172,4 +186,6 @@ def _last_occurrence(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique values and the position of each one's last occurrence in ``values``."""
     unique, inverse = torch.unique(values, return_inverse=True)
     positions = torch.arange(len(values))
-    return unique, torch.full((len(unique),), -1, dtype=torch.int64).scatter_reduce(0, inverse, positions, reduce="amax")
+    return unique, torch.full((len(unique),), -1, dtype=torch.int64).scatter_reduce(
+        0, inverse, positions, reduce="amax"
+    )

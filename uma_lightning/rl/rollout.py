@@ -21,7 +21,8 @@ The same runner fills shared-memory slots in local actor processes and plain arr
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -55,7 +56,9 @@ def chunk_layout(spec: EnvSpec, steps: int, n_envs: int) -> dict[str, tuple[tupl
 class EnvRunner:
     """A vector of environments and the bookkeeping that spans chunks (running returns and lengths)."""
 
-    def __init__(self, spec: EnvSpec, env_kwargs: Optional[dict[str, Any]], n_envs: int, seed: int, return_discount: float):
+    def __init__(
+        self, spec: EnvSpec, env_kwargs: Optional[dict[str, Any]], n_envs: int, seed: int, return_discount: float
+    ):
         self.envs = EnvVector(spec.env, env_kwargs, n_envs)
         self.obs = np.empty((n_envs, spec.obs_dim), np.float32)
         self.envs.reset([seed + i for i in range(n_envs)], self.obs)
@@ -143,7 +146,9 @@ def sample_actions(policy: torch.nn.Module, obs: torch.Tensor) -> tuple[torch.Te
     return act(obs) if act is not None else sample_from_distribution(policy, obs)
 
 
-def sample_from_distribution(policy: torch.nn.Module, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_from_distribution(
+    policy: torch.nn.Module, obs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference computation: ``forward``'s distribution, sampled, and the sample's log-probability."""
     out: PolicyOutput = policy(obs)
     action = out.distribution.sample()

@@ -95,13 +95,24 @@ class SACLearner(RLLearner):
         self.log_alpha = nn.Parameter(torch.tensor(float(init_alpha)).log())
         self.buffer = ReplayBuffer(
             buffer_size,
-            {"obs": ((spec.obs_dim,), torch.float32), "action": ((spec.action_dim,), torch.float32),
-             "reward": ((), torch.float32), "next_obs": ((spec.obs_dim,), torch.float32), "terminated": ((), torch.bool)},
-            prioritized=prioritized, alpha=priority_alpha, beta=priority_beta, seed=self.seed,
+            {
+                "obs": ((spec.obs_dim,), torch.float32),
+                "action": ((spec.action_dim,), torch.float32),
+                "reward": ((), torch.float32),
+                "next_obs": ((spec.obs_dim,), torch.float32),
+                "terminated": ((), torch.bool),
+            },
+            prioritized=prioritized,
+            alpha=priority_alpha,
+            beta=priority_beta,
+            seed=self.seed,
         )
         self._update_credit = 0.0  # fractional updates carried between iterations
+
     def build_policy(self) -> nn.Module:
-        return TanhGaussianMLPPolicy(self.env_spec, tuple(self.hparams.hidden), normalize_obs=self.hparams.normalize_obs)
+        return TanhGaussianMLPPolicy(
+            self.env_spec, tuple(self.hparams.hidden), normalize_obs=self.hparams.normalize_obs
+        )
 
     def configure_optimizers(self):
         groups = [
@@ -112,7 +123,10 @@ class SACLearner(RLLearner):
         return torch.optim.Adam(groups, fused=True)
 
     def update(self, trajectories: dict[str, torch.Tensor]) -> dict[str, float]:
-        data = {name: trajectories[name].flatten(0, 1).cpu() for name in ("obs", "action", "reward", "next_obs", "terminated")}
+        data = {
+            name: trajectories[name].flatten(0, 1).cpu()
+            for name in ("obs", "action", "reward", "next_obs", "terminated")
+        }
         self.buffer.add(data)
         self.update_observation_stats(trajectories["obs"])
         if len(self.buffer) < self.hparams.learning_starts:
@@ -130,19 +144,31 @@ class SACLearner(RLLearner):
             self.manual_backward(losses[0] + losses[1] + losses[2])
             optimizer.step()
             with torch.no_grad():
-                torch._foreach_lerp_(list(self.critic_target.parameters()), list(self.critic.parameters()), self.hparams.tau)
+                torch._foreach_lerp_(
+                    list(self.critic_target.parameters()), list(self.critic.parameters()), self.hparams.tau
+                )
                 totals += torch.stack([losses[0], losses[1], self.log_alpha.exp(), losses[3]]).detach()
             self.buffer.update_priorities(indices, td_error)
         means = (totals / max(n_updates, 1)).tolist()
-        return {"train/critic_loss": means[0], "train/actor_loss": means[1], "train/alpha": means[2], "train/entropy": means[3],
-                "replay/size": float(len(self.buffer)), "learner/samples": float(n_updates * self.hparams.batch_size)}
+        return {
+            "train/critic_loss": means[0],
+            "train/actor_loss": means[1],
+            "train/alpha": means[2],
+            "train/entropy": means[3],
+            "replay/size": float(len(self.buffer)),
+            "learner/samples": float(n_updates * self.hparams.batch_size),
+        }
 
-    def _losses(self, batch: dict[str, torch.Tensor], weights: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    def _losses(
+        self, batch: dict[str, torch.Tensor], weights: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         alpha = self.log_alpha.exp().detach()
         with torch.no_grad():
             next_dist = self.policy(batch["next_obs"]).distribution
             next_action = next_dist.sample()
-            next_q = self.critic_target(batch["next_obs"], next_action).min(dim=0).values - alpha * next_dist.log_prob(next_action)
+            next_q = self.critic_target(batch["next_obs"], next_action).min(dim=0).values - alpha * next_dist.log_prob(
+                next_action
+            )
             target = batch["reward"] + self.gamma * (~batch["terminated"]) * next_q
         q = self.critic(batch["obs"], batch["action"])
         td = q - target

@@ -31,7 +31,9 @@ class WeightStore:
         control = self.control.numpy()
         layout = self.slots[0].layout
         if set(state) != set(layout) or any(tuple(state[k].shape) != layout[k][0] for k in layout):
-            raise ValueError("published weights do not match the policy the actors were started with (names or shapes differ)")
+            raise ValueError(
+                "published weights do not match the policy the actors were started with (names or shapes differ)"
+            )
         if version <= self.version:
             raise ValueError(f"policy version must grow: publishing {version} after {self.version}")
         slot = 1 if control[_LATEST] == 0 else 0

@@ -68,7 +68,9 @@ def run_episodes(
         }
         chunks = np.asarray(act(batch), dtype=np.float64)
         if chunks.ndim != 3 or chunks.shape[0] != len(envs) or chunks.shape[1] < execute_steps:
-            raise ValueError(f"the policy returned actions of shape {chunks.shape}; need [{len(envs)}, >= {execute_steps}, action_dim]")
+            raise ValueError(
+                f"the policy returned actions of shape {chunks.shape}; need [{len(envs)}, >= {execute_steps}, action_dim]"
+            )
         for index, env in enumerate(envs):
             for action in chunks[index, :execute_steps]:
                 if done[index]:

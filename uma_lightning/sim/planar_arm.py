@@ -62,8 +62,7 @@ class PlanarArmConfig:
             raise ValueError(f"image_size must be an even number >= 8, got {self.image_size}")
         if not 1 <= self.min_targets <= self.max_targets <= len(COLOURS):
             raise ValueError(
-                f"need 1 <= min_targets <= max_targets <= {len(COLOURS)}, "
-                f"got {self.min_targets}, {self.max_targets}"
+                f"need 1 <= min_targets <= max_targets <= {len(COLOURS)}, got {self.min_targets}, {self.max_targets}"
             )
         if self.fps <= 0:
             raise ValueError(f"fps must be positive, got {self.fps}")

@@ -19,7 +19,9 @@ def metadata_digest(meta) -> str:
         "info": meta.info,
         "tasks": list(meta.tasks),
         "episodes": [(e.index, e.length, e.data_file, sorted(e.videos.items())) for e in meta.episodes],
-        "stats": {key: {name: value.tolist() for name, value in stat.items()} for key, stat in sorted(meta.stats.items())},
+        "stats": {
+            key: {name: value.tolist() for name, value in stat.items()} for key, stat in sorted(meta.stats.items())
+        },
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

@@ -14,10 +14,10 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Optional
 
+import mlflow
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
-import mlflow
 from mlflow.exceptions import MlflowException
 
 from uma_lightning.cache_dir import default_cache_dir
@@ -68,7 +68,9 @@ class MLflowLogger(LightningMLFlowLogger):
         buffering = os.environ.setdefault(BUFFERING_VARIABLE, str(ASYNC_BUFFERING_SECONDS))
         if not buffering.isdigit():
             # MLflow would only find out in its writer thread, which then dies and drops every metric.
-            raise ValueError(f"${BUFFERING_VARIABLE} must be a whole number of seconds (0: no merging), got {buffering!r}")
+            raise ValueError(
+                f"${BUFFERING_VARIABLE} must be a whole number of seconds (0: no merging), got {buffering!r}"
+            )
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(store_dir)
         # With an embedded store the artifacts live beside it; a server chooses its own location.
         embedded = uri.startswith("sqlite:")
@@ -138,7 +140,9 @@ class MLflowLogger(LightningMLFlowLogger):
         # MLflow refuses to change a param of an existing run: a resumed job whose config changed
         # (say, more steps) keeps the original values and says which ones changed.
         existing = self.experiment.get_run(self.run_id).data.params
-        changed = sorted(key for key, value in flat.items() if key in existing and existing[key] != value[:MAX_PARAM_LENGTH])
+        changed = sorted(
+            key for key, value in flat.items() if key in existing and existing[key] != value[:MAX_PARAM_LENGTH]
+        )
         if changed:
             log.warning("the continued MLflow run keeps its original values of changed params: %s", ", ".join(changed))
             self.experiment.set_tag(self.run_id, "params_changed_on_resume", ", ".join(changed)[:5000])

@@ -20,10 +20,32 @@ import torch
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 # Variables that change what a run does or where it runs; names that look like secrets never go out.
-ENV_PREFIXES = ("CUDA_", "CUDNN_", "NCCL_", "NVIDIA_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "KMP_", "SLURM_", "UMA_",
-                "MASTER_", "TORCHELASTIC_")
-ENV_NAMES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "PYTHONHASHSEED",
-             "PYTHONPATH", "TOKENIZERS_PARALLELISM")
+ENV_PREFIXES = (
+    "CUDA_",
+    "CUDNN_",
+    "NCCL_",
+    "NVIDIA_",
+    "TORCH_",
+    "PYTORCH_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "SLURM_",
+    "UMA_",
+    "MASTER_",
+    "TORCHELASTIC_",
+)
+ENV_NAMES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PYTHONHASHSEED",
+    "PYTHONPATH",
+    "TOKENIZERS_PARALLELISM",
+)
 SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
@@ -108,7 +130,8 @@ def hardware() -> dict[str, str]:
 def chosen_environment(environ: Optional[dict[str, str]] = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {
-        name: value for name, value in sorted(environ.items())
+        name: value
+        for name, value in sorted(environ.items())
         if (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) and not SECRET.search(name)
     }
 
@@ -116,8 +139,15 @@ def chosen_environment(environ: Optional[dict[str, str]] = None) -> dict[str, st
 def rank_facts(global_rank: int, local_rank: int, node_rank: int, device: torch.device) -> dict:
     """This process's place in the world, as gathered from every rank into ``world.json``."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    return {"rank": global_rank, "local_rank": local_rank, "node_rank": node_rank, "host": socket.gethostname(),
-            "pid": os.getpid(), "device": str(device), "device_name": name}
+    return {
+        "rank": global_rank,
+        "local_rank": local_rank,
+        "node_rank": node_rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(device),
+        "device_name": name,
+    }
 
 
 def run_tags(world_size: int) -> dict[str, str]:

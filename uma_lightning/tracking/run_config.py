@@ -15,8 +15,8 @@ from mlflow.entities import RunTag
 from uma_lightning.lightning_compat import mlflow_experiment_name, mlflow_tracking_uri
 from uma_lightning.tracking.datasets import dataset_inputs
 from uma_lightning.tracking.mlflow_logger import MLflowLogger, find_mlflow_logger
-from uma_lightning.tracking.step_metrics import log_step_metrics
 from uma_lightning.tracking.provenance import rank_facts, run_tags, write_provenance
+from uma_lightning.tracking.step_metrics import log_step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,11 @@ def headline_metrics(metrics: dict, key_metric: Optional[str]) -> dict[str, floa
     the last validation's loss, the stage's key metric and the closed-loop success rate, those
     that were measured. A handful of columns to add in the runs table, the same in every stage."""
     names = ("val/loss", key_metric, "val/success_rate")
-    return {f"final/{name.replace('/', '_')}": float(metrics[name]) for name in dict.fromkeys(names) if name and name in metrics}
+    return {
+        f"final/{name.replace('/', '_')}": float(metrics[name])
+        for name in dict.fromkeys(names)
+        if name and name in metrics
+    }
 
 
 def _log_params(logger, params: dict, from_config: bool = False) -> None:
@@ -108,5 +112,6 @@ class RecordRunConfig(SaveConfigCallback):
                 log_step_metrics(trainer, headline)
             uri = mlflow_tracking_uri(logger)
             how = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else f"open {uri}"
-            log.info("MLflow run %s in experiment %r; to browse runs: %s", logger.run_id, mlflow_experiment_name(logger), how)
-
+            log.info(
+                "MLflow run %s in experiment %r; to browse runs: %s", logger.run_id, mlflow_experiment_name(logger), how
+            )

@@ -40,14 +40,21 @@ def describe_overrides(changed: dict[str, Any]) -> str:
     return " ".join(f"{_short_key(key, keys)}={format_value(changed[key])}" for key in keys)
 
 
-def run_name(recipe: Optional[str], stage: str, subcommand: str, overrides: str, extra_configs: tuple[str, ...] = ()) -> str:
+def run_name(
+    recipe: Optional[str], stage: str, subcommand: str, overrides: str, extra_configs: tuple[str, ...] = ()
+) -> str:
     """``pretrain lr=1e-3 max_steps=40 #3f9a2c``: the recipe (and the stage when the recipe's name
     does not say it), the subcommand unless it is fit, extra config files as ``+name``, the
     overrides, and six hex digits from the OS's random source."""
     what = Path(recipe).stem if recipe else stage
     if stage not in what:
         what += f" ({stage})"
-    parts = [what, *([] if subcommand == "fit" else [subcommand]), *(f"+{Path(c).stem}" for c in extra_configs), overrides]
+    parts = [
+        what,
+        *([] if subcommand == "fit" else [subcommand]),
+        *(f"+{Path(c).stem}" for c in extra_configs),
+        overrides,
+    ]
     body = " ".join(part for part in parts if part)
     if len(body) > MAX_NAME_LENGTH:
         body = body[: MAX_NAME_LENGTH - 1].rstrip() + "…"

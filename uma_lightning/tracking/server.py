@@ -19,12 +19,24 @@ from uma_lightning.ports import free_port
 SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
-def start_mlflow_server(backend_store_uri: str, log_path: Path, artifacts: Optional[Path] = None, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
+def start_mlflow_server(
+    backend_store_uri: str, log_path: Path, artifacts: Optional[Path] = None, timeout_s: float = 180
+) -> tuple[subprocess.Popen, str]:
     """Start ``mlflow server`` on a free port of 127.0.0.1, its output to ``log_path``; return it and
     its URL once it answers ``/health``. Raises RuntimeError with the log's end if it does not."""
     port = free_port()
-    command = [shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow", "server", "--host", "127.0.0.1",
-               "--port", str(port), "--workers", "1", "--backend-store-uri", backend_store_uri]
+    command = [
+        shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        backend_store_uri,
+    ]
     if artifacts is not None:
         command += ["--artifacts-destination", str(artifacts)]
     with open(log_path, "w") as log:
@@ -39,5 +51,7 @@ def start_mlflow_server(backend_store_uri: str, log_path: Path, artifacts: Optio
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
                 server.wait()
-                raise RuntimeError(f"mlflow server did not start; the end of {log_path}:\n{log_path.read_text()[-3000:]}") from None
+                raise RuntimeError(
+                    f"mlflow server did not start; the end of {log_path}:\n{log_path.read_text()[-3000:]}"
+                ) from None
             time.sleep(0.5)

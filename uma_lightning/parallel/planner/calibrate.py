@@ -21,7 +21,11 @@ def tracking_uri(run_config: dict) -> str:
 
     logger = (run_config.get("trainer") or {}).get("logger") or {}
     init_args = logger.get("init_args") or {} if isinstance(logger, dict) else {}
-    return init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(init_args.get("store_dir") or "mlruns")
+    return (
+        init_args.get("tracking_uri")
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or local_store_uri(init_args.get("store_dir") or "mlruns")
+    )
 
 
 def measured_mfu(run_dir: str) -> float:
@@ -34,7 +38,9 @@ def measured_mfu(run_dir: str) -> float:
     run = Path(run_dir)
     checkpoints = committed(run / "checkpoints")
     if not (run / "config.yaml").is_file() or not checkpoints:
-        raise ValueError(f"{run_dir} is not a run directory with a config.yaml and a checkpoint (they name its MLflow run)")
+        raise ValueError(
+            f"{run_dir} is not a run directory with a config.yaml and a checkpoint (they name its MLflow run)"
+        )
     run_id = read_manifest(checkpoints[-1][1]).get("mlflow_run_id")
     if not run_id:
         raise ValueError(f"{run_dir}: its checkpoint names no MLflow run (was tracking off?)")

@@ -123,7 +123,9 @@ def random_batch(cfg: RobotModelConfig, batch: int, seed: int):
 
     gen = torch.Generator().manual_seed(seed)
     spec = cfg.spec
-    images = torch.randint(0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen)
+    images = torch.randint(
+        0, 256, (batch, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=gen
+    )
     state = torch.randn(batch, spec.n_obs_steps, spec.state_dim, generator=gen)
     text_ids, text_mask = ByteTokenizer(cfg.max_text_len)(["reach the red square"] * batch)
     actions = torch.rand(batch, spec.action_horizon, spec.action_dim, generator=gen) * 2 - 1
@@ -166,7 +168,11 @@ def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch
             optimizer.step()
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         record = {
-            "coords": {"stage": mesh["pp"].get_local_rank(), "tp_rank": mesh["tp"].get_local_rank(), "shard_rank": mesh["dp_shard"].get_local_rank()},
+            "coords": {
+                "stage": mesh["pp"].get_local_rank(),
+                "tp_rank": mesh["tp"].get_local_rank(),
+                "shard_rank": mesh["dp_shard"].get_local_rank(),
+            },
             "params": sum(_bytes(_local(p)) for p in model.parameters()),
             "grads": sum(_bytes(_local(p.grad)) for p in model.parameters() if p.grad is not None),
             "optimizer": sum(_bytes(_local(t)) for t in state),
@@ -178,7 +184,9 @@ def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch
     dist.destroy_process_group()
 
 
-def predict_rank(facts: ModelFacts, layout: Layout, global_batch: int, stage: int, tp_rank: int, shard_rank: int) -> dict:
+def predict_rank(
+    facts: ModelFacts, layout: Layout, global_batch: int, stage: int, tp_rank: int, shard_rank: int
+) -> dict:
     state = rank_state(facts, layout, FP32, stage, tp_rank, shard_rank)
     collectives: Counter[str] = Counter()
     for collective in step_collectives(facts, layout, FP32, global_batch, stage):
@@ -192,7 +200,9 @@ def predict_rank(facts: ModelFacts, layout: Layout, global_batch: int, stage: in
     }
 
 
-def compare(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch: int, timeout: float = 600) -> dict[str, list[dict]]:
+def compare(
+    cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch: int, timeout: float = 600
+) -> dict[str, list[dict]]:
     """Per case (a model and a layout), per rank: {"measured": ..., "predicted": ...}, from one launch of ``WORLD_SIZE`` processes."""
     import tempfile
 
@@ -204,5 +214,7 @@ def compare(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch: int
         for name, (cfg, layout) in cases.items():
             facts = facts_of_config(cfg)
             ranks = [json.loads(Path(out_dir, f"{name}-{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
-            results[name] = [{"measured": r, "predicted": predict_rank(facts, layout, global_batch, **r["coords"])} for r in ranks]
+            results[name] = [
+                {"measured": r, "predicted": predict_rank(facts, layout, global_batch, **r["coords"])} for r in ranks
+            ]
     return results

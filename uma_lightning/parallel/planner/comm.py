@@ -65,7 +65,9 @@ def seconds(collective: Collective, cluster: Cluster) -> float:
     return collective.calls * (traffic / (link.gb_s * 1e9) + hops * link.latency_us * 1e-6)
 
 
-def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, global_batch: int, stage: int = 0) -> list[Collective]:
+def step_collectives(
+    facts: ModelFacts, layout: Layout, precision: Precision, global_batch: int, stage: int = 0
+) -> list[Collective]:
     """The collectives of pipeline rank ``stage`` (every rank without a pipeline)."""
     m, tp = layout.microbatches, layout.tp
     batch = global_batch // layout.dp // m
@@ -91,27 +93,87 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
         cb = precision.compute_bytes
         if once_per_step:
             out.append(Collective("FSDP root weights", "all-gather", root * cb, 1, layout.dp_shard, shard_stride, True))
-            out.append(Collective("FSDP block weights, forward", "all-gather", block_elements * cb, m, layout.dp_shard, shard_stride, True))
+            out.append(
+                Collective(
+                    "FSDP block weights, forward",
+                    "all-gather",
+                    block_elements * cb,
+                    m,
+                    layout.dp_shard,
+                    shard_stride,
+                    True,
+                )
+            )
         else:
-            out.append(Collective("FSDP weights, forward", "all-gather", (root + block_elements) * cb, m, layout.dp_shard, shard_stride, True))
-        out.append(Collective("FSDP weights, backward", "all-gather", block_elements * cb, syncs, layout.dp_shard, shard_stride, True))
-        out.append(Collective("FSDP gradients", "reduce-scatter", trained * precision.reduce_bytes, syncs, layout.dp_shard, shard_stride, True))
+            out.append(
+                Collective(
+                    "FSDP weights, forward",
+                    "all-gather",
+                    (root + block_elements) * cb,
+                    m,
+                    layout.dp_shard,
+                    shard_stride,
+                    True,
+                )
+            )
+        out.append(
+            Collective(
+                "FSDP weights, backward", "all-gather", block_elements * cb, syncs, layout.dp_shard, shard_stride, True
+            )
+        )
+        out.append(
+            Collective(
+                "FSDP gradients",
+                "reduce-scatter",
+                trained * precision.reduce_bytes,
+                syncs,
+                layout.dp_shard,
+                shard_stride,
+                True,
+            )
+        )
         if layout.dp_replicate > 1:
             shards = trained // layout.dp_shard * precision.reduce_bytes
-            out.append(Collective("HSDP gradient shards", "all-reduce", shards, syncs, layout.dp_replicate, replicate_stride, True))
+            out.append(
+                Collective(
+                    "HSDP gradient shards", "all-reduce", shards, syncs, layout.dp_replicate, replicate_stride, True
+                )
+            )
     elif layout.dp_replicate > 1:
-        out.append(Collective("DDP gradients", "all-reduce", trained * precision.reduce_bytes, syncs, layout.dp_replicate, replicate_stride, True))
+        out.append(
+            Collective(
+                "DDP gradients",
+                "all-reduce",
+                trained * precision.reduce_bytes,
+                syncs,
+                layout.dp_replicate,
+                replicate_stride,
+                True,
+            )
+        )
     if tp > 1:
         activation = batch * seq * dim * precision.compute_bytes
         layers = facts.n_layers // layout.pp
         # A MoE layer routes each rank's own slice of the sequence: no gather and scatter around it
         # (forward and backward), but its whole weights' gradients are summed over tp.
         moe_layers = _moe_layers(facts) // layout.pp
-        out.append(Collective("TP activations", "all-gather", activation, m * (4 * layers - 2 * moe_layers + 2), tp, 1, False))
-        out.append(Collective("TP activations", "reduce-scatter", activation, m * (4 * layers - 2 * moe_layers), tp, 1, False))
-        moe_weights = sum(math.prod(p.shape) for p in params if ".ffn." in p.name and p.layer in _moe_layer_indices(facts) and p.trainable)
+        out.append(
+            Collective("TP activations", "all-gather", activation, m * (4 * layers - 2 * moe_layers + 2), tp, 1, False)
+        )
+        out.append(
+            Collective("TP activations", "reduce-scatter", activation, m * (4 * layers - 2 * moe_layers), tp, 1, False)
+        )
+        moe_weights = sum(
+            math.prod(p.shape)
+            for p in params
+            if ".ffn." in p.name and p.layer in _moe_layer_indices(facts) and p.trainable
+        )
         if moe_weights:
-            out.append(Collective("TP MoE layer gradients", "all-reduce", moe_weights * precision.compute_bytes, m, tp, 1, False))
+            out.append(
+                Collective(
+                    "TP MoE layer gradients", "all-reduce", moe_weights * precision.compute_bytes, m, tp, 1, False
+                )
+            )
         if layout.dp_shard > 1:
             # Measured: with FSDP over the tensor-parallel weights, the sequence-parallel norms' partial
             # gradients are all-reduced over tp (without FSDP they are not).
@@ -126,14 +188,26 @@ def step_collectives(facts: ModelFacts, layout: Layout, precision: Precision, gl
         # boundary after it, receives its input and sends that gradient at one before it.
         stages = layout.pipeline_config().stage_indices(layout.pp, stage)
         boundaries = 2 * len(stages) - (0 in stages) - (layout.pp * layout.virtual_stages - 1 in stages)
-        out.append(Collective("pipeline activations and their gradients", "p2p", boundary, 2 * m * boundaries, 2, stage_stride(layout), True))
+        out.append(
+            Collective(
+                "pipeline activations and their gradients",
+                "p2p",
+                boundary,
+                2 * m * boundaries,
+                2,
+                stage_stride(layout),
+                True,
+            )
+        )
         # The step's bubble share, averaged over the stages (``Pipeline.step``): one float64.
         out.append(Collective("pipeline bubble figure", "all-reduce", 8, 1, layout.pp, stage_stride(layout), True))
     if layout.ep > 1:
         moe = facts.cfg.backbone.moe
         moe_layers = _moe_layers(facts) // layout.pp
         routed = batch * seq * moe.top_k * dim * precision.compute_bytes
-        out.append(Collective("expert dispatch and combine", "all-to-all", routed, 4 * m * moe_layers, layout.ep, tp, False))
+        out.append(
+            Collective("expert dispatch and combine", "all-to-all", routed, 4 * m * moe_layers, layout.ep, tp, False)
+        )
     return out
 
 

@@ -49,14 +49,30 @@ class Layout(MeshShape):
         return PipelineConfig(self.schedule, self.microbatches, self.virtual_stages)
 
     def describe(self) -> str:
-        parts = [f"{name} {getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "ep", "tp") if getattr(self, name) > 1]
+        parts = [
+            f"{name} {getattr(self, name)}"
+            for name in ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+            if getattr(self, name) > 1
+        ]
         mesh = " x ".join(parts) or "1 rank"
         steps = f"mb {self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return f"{mesh} | ac {self.ac} | {steps}"
 
     def strategy_name(self) -> str:
-        data = "hsdp" if self.dp_replicate > 1 and self.dp_shard > 1 else "fsdp" if self.dp_shard > 1 else "ddp" if self.dp_replicate > 1 else ""
-        parts = [p for p in ("pp" if self.pp > 1 else "", data, "ep" if self.ep > 1 else "", "tp" if self.tp > 1 else "") if p]
+        data = (
+            "hsdp"
+            if self.dp_replicate > 1 and self.dp_shard > 1
+            else "fsdp"
+            if self.dp_shard > 1
+            else "ddp"
+            if self.dp_replicate > 1
+            else ""
+        )
+        parts = [
+            p
+            for p in ("pp" if self.pp > 1 else "", data, "ep" if self.ep > 1 else "", "tp" if self.tp > 1 else "")
+            if p
+        ]
         return "_".join(parts) or "single"
 
 
@@ -91,7 +107,7 @@ def illegal_reason(layout: Layout, facts: ModelFacts, cluster: Cluster, global_b
     return strategy_refusal(facts, dataclasses.replace(layout, ac="none"), cluster.gpus_per_node, per_rank)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def strategy_refusal(facts: ModelFacts, layout: Layout, gpus_per_node: int, per_rank_batch: int) -> str | None:
     """What MeshStrategy's own checks say against ``layout`` (as ``check_module`` runs them when
     ``uma fit`` starts): the mesh, the model's parallel plan, and under pp the schedule and the stages."""

@@ -99,7 +99,7 @@ def stage_params(facts: ModelFacts, layout: Layout, stage: int) -> list[Param]:
     return [p for p in facts.params if p.layer in layers]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stage_layers(facts: ModelFacts, pp: int, virtual_stages: int, rank: int) -> frozenset[int]:
     """Backbone layers on pipeline rank ``rank``, with -1 (before the backbone) and n_layers (after it) where it holds those."""
     from uma_lightning.parallel.plans.pipeline import split_robot
@@ -108,7 +108,9 @@ def _stage_layers(facts: ModelFacts, pp: int, virtual_stages: int, rank: int) ->
     indices = Layout(pp=pp, virtual_stages=virtual_stages).pipeline_config().stage_indices(pp, rank)
     split = split_robot(facts.model, n_stages, None)
     layers = {layer for index in indices for layer in split.layers(index)}
-    return frozenset(layers | ({-1} if 0 in indices else set()) | ({facts.n_layers} if n_stages - 1 in indices else set()))
+    return frozenset(
+        layers | ({-1} if 0 in indices else set()) | ({facts.n_layers} if n_stages - 1 in indices else set())
+    )
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,9 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def rank_state(facts: ModelFacts, layout: Layout, precision: Precision, stage: int = 0, tp_rank: int = 0, shard_rank: int = 0) -> StateBytes:
+def rank_state(
+    facts: ModelFacts, layout: Layout, precision: Precision, stage: int = 0, tp_rank: int = 0, shard_rank: int = 0
+) -> StateBytes:
     """Parameter, gradient and AdamW bytes of one rank, exactly as the sharded tensors hold them."""
     params = grads = optimizer = 0
     for param in stage_params(facts, layout, stage):
@@ -150,7 +154,9 @@ def _largest_state(facts: ModelFacts, layout: Layout, precision: Precision) -> S
     return max((rank_state(facts, layout, precision, stage) for stage in range(layout.pp)), key=lambda s: s.total)
 
 
-def unit_elements(facts: ModelFacts, layout: Layout, trainable_only: bool = False, stage: int = 0) -> tuple[int, list[int]]:
+def unit_elements(
+    facts: ModelFacts, layout: Layout, trainable_only: bool = False, stage: int = 0
+) -> tuple[int, list[int]]:
     """Elements FSDP gathers (padded) per unit of pipeline rank ``stage``: (the root's, each block's)."""
     return _unit_elements(facts, mesh_only(layout), trainable_only, stage)
 
@@ -184,7 +190,12 @@ def block_activations(facts: ModelFacts, batch: int, layout: Layout) -> int:
     if b.moe is not None:
         moe = b.moe
         routed = ffn_tokens * moe.top_k
-        feed_forward = 4 * routed * moe.hidden(b.ffn_dim) + 4 * ffn_tokens * moe.n_shared * moe.hidden(b.ffn_dim) + ffn_tokens * moe.n_experts + 2 * routed * b.dim
+        feed_forward = (
+            4 * routed * moe.hidden(b.ffn_dim)
+            + 4 * ffn_tokens * moe.n_shared * moe.hidden(b.ffn_dim)
+            + ffn_tokens * moe.n_experts
+            + 2 * routed * b.dim
+        )
     else:
         feed_forward = 4 * tokens * b.ffn_dim // tp
     return norms + attention + feed_forward
@@ -201,7 +212,9 @@ def checkpointed_block(facts: ModelFacts, batch: int, layout: Layout) -> int:
         return block_input
     tokens = batch * seq
     heads, kv_heads = b.n_heads // tp, max(1, b.n_kv_heads // tp)
-    projections = tokens * b.head_dim * (2 * heads + 2 * kv_heads) + batch * heads * seq  # q, k, v, attention output and its log-sum-exp
+    projections = (
+        tokens * b.head_dim * (2 * heads + 2 * kv_heads) + batch * heads * seq
+    )  # q, k, v, attention output and its log-sum-exp
     return block_input + projections + 2 * tokens * b.dim + 2 * tokens * b.ffn_dim // tp
 
 
@@ -248,7 +261,11 @@ def buffer_bytes(facts: ModelFacts, layout: Layout, precision: Precision) -> int
     root, blocks = unit_elements(facts, layout)
     largest_block = max(blocks, default=0)
     if layout.dp_shard > 1:
-        return root * precision.compute_bytes + 2 * largest_block * precision.compute_bytes + largest_block * precision.reduce_bytes
+        return (
+            root * precision.compute_bytes
+            + 2 * largest_block * precision.compute_bytes
+            + largest_block * precision.reduce_bytes
+        )
     if precision.compute_bytes < precision.param_bytes:
         return (root + sum(blocks)) * precision.compute_bytes
     return 0

@@ -49,11 +49,17 @@ class ModelFacts:
         return moe.n_experts if moe and any(p.expert for p in self.params) else 0
 
 
-def facts_of(model: nn.Module, cfg: RobotModelConfig, flops_per_sample: int, block_forward_flops: int, tokens_per_sample: int) -> ModelFacts:
+def facts_of(
+    model: nn.Module, cfg: RobotModelConfig, flops_per_sample: int, block_forward_flops: int, tokens_per_sample: int
+) -> ModelFacts:
     """The facts of a built model (any device, meta included)."""
     blocks = robot_blocks(model)
     unit_of = {id(module): index for index, block in enumerate(blocks) for module in block.modules()}
-    module_of = {f"{name}.{pname}" if name else pname: module for name, module in model.named_modules() for pname, _ in module.named_parameters(recurse=False)}
+    module_of = {
+        f"{name}.{pname}" if name else pname: module
+        for name, module in model.named_modules()
+        for pname, _ in module.named_parameters(recurse=False)
+    }
     colwise = BLOCK_COLWISE + tuple(name for head in heads_for(model) for name in head.tp_colwise)
     layer_pattern = re.compile(r"^backbone\.layers\.(\d+)\.")
     params = []
@@ -63,9 +69,23 @@ def facts_of(model: nn.Module, cfg: RobotModelConfig, flops_per_sample: int, blo
         if match := layer_pattern.match(name):
             layer = int(match.group(1))
         else:
-            layer = cfg.backbone.n_layers if name.startswith(AFTER_BACKBONE) or unit_of.get(id(module_of[name]), -1) >= 0 else -1
+            layer = (
+                cfg.backbone.n_layers
+                if name.startswith(AFTER_BACKBONE) or unit_of.get(id(module_of[name]), -1) >= 0
+                else -1
+            )
         expert = bool(EXPERT_WEIGHTS.search(name))
-        params.append(Param(name, tuple(param.shape), unit_of.get(id(module_of[name]), -1), layer, tp_dim, expert, param.requires_grad))
+        params.append(
+            Param(
+                name,
+                tuple(param.shape),
+                unit_of.get(id(module_of[name]), -1),
+                layer,
+                tp_dim,
+                expert,
+                param.requires_grad,
+            )
+        )
     return ModelFacts(tuple(params), cfg, len(blocks), flops_per_sample, block_forward_flops, tokens_per_sample, model)
 
 
@@ -81,7 +101,9 @@ def facts_of_stage(stage_module) -> ModelFacts:
     with torch.device("meta"):
         model = stage_module.build_model()
     cfg = stage_module.model_config
-    return facts_of(model, cfg, stage_module.flops_per_sample, _block_forward_flops(cfg), stage_module.tokens_per_sample)
+    return facts_of(
+        model, cfg, stage_module.flops_per_sample, _block_forward_flops(cfg), stage_module.tokens_per_sample
+    )
 
 
 def facts_of_config(cfg: RobotModelConfig) -> ModelFacts:

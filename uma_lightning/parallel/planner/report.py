@@ -20,7 +20,12 @@ BAR_WIDTH = 50
 
 def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.rjust(w) if i and cell[:1].isdigit() else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    return [
+        "  ".join(
+            cell.rjust(w) if i and cell[:1].isdigit() else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    ]
 
 
 def ranked_table(fits: list[Estimate], top: int) -> list[str]:
@@ -39,13 +44,18 @@ def best_per_strategy(fits: list[Estimate]) -> list[str]:
     best: dict[str, Estimate] = {}
     for e in fits:
         best.setdefault(e.layout.strategy_name(), e)
-    return [f"  {name:12s} {e.tokens_per_s:>12,.0f} tokens/s  {e.peak_bytes / GIB:6.1f} GiB  {e.layout.describe()}" for name, e in best.items()]
+    return [
+        f"  {name:12s} {e.tokens_per_s:>12,.0f} tokens/s  {e.peak_bytes / GIB:6.1f} GiB  {e.layout.describe()}"
+        for name, e in best.items()
+    ]
 
 
 def rejected_lines(rejected: list[Estimate], top: int) -> list[str]:
     """The rejected layouts grouped by the kind of reason, with the most common reasons first."""
     kinds = Counter(_reason_kind(e.rejected) for e in rejected)
-    lines = [f"{len(rejected)} layouts rejected: " + ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())]
+    lines = [
+        f"{len(rejected)} layouts rejected: " + ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
+    ]
     # The closest misses first: per kind of reason, its first examples in turn.
     by_kind: dict[str, list[str]] = {}
     for e in sorted(rejected, key=lambda e: e.peak_bytes if e.memory else 0):
@@ -69,7 +79,9 @@ def _reason_kind(reason: str) -> str:
 
 def memory_bars(e: Estimate, cluster: Cluster) -> list[str]:
     usable = cluster.memory_gib * USABLE_MEMORY * GIB
-    lines = [f"memory per GPU: {e.peak_bytes / GIB:.1f} of {usable / GIB:.1f} GiB usable ({USABLE_MEMORY:.0%} of {cluster.memory_gib:g})"]
+    lines = [
+        f"memory per GPU: {e.peak_bytes / GIB:.1f} of {usable / GIB:.1f} GiB usable ({USABLE_MEMORY:.0%} of {cluster.memory_gib:g})"
+    ]
     for part, size in e.memory.items():
         bar = "#" * round(BAR_WIDTH * size / usable)
         lines.append(f"  {part:12s} {bar:<{BAR_WIDTH}} {size / GIB:7.2f} GiB")
@@ -80,16 +92,37 @@ def collective_lines(e: Estimate, cluster: Cluster) -> list[str]:
     rows = [["collective", "kind", "group", "link", "MB per call", "calls", "ms", "overlaps compute"]]
     for c in e.collectives:
         link = "across nodes" if crosses_nodes(c.group, c.stride, cluster) else "in a node"
-        rows.append([c.what, c.kind, str(c.group), link, f"{c.bytes / 1e6:.2f}", str(c.calls), f"{seconds(c, cluster) * 1e3:.2f}", "yes" if c.overlaps_compute else "no"])
+        rows.append(
+            [
+                c.what,
+                c.kind,
+                str(c.group),
+                link,
+                f"{c.bytes / 1e6:.2f}",
+                str(c.calls),
+                f"{seconds(c, cluster) * 1e3:.2f}",
+                "yes" if c.overlaps_compute else "no",
+            ]
+        )
     return _table(rows) if len(rows) > 1 else ["no collectives (one rank)"]
 
 
 def fragment(e: Estimate, cluster: Cluster, settings: Settings, recipe: str) -> str:
     """A strategy fragment in the style of ``configs/strategy/*.yaml`` that sets ``e.layout`` on this cluster."""
     layout = e.layout
-    init_args = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "activation_checkpointing": layout.ac}
+    init_args = {
+        "dp_replicate": layout.dp_replicate,
+        "dp_shard": layout.dp_shard,
+        "tp": layout.tp,
+        "activation_checkpointing": layout.ac,
+    }
     if layout.pp > 1:
-        init_args.update(pp=layout.pp, pp_schedule=layout.schedule, pp_microbatches=layout.microbatches, pp_virtual_stages=layout.virtual_stages)
+        init_args.update(
+            pp=layout.pp,
+            pp_schedule=layout.schedule,
+            pp_microbatches=layout.microbatches,
+            pp_virtual_stages=layout.virtual_stages,
+        )
     if layout.ep > 1:
         init_args["ep"] = layout.ep
     accumulate = layout.microbatches if layout.pp == 1 else 1
@@ -111,7 +144,15 @@ def fragment(e: Estimate, cluster: Cluster, settings: Settings, recipe: str) -> 
     return header + yaml.safe_dump(config, sort_keys=False)
 
 
-def as_json(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: list[Estimate], rejected: list[Estimate], recommended: Estimate | None, smallest: str | None) -> dict:
+def as_json(
+    facts: ModelFacts,
+    cluster: Cluster,
+    settings: Settings,
+    fits: list[Estimate],
+    rejected: list[Estimate],
+    recommended: Estimate | None,
+    smallest: str | None,
+) -> dict:
     def one(e: Estimate) -> dict:
         return {
             "layout": dataclasses.asdict(e.layout),
@@ -128,8 +169,12 @@ def as_json(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: list[
         }
 
     return {
-        "model": {"size": facts.cfg.backbone.name, "parameters": sum(math.prod(p.shape) for p in facts.params), "seq_len": facts.cfg.seq_len,
-                  "training_flops_per_sample": facts.flops_per_sample},  # fmt: skip
+        "model": {
+            "size": facts.cfg.backbone.name,
+            "parameters": sum(math.prod(p.shape) for p in facts.params),
+            "seq_len": facts.cfg.seq_len,
+            "training_flops_per_sample": facts.flops_per_sample,
+        },  # fmt: skip
         "cluster": {**dataclasses.asdict(cluster), "world_size": cluster.world_size},
         "settings": {"global_batch": settings.global_batch, "precision": settings.precision.name, "mfu": settings.mfu},
         "ranked": [one(e) for e in fits],
@@ -139,7 +184,9 @@ def as_json(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: list[
     }
 
 
-def plot(path: str, fits: list[Estimate], rejected: list[Estimate], recommended: Estimate | None, cluster: Cluster) -> None:
+def plot(
+    path: str, fits: list[Estimate], rejected: list[Estimate], recommended: Estimate | None, cluster: Cluster
+) -> None:
     """Estimated memory per GPU against tokens/s for every candidate with numbers (those that fit, and those too big)."""
     import matplotlib
 
@@ -149,8 +196,20 @@ def plot(path: str, fits: list[Estimate], rejected: list[Estimate], recommended:
     too_big = [e for e in rejected if e.memory]
     fig, ax = plt.subplots(figsize=(9, 6))
     for group, colour, label in ((fits, "tab:blue", "fits"), (too_big, "tab:red", "does not fit")):
-        ax.scatter([e.peak_bytes / GIB for e in group], [e.tokens_per_s for e in group], s=10, c=colour, alpha=0.5, label=f"{label} ({len(group)})")
-    ax.axvline(cluster.memory_gib * USABLE_MEMORY, color="gray", linestyle="--", label=f"usable memory ({cluster.memory_gib * USABLE_MEMORY:.0f} GiB)")
+        ax.scatter(
+            [e.peak_bytes / GIB for e in group],
+            [e.tokens_per_s for e in group],
+            s=10,
+            c=colour,
+            alpha=0.5,
+            label=f"{label} ({len(group)})",
+        )
+    ax.axvline(
+        cluster.memory_gib * USABLE_MEMORY,
+        color="gray",
+        linestyle="--",
+        label=f"usable memory ({cluster.memory_gib * USABLE_MEMORY:.0f} GiB)",
+    )
     if recommended:
         ax.scatter([recommended.peak_bytes / GIB], [recommended.tokens_per_s], s=120, marker="*", c="gold", edgecolors="black", zorder=3,
                    label=f"recommended: {recommended.layout.describe()}")  # fmt: skip

@@ -19,13 +19,12 @@ from pathlib import Path
 
 from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError
+from uma_lightning.parallel.planner import report
 from uma_lightning.parallel.planner.calibrate import measured_mfu
 from uma_lightning.parallel.planner.cluster import ACCELERATORS, GIB, LINK_PRESETS, Cluster, Link, preset_link
 from uma_lightning.parallel.planner.estimate import Estimate, Settings, rank
-from uma_lightning.parallel.planner.layout import Layout
 from uma_lightning.parallel.planner.memory import Precision
 from uma_lightning.parallel.planner.model import ModelFacts, facts_of_stage
-from uma_lightning.parallel.planner import report
 
 GPUS_PER_NODE_TRIED = (1, 2, 4, 8)  # node shapes tried when looking for the smallest cluster that fits
 MAX_NODES_TRIED = 128
@@ -41,19 +40,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu", default="h100", help=f"accelerator: {', '.join(ACCELERATORS)}")
-    parser.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: the accelerator's; cpu: the host's over its processes)")
-    parser.add_argument("--peak-tflops", type=float, help="dense peak per GPU for the run's precision (default: the MFU table's; cpu: a probe)")
-    parser.add_argument("--intra-node", default=None, help=f"link preset inside a node: {', '.join(LINK_PRESETS)} (default nvlink; cpu: loopback)")
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="memory per GPU (default: the accelerator's; cpu: the host's over its processes)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="dense peak per GPU for the run's precision (default: the MFU table's; cpu: a probe)",
+    )
+    parser.add_argument(
+        "--intra-node",
+        default=None,
+        help=f"link preset inside a node: {', '.join(LINK_PRESETS)} (default nvlink; cpu: loopback)",
+    )
     parser.add_argument("--inter-node", default="ib-ndr", help=f"link preset between nodes: {', '.join(LINK_PRESETS)}")
-    parser.add_argument("--intra-node-gb-s", type=float, help="override the intra-node bandwidth (GB/s per GPU and direction)")
-    parser.add_argument("--inter-node-gb-s", type=float, help="override the inter-node bandwidth (GB/s per GPU and direction)")
-    parser.add_argument("--mfu", type=float, default=0.4, help="achievable fraction of peak FLOP/s for the model's matmuls")
-    parser.add_argument("--calibrate-from", metavar="RUN_DIR", help="use the median MFU a finished run logged instead of --mfu")
-    parser.add_argument("--global-batch", type=int, help="samples per optimizer step (default: data.batch_size per GPU, times the GPUs)")
-    parser.add_argument("--precision", help="Lightning precision (default: the recipe's; if empty, bf16-mixed on GPUs, 32-true on cpu)")
+    parser.add_argument(
+        "--intra-node-gb-s", type=float, help="override the intra-node bandwidth (GB/s per GPU and direction)"
+    )
+    parser.add_argument(
+        "--inter-node-gb-s", type=float, help="override the inter-node bandwidth (GB/s per GPU and direction)"
+    )
+    parser.add_argument(
+        "--mfu", type=float, default=0.4, help="achievable fraction of peak FLOP/s for the model's matmuls"
+    )
+    parser.add_argument(
+        "--calibrate-from", metavar="RUN_DIR", help="use the median MFU a finished run logged instead of --mfu"
+    )
+    parser.add_argument(
+        "--global-batch", type=int, help="samples per optimizer step (default: data.batch_size per GPU, times the GPUs)"
+    )
+    parser.add_argument(
+        "--precision", help="Lightning precision (default: the recipe's; if empty, bf16-mixed on GPUs, 32-true on cpu)"
+    )
     parser.add_argument("--top", type=int, default=12, help="rows of the ranked table and of the rejected list")
     parser.add_argument("--json", action="store_true", help="print everything as JSON instead")
-    parser.add_argument("--emit-config", metavar="FILE", help="write the recommended layout as a fragment to add after the recipe")
+    parser.add_argument(
+        "--emit-config", metavar="FILE", help="write the recommended layout as a fragment to add after the recipe"
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="chart memory per GPU and tokens/s of every candidate")
     return parser
 
@@ -69,7 +94,10 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"--calibrate-from: {err}") from None
         stage, batch_size, recipe_precision = resolve(args.config, overrides)
         facts = facts_of_stage(stage)
-        precision = precision_of(args.precision or recipe_precision or ("32-true" if args.gpu == "cpu" else "bf16-mixed"), bool(args.precision))
+        precision = precision_of(
+            args.precision or recipe_precision or ("32-true" if args.gpu == "cpu" else "bf16-mixed"),
+            bool(args.precision),
+        )
         cluster = build_cluster(args, precision, args.nodes, args.gpus_per_node)
     except ConfigError as err:
         print(f"uma: error: {err}", file=sys.stderr)
@@ -105,7 +133,9 @@ def check_arguments(args) -> None:
         raise ConfigError(f"--gpu: unknown accelerator {args.gpu!r} (choose from {', '.join(ACCELERATORS)})")
     for name in ("intra_node", "inter_node"):
         if getattr(args, name) is not None and getattr(args, name) not in LINK_PRESETS:
-            raise ConfigError(f"--{name.replace('_', '-')}: unknown link preset {getattr(args, name)!r} (choose from {', '.join(LINK_PRESETS)})")
+            raise ConfigError(
+                f"--{name.replace('_', '-')}: unknown link preset {getattr(args, name)!r} (choose from {', '.join(LINK_PRESETS)})"
+            )
     for name in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_s", "inter_node_gb_s"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -145,7 +175,9 @@ def build_cluster(args, precision: Precision, nodes: int, gpus_per_node: int) ->
 
         peak = resolve_peak(torch.device("cpu"), precision.name)[0]  # the MFU callback's figure for this host
     elif dtype not in PEAK_TFLOPS[accelerator.name]:
-        raise ConfigError(f"--precision: the peak table has no {dtype} figure for {accelerator.name}; give --peak-tflops")
+        raise ConfigError(
+            f"--precision: the peak table has no {dtype} figure for {accelerator.name}; give --peak-tflops"
+        )
     else:
         peak = PEAK_TFLOPS[accelerator.name][dtype]
     memory = args.gpu_memory_gib or accelerator.memory_gib or _host_memory_gib() / gpus_per_node
@@ -170,7 +202,12 @@ def _host_memory_gib() -> float:
 def smallest_cluster(facts: ModelFacts, args, precision: Precision, batch_size: int) -> str | None:
     """The fewest GPUs of the same kind (nodes of 1, 2, 4 or 8) on which some layout fits."""
     shapes = sorted(
-        ((nodes, per_node) for per_node in GPUS_PER_NODE_TRIED for nodes in range(1, MAX_NODES_TRIED + 1) if nodes == 1 or per_node == max(GPUS_PER_NODE_TRIED)),
+        (
+            (nodes, per_node)
+            for per_node in GPUS_PER_NODE_TRIED
+            for nodes in range(1, MAX_NODES_TRIED + 1)
+            if nodes == 1 or per_node == max(GPUS_PER_NODE_TRIED)
+        ),
         key=lambda shape: (shape[0] * shape[1], shape[0]),
     )
     for nodes, per_node in shapes:
@@ -195,7 +232,9 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
         f"{facts.flops_per_sample / 1e12:.3g} TFLOP per sample (training)"
     )
     print(f"cluster: {cluster.describe()}")
-    print(f"step: global batch {settings.global_batch}, {settings.precision.name}, compute at {settings.mfu:.1%} of peak ({'measured by ' + args.calibrate_from if args.calibrate_from else '--mfu'})\n")
+    print(
+        f"step: global batch {settings.global_batch}, {settings.precision.name}, compute at {settings.mfu:.1%} of peak ({'measured by ' + args.calibrate_from if args.calibrate_from else '--mfu'})\n"
+    )
     if fits:
         print(f"{len(fits)} layouts fit; the {min(args.top, len(fits))} fastest:")
         print("\n".join(report.ranked_table(fits, args.top)))
@@ -207,12 +246,22 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
     if recommended is None:
         needed = min((e for e in rejected if e.memory), key=lambda e: e.peak_bytes, default=None)
         least = f" (the leanest layout needs {needed.peak_bytes / GIB:.1f} GiB per GPU)" if needed else ""
-        print(f"impossible: no layout fits {cluster.nodes} x {cluster.gpus_per_node} {cluster.accelerator.name} with {cluster.memory_gib:g} GiB each{least}.")
-        print(f"smallest cluster that fits: {smallest}" if smallest else f"nothing up to {MAX_NODES_TRIED} nodes of {max(GPUS_PER_NODE_TRIED)} fits.")
+        print(
+            f"impossible: no layout fits {cluster.nodes} x {cluster.gpus_per_node} {cluster.accelerator.name} with {cluster.memory_gib:g} GiB each{least}."
+        )
+        print(
+            f"smallest cluster that fits: {smallest}"
+            if smallest
+            else f"nothing up to {MAX_NODES_TRIED} nodes of {max(GPUS_PER_NODE_TRIED)} fits."
+        )
         return
     print(f"recommended: {recommended.layout.describe()} ({recommended.layout.strategy_name()}), est. {recommended.tokens_per_s:,.0f} tokens/s, "
           f"step {recommended.step_s * 1e3:.0f} ms (compute {recommended.compute_s * 1e3:.0f} ms, exposed communication {recommended.exposed_comm_s * 1e3:.1f} ms)")  # fmt: skip
     print("\n".join(report.memory_bars(recommended, cluster)))
     print("\n".join(report.collective_lines(recommended, cluster)))
-    print("\nfragment" + (f" (written to {args.emit_config})" if args.emit_config else " (--emit-config FILE writes it)") + ":")
+    print(
+        "\nfragment"
+        + (f" (written to {args.emit_config})" if args.emit_config else " (--emit-config FILE writes it)")
+        + ":"
+    )
     print(report.fragment(recommended, cluster, settings, args.config))

@@ -23,7 +23,15 @@ only that head's few lines:
 
 from __future__ import annotations
 
-from uma_lightning.parallel.plans.registry import HeadPlan, Plan, heads_for, plan_for, register_head, register_plan, registered_classes
+from uma_lightning.parallel.plans.registry import (
+    HeadPlan,
+    Plan,
+    heads_for,
+    plan_for,
+    register_head,
+    register_plan,
+    registered_classes,
+)
 
 __all__ = ["HeadPlan", "Plan", "heads_for", "plan_for", "register_head", "register_plan", "registered_classes"]
 
@@ -31,7 +39,12 @@ __all__ = ["HeadPlan", "Plan", "heads_for", "plan_for", "register_head", "regist
 def _register_builtin_plans() -> None:
     from uma_lightning.models import RobotBase, RobotFlowTransformer, RobotTransformer
     from uma_lightning.parallel.plans.flow import ACTION_EXPERT
-    from uma_lightning.parallel.plans.robot import DISCRETE_ACTION_HEAD, ENVIRONMENT_STATE_HEAD, check_robot, parallelize_robot
+    from uma_lightning.parallel.plans.robot import (
+        DISCRETE_ACTION_HEAD,
+        ENVIRONMENT_STATE_HEAD,
+        check_robot,
+        parallelize_robot,
+    )
 
     register_plan(RobotBase, parallelize_robot, check_robot, name="robot")
     register_head(RobotBase, ENVIRONMENT_STATE_HEAD)

@@ -41,7 +41,9 @@ def check_expert_parallel(model: nn.Module, ep: int, world_size: int) -> None:
         raise ValueError(f"ep {ep} does not divide the world size {world_size}")
     layers = moe_layers(model)
     if ep > 1 and not layers:
-        raise ValueError(f"ep {ep} needs a model with mixture-of-experts layers (a size with a moe: section); this one has none")
+        raise ValueError(
+            f"ep {ep} needs a model with mixture-of-experts layers (a size with a moe: section); this one has none"
+        )
     for name, layer in layers:
         if layer.cfg.n_experts % ep:
             raise ValueError(f"ep {ep} does not divide the {layer.cfg.n_experts} experts of {name}")
@@ -63,7 +65,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> str:
         experts = layer.experts
         for name in EXPERT_WEIGHTS:
             whole = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(distribute_tensor(whole.detach(), ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad))
+            setattr(
+                experts,
+                name,
+                nn.Parameter(distribute_tensor(whole.detach(), ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad),
+            )
         # Called as a module (not its weights read directly), so FSDP's hooks gather the experts' shards around it.
         experts.forward = functools.partial(local_experts_forward, experts, local)
         layer.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep_mesh.size())
@@ -71,7 +77,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> str:
     return f"expert parallel over {ep_mesh.size()} ranks ({n_experts // ep_mesh.size()} of {n_experts} experts per rank in {len(layers)} MoE layers)"
 
 
-def apply_expert_data_parallel(model: nn.Module, mesh, expert_dp_dim: str, sharded: bool, config: ParallelConfig) -> str:
+def apply_expert_data_parallel(
+    model: nn.Module, mesh, expert_dp_dim: str, sharded: bool, config: ParallelConfig
+) -> str:
     """FSDP (``sharded``) or DDP of each MoE layer's experts over ``mesh[expert_dp_dim]``, the ranks
     that hold the same experts. Done before the blocks are wrapped, which then leave these alone."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -82,17 +90,27 @@ def apply_expert_data_parallel(model: nn.Module, mesh, expert_dp_dim: str, shard
     layers = moe_layers(model)
     for _, layer in layers:
         if sharded:
-            fully_shard(layer.experts, mesh=expert_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
+            fully_shard(
+                layer.experts,
+                mesh=expert_mesh,
+                reshard_after_forward=config.reshard_after_forward,
+                mp_policy=mp_policy,
+                offload_policy=offload,
+            )
         else:
             replicate(layer.experts, mesh=expert_mesh, mp_policy=mp_policy)
     kind = "FSDP" if sharded else "DDP"
     return f"experts of {len(layers)} MoE layers: {kind} over the {expert_mesh.size()} ranks holding the same experts ({expert_dp_dim})"
 
 
-def local_experts_forward(experts: GroupedExperts, local: Callable[[Tensor], Tensor], x: Tensor, counts: Tensor) -> Tensor:
+def local_experts_forward(
+    experts: GroupedExperts, local: Callable[[Tensor], Tensor], x: Tensor, counts: Tensor
+) -> Tensor:
     """``GroupedExperts.forward`` on this rank's values of the experts' weights (``local`` of each DTensor)."""
     weights = [local(getattr(experts, name)) for name in EXPERT_WEIGHTS]
-    return expert_feed_forward(x, counts, *weights, backend=experts.kernels.experts, swiglu_backend=experts.kernels.swiglu)
+    return expert_feed_forward(
+        x, counts, *weights, backend=experts.kernels.experts, swiglu_backend=experts.kernels.swiglu
+    )
 
 
 def apply_moe_tensor_parallel(layer: MoEFeedForward, tp_mesh) -> None:
@@ -106,7 +124,12 @@ def apply_moe_tensor_parallel(layer: MoEFeedForward, tp_mesh) -> None:
     group = tp_mesh.get_group()
     for module in layer.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
+            module.register_parameter(
+                name,
+                nn.Parameter(
+                    distribute_tensor(param.detach(), tp_mesh, [Replicate()]), requires_grad=param.requires_grad
+                ),
+            )
 
     def local(param: Tensor) -> Tensor:
         return _SummedGradient.apply(param.to_local(), group)
@@ -169,7 +192,9 @@ class AllToAllDispatch:
         receive_splits = received.sum(1).tolist()
         arrived = all_to_all_single(x, receive_splits, send_splits, self.group)
         # Arrived rows are grouped by source rank, then expert; the experts want them by expert.
-        expert_of_row = torch.arange(local_experts, device=x.device).repeat(self.size).repeat_interleave(received.flatten())
+        expert_of_row = (
+            torch.arange(local_experts, device=x.device).repeat(self.size).repeat_interleave(received.flatten())
+        )
         by_expert = torch.argsort(expert_of_row, stable=True)
         out = experts(arrived[by_expert], received.sum(0))
         back = torch.empty_like(out)

@@ -27,15 +27,35 @@ def action_expert_layout(model: RobotFlowTransformer, tp_mesh) -> None:
     distribute_module(model.action_time_mlp, tp_mesh)
     # The sine-cosine features of the (replicated) times are made from plain tensors, and mixed with
     # the replicated action embeddings as a replicated DTensor.
-    parallelize_module(model, tp_mesh, {"time_embed": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True)})
-    parallelize_module(model, tp_mesh, {"time_embed": PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),), use_local_output=False)})
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "time_embed": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+        },
+    )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "time_embed": PrepareModuleOutput(
+                output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),), use_local_output=False
+            )
+        },
+    )
     apply_sequence_parallel_transformer(model.expert, tp_mesh)
     replicated("action_out")(model, tp_mesh)
 
 
 def action_expert_sizes(model: RobotFlowTransformer) -> dict[str, int]:
     expert = model.expert_config
-    return {"action expert n_heads": expert.n_heads, "action expert ffn_dim": expert.ffn_dim, "action_horizon": model.cfg.spec.action_horizon}
+    return {
+        "action expert n_heads": expert.n_heads,
+        "action expert ffn_dim": expert.ffn_dim,
+        "action_horizon": model.cfg.spec.action_horizon,
+    }
 
 
 ACTION_EXPERT = HeadPlan(

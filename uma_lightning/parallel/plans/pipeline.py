@@ -35,13 +35,27 @@ from uma_lightning.models.flops import training_flops_per_unit
 from uma_lightning.models.moe import MoEFeedForward, combined_stats, moe_layers
 from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.plans.robot import action_embedding_layout, action_head_layout, apply_sequence_parallel_blocks, apply_tp_tokenizers, lay_out
 from uma_lightning.parallel.pipeline import ZERO_BUBBLE, Pipeline, PipelineConfig
+from uma_lightning.parallel.plans.robot import (
+    action_embedding_layout,
+    action_head_layout,
+    apply_sequence_parallel_blocks,
+    apply_tp_tokenizers,
+    lay_out,
+)
 
 log = logging.getLogger("uma_lightning")
 
 # What the first stage embeds with and the last predicts with, besides the backbone's layers.
-FIRST_STAGE_MODULES = ("text_embed", "image_tokenizer", "instruction_pooling", "camera_embed", "state_proj", "action_embed", "action_dim_embed")
+FIRST_STAGE_MODULES = (
+    "text_embed",
+    "image_tokenizer",
+    "instruction_pooling",
+    "camera_embed",
+    "state_proj",
+    "action_embed",
+    "action_dim_embed",
+)
 LAST_STAGE_MODULES = ("backbone.norm", "action_head")
 
 
@@ -88,7 +102,12 @@ def balanced_starts(costs: list[int], n_stages: int) -> tuple[int, ...]:
         prefix.append(prefix[-1] + cost)
 
     def span(first: int, end: int, stage: int) -> int:  # cost of layers [first, end) on ``stage``
-        return prefix[end + 1] - prefix[first + 1] + (costs[0] if stage == 0 else 0) + (costs[-1] if stage == n_stages - 1 else 0)
+        return (
+            prefix[end + 1]
+            - prefix[first + 1]
+            + (costs[0] if stage == 0 else 0)
+            + (costs[-1] if stage == n_stages - 1 else 0)
+        )
 
     # best[s][e]: the least possible maximum over stages 0..s holding layers [0, e); start[s][e]: where stage s starts then.
     best = [[float("inf")] * (n_layers + 1) for _ in range(n_stages)]
@@ -112,15 +131,21 @@ def split_robot(model: RobotTransformer, n_stages: int, split: tuple[int, ...] |
     """The stages' layers, balanced by FLOPs or at ``split``; a one-line ValueError if they cannot be laid out."""
     n_layers = model.cfg.backbone.n_layers
     if n_layers < n_stages:
-        raise ValueError(f"pp: {n_layers} backbone layers do not divide into {n_stages} stages (each stage needs a layer)")
+        raise ValueError(
+            f"pp: {n_layers} backbone layers do not divide into {n_stages} stages (each stage needs a layer)"
+        )
     costs = unit_flops(model)
     if split is None:
         starts = balanced_starts(costs, n_stages)
     else:
         if len(split) != n_stages - 1:
-            raise ValueError(f"pp_split: {n_stages} stages need {n_stages - 1} split point(s) (the layer each stage after the first starts at), got {list(split)}")
+            raise ValueError(
+                f"pp_split: {n_stages} stages need {n_stages - 1} split point(s) (the layer each stage after the first starts at), got {list(split)}"
+            )
         if any(not 0 < point < n_layers for point in split) or list(split) != sorted(set(split)):
-            raise ValueError(f"pp_split {list(split)}: split points must be increasing layer indices between 1 and {n_layers - 1}")
+            raise ValueError(
+                f"pp_split {list(split)}: split points must be increasing layer indices between 1 and {n_layers - 1}"
+            )
         starts = (0, *split)
     stage_split = StageSplit(starts, n_layers, ())
     stage_costs = [sum(costs[1 + i] for i in stage_split.layers(s)) for s in range(n_stages)]
@@ -138,13 +163,19 @@ def check_pipeline(model: nn.Module, shape: MeshShape, config: PipelineConfig) -
             "and values, so a stage cannot hand on one activation; train post-training with fsdp, tp or fsdp_tp"
         )
     if not isinstance(model, RobotTransformer):
-        raise ValueError(f"pp: no pipeline plan for {type(model).__name__} (the robot transformer of pretraining and midtraining has one)")
+        raise ValueError(
+            f"pp: no pipeline plan for {type(model).__name__} (the robot transformer of pretraining and midtraining has one)"
+        )
     if config.schedule in ZERO_BUBBLE and shape.dp > 1:
         # Measured with uma parity: with FSDP, the separate weight-gradient pass gives wrong gradients
         # (the norms of the second stage's first layer). Interleaved1F1B interleaves as well and is right.
-        raise ValueError(f"pp_schedule {config.schedule} with data parallelism (dp {shape.dp}) gives wrong gradients here; use Interleaved1F1B, or dp 1")
+        raise ValueError(
+            f"pp_schedule {config.schedule} with data parallelism (dp {shape.dp}) gives wrong gradients here; use Interleaved1F1B, or dp 1"
+        )
     if model.environment_state_head is not None:
-        raise ValueError("pp: the environment-state head reads the first stage's prefix from the last stage; train it without pp (network.environment_state_weight 0)")
+        raise ValueError(
+            "pp: the environment-state head reads the first stage's prefix from the last stage; train it without pp (network.environment_state_weight 0)"
+        )
     return split_robot(model, shape.pp * config.virtual_stages, config.split)
 
 
@@ -165,7 +196,9 @@ class RobotStage(nn.Module):
         # blocks', is not run again by an activation-checkpointing recompute.
         self._moe_stats: list[tuple[MoEFeedForward, list[dict]]] = [(layer, []) for _, layer in moe_layers(self.layers)]
         if self.first:
-            self.embeddings = nn.ModuleList(model.get_submodule(name) for name in FIRST_STAGE_MODULES if getattr(model, name) is not None)
+            self.embeddings = nn.ModuleList(
+                model.get_submodule(name) for name in FIRST_STAGE_MODULES if getattr(model, name) is not None
+            )
         if self.last:
             self.head = nn.ModuleList(model.get_submodule(name) for name in LAST_STAGE_MODULES)
         self._model = [model]  # in a list: not a submodule, so this stage's parameters are its own
@@ -206,19 +239,44 @@ def apply_stage_tp(model: RobotTransformer, stage: RobotStage, tp_mesh) -> str:
     travels a tp-th of the activations); the last stage gathers the tokens after the final norm for
     the column-wise action head."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        SequenceParallel,
+        parallelize_module,
+    )
 
-    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]  # SequenceParallel makes norms' weights trainable
+    frozen = [
+        name for name, param in model.named_parameters() if not param.requires_grad
+    ]  # SequenceParallel makes norms' weights trainable
     if stage.first:
         inputs = (Replicate(),) * 4  # images, state, text ids, action tokens; text_mask, a keyword, stays plain
         parallelize_module(stage, tp_mesh, {"": PrepareModuleInput(input_layouts=inputs, desired_input_layouts=inputs)})
         apply_tp_tokenizers(model, tp_mesh)
         action_embedding_layout(model, tp_mesh)
-        parallelize_module(stage.layers[0], tp_mesh, {"": PrepareModuleInput(input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None), use_local_output=True)})
+        parallelize_module(
+            stage.layers[0],
+            tp_mesh,
+            {
+                "": PrepareModuleInput(
+                    input_layouts=(Replicate(), None, None),
+                    desired_input_layouts=(Shard(1), None, None),
+                    use_local_output=True,
+                )
+            },
+        )
     apply_sequence_parallel_blocks(list(stage.layers), tp_mesh)
     if stage.last:
         parallelize_module(model.backbone, tp_mesh, {"norm": SequenceParallel()})
-        parallelize_module(model.backbone, tp_mesh, {"norm": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False)})
+        parallelize_module(
+            model.backbone,
+            tp_mesh,
+            {
+                "norm": PrepareModuleOutput(
+                    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False
+                )
+            },
+        )
         action_head_layout(model, tp_mesh)
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
@@ -238,7 +296,9 @@ def drop_other_stages(model: RobotTransformer, held: list[range], first: bool, l
                 setattr(model.get_submodule(parent), attribute, None)
 
 
-def pipeline_robot(model: RobotTransformer, mesh, config: ParallelConfig, pipeline: PipelineConfig, device: torch.device) -> list[str]:
+def pipeline_robot(
+    model: RobotTransformer, mesh, config: ParallelConfig, pipeline: PipelineConfig, device: torch.device
+) -> list[str]:
     """Cut ``model`` to this rank's stages, wrap them for data parallelism, and make ``model(...)`` run the schedule.
 
     Then ``model(images, state, text_ids, text_mask, action_tokens, loss_targets=...)`` runs one
@@ -249,21 +309,32 @@ def pipeline_robot(model: RobotTransformer, mesh, config: ParallelConfig, pipeli
     shape = MeshShape(*(mesh[name].size() for name in ("dp_replicate", "dp_shard", "tp")), pp=pp_mesh.size())
     split = check_pipeline(model, shape, pipeline)
     n_stages = len(split.shares)
-    every_moe_layer = {name: layer.cfg.n_experts for name, layer in moe_layers(model)}  # before this rank drops other stages' layers
+    every_moe_layer = {
+        name: layer.cfg.n_experts for name, layer in moe_layers(model)
+    }  # before this rank drops other stages' layers
     indices = pipeline.stage_indices(pp_mesh.size(), pp_mesh.get_local_rank())
     drop_other_stages(model, [split.layers(i) for i in indices], first=0 in indices, last=n_stages - 1 in indices)
     modules = {i: RobotStage(model, i, n_stages, split.layers(i)) for i in indices}
     applied = []
     for stage in modules.values():
-        applied += lay_out(stage, list(stage.layers), mesh, config, lambda stage=stage: [apply_stage_tp(model, stage, mesh["tp"])])
+        applied += lay_out(
+            stage, list(stage.layers), mesh, config, lambda stage=stage: [apply_stage_tp(model, stage, mesh["tp"])]
+        )
     runtime = Pipeline(modules, n_stages, pipeline, pp_mesh, device, microbatch_loss, every_moe_layer)
 
     def forward(images, state, text_ids, text_mask, action_tokens, *, loss_targets=None, with_environment_state=False):
         if loss_targets is None or with_environment_state:
-            raise ValueError("a pipelined model computes its loss only: call it with loss_targets, without with_environment_state")
+            raise ValueError(
+                "a pipelined model computes its loss only: call it with loss_targets, without with_environment_state"
+            )
         loss_dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # as the loss kernel's
         like = lambda microbatches: (torch.empty(microbatches, dtype=loss_dtype), torch.empty_like(loss_targets))  # noqa: E731
-        losses, predicted = runtime.step((images, state, text_ids, action_tokens), {"text_mask": text_mask, "loss_targets": loss_targets}, loss_targets, like)
+        losses, predicted = runtime.step(
+            (images, state, text_ids, action_tokens),
+            {"text_mask": text_mask, "loss_targets": loss_targets},
+            loss_targets,
+            like,
+        )
         for stage in modules.values():
             stage.combine_moe_stats(runtime.step_microbatches)
         return losses.mean(), predicted

@@ -38,7 +38,13 @@ from uma_lightning.models.lora import LoRALinear
 from uma_lightning.models.moe import MoEFeedForward
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac, apply_compile, apply_ddp, apply_fsdp
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.plans.experts import apply_expert_data_parallel, apply_expert_parallel, apply_moe_tensor_parallel, check_expert_parallel, expert_parameters
+from uma_lightning.parallel.plans.experts import (
+    apply_expert_data_parallel,
+    apply_expert_parallel,
+    apply_moe_tensor_parallel,
+    check_expert_parallel,
+    expert_parameters,
+)
 from uma_lightning.parallel.plans.registry import HeadPlan, heads_for
 
 # The observation's arguments every robot model's forward starts with: images, state, text ids, text mask.
@@ -58,9 +64,13 @@ def check_robot(model: RobotBase, shape: MeshShape, config: ParallelConfig) -> N
         return
     b = model.cfg.backbone
     if b.moe is not None and shape.ep > 1:
-        raise ValueError(f"tp {shape.tp} with ep {shape.ep}: experts are either split over ep ranks or computed whole on each tp rank, not both")
+        raise ValueError(
+            f"tp {shape.tp} with ep {shape.ep}: experts are either split over ep ranks or computed whole on each tp rank, not both"
+        )
     if b.moe is not None and b.moe.aux_loss_weight:
-        raise ValueError(f"tp {shape.tp}: moe.aux_loss_weight needs each sequence's tokens on one rank, and sequence parallelism splits them (size {b.name})")
+        raise ValueError(
+            f"tp {shape.tp}: moe.aux_loss_weight needs each sequence's tokens on one rank, and sequence parallelism splits them (size {b.name})"
+        )
     sizes = {
         "n_heads": b.n_heads,
         "n_kv_heads": b.n_kv_heads,
@@ -84,7 +94,15 @@ def replicated(attribute: str):
         from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
 
         distribute_module(model.get_submodule(attribute), tp_mesh)
-        parallelize_module(model, tp_mesh, {attribute: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True)})
+        parallelize_module(
+            model,
+            tp_mesh,
+            {
+                attribute: PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=True
+                )
+            },
+        )
 
     return layout
 
@@ -95,17 +113,32 @@ def apply_sequence_parallel_transformer(transformer: Transformer, tp_mesh) -> No
     states are gathered into a replicated DTensor. Attention keys and values, and so a ``KVCache``,
     cover every token (after the all-gather) and this rank's key/value heads."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     parallelize_module(
         transformer,
         tp_mesh,
         {
-            "": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+            "": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            ),
             "norm": SequenceParallel(),
         },
     )
-    parallelize_module(transformer, tp_mesh, {"": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False)})
+    parallelize_module(
+        transformer,
+        tp_mesh,
+        {
+            "": PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False
+            )
+        },
+    )
     apply_sequence_parallel_blocks(list(transformer.layers), tp_mesh)
 
 
@@ -113,7 +146,13 @@ def apply_sequence_parallel_blocks(blocks: list[nn.Module], tp_mesh) -> None:
     """Transformer blocks that take and return this rank's slice of the tokens, as plain tensors:
     attention heads and feed-forward split over the ranks, the norms sequence-parallel."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     for block in blocks:
         experts = isinstance(block.ffn, MoEFeedForward)
@@ -123,12 +162,22 @@ def apply_sequence_parallel_blocks(blocks: list[nn.Module], tp_mesh) -> None:
             tp_mesh,
             {
                 "attn_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
                 "ffn_norm": SequenceParallel(),
                 # A MoE layer routes this rank's own tokens (apply_moe_tensor_parallel): no gather.
-                "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),) if experts else (Replicate(),), use_local_output=experts),
+                "ffn": PrepareModuleInput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Shard(1),) if experts else (Replicate(),),
+                    use_local_output=experts,
+                ),
                 **{name: ColwiseParallel() for name in BLOCK_COLWISE if not name.startswith(whole)},
-                **{name: RowwiseParallel(output_layouts=Shard(1)) for name in BLOCK_ROWWISE if not name.startswith(whole)},
+                **{
+                    name: RowwiseParallel(output_layouts=Shard(1))
+                    for name in BLOCK_ROWWISE
+                    if not name.startswith(whole)
+                },
             },
         )
         if experts:
@@ -171,8 +220,12 @@ def apply_tp_tokenizers(model: RobotBase, tp_mesh) -> None:
             {
                 # The pooling mixes the replicated byte embeddings with the plain text_mask: done on local
                 # tensors, and its result enters the replicated image tokenizer as a replicated DTensor.
-                "instruction_pooling": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None), use_local_output=True),
-                "image_tokenizer": PrepareModuleInput(input_layouts=(Replicate(), Replicate()), desired_input_layouts=(Replicate(), Replicate())),
+                "instruction_pooling": PrepareModuleInput(
+                    input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+                ),
+                "image_tokenizer": PrepareModuleInput(
+                    input_layouts=(Replicate(), Replicate()), desired_input_layouts=(Replicate(), Replicate())
+                ),
             },
         )
 
@@ -183,12 +236,19 @@ def apply_tp_lora(model: nn.Module, tp_mesh) -> str:
     split the same way; every other adapter weight is replicated (they are rank x features, small)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    adapted = [m for m in model.modules() if isinstance(m, LoRALinear) and isinstance(m.weight, DTensor) and not isinstance(m.lora_a, DTensor)]
+    adapted = [
+        m
+        for m in model.modules()
+        if isinstance(m, LoRALinear) and isinstance(m.weight, DTensor) and not isinstance(m.lora_a, DTensor)
+    ]
     for layer in adapted:
         rowwise = layer.weight.placements == (Shard(1),)
         for name, placement in (("lora_a", Shard(1) if rowwise else Replicate()), ("lora_b", Replicate())):
             param = getattr(layer, name)
-            layer.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [placement]), requires_grad=param.requires_grad))
+            layer.register_parameter(
+                name,
+                nn.Parameter(distribute_tensor(param.data, tp_mesh, [placement]), requires_grad=param.requires_grad),
+            )
     return f"LoRA adapters of {len(adapted)} tensor-parallel layers laid out with them" if adapted else ""
 
 
@@ -227,12 +287,20 @@ def parallelize_robot(model: RobotBase, mesh, config: ParallelConfig) -> list[st
     """
     heads = heads_for(model)
     tp = mesh["tp"].size() > 1
-    applied = lay_out(model, robot_blocks(model), mesh, config, lambda: [apply_tp(model, mesh["tp"], heads), apply_tp_lora(model, mesh["tp"])])
+    applied = lay_out(
+        model,
+        robot_blocks(model),
+        mesh,
+        config,
+        lambda: [apply_tp(model, mesh["tp"], heads), apply_tp_lora(model, mesh["tp"])],
+    )
     applied.append(apply_inference_methods(model, tp))
     return [line for line in applied if line]
 
 
-def lay_out(root: nn.Module, blocks: list[nn.Module], mesh, config: ParallelConfig, tensor_parallel: Callable[[], list[str]]) -> list[str]:
+def lay_out(
+    root: nn.Module, blocks: list[nn.Module], mesh, config: ParallelConfig, tensor_parallel: Callable[[], list[str]]
+) -> list[str]:
     """Lay out ``root`` (a model, or a pipeline stage) and its ``blocks`` on ``mesh``, in place;
     ``tensor_parallel`` lays out its tensor-parallel part. Returns what was applied.
 
@@ -244,7 +312,9 @@ def lay_out(root: nn.Module, blocks: list[nn.Module], mesh, config: ParallelConf
     (checkpointed, compiled) blocks: the experts' first (nested in the blocks, over their own
     ranks), then the blocks, then the root.
     """
-    expert_dp_dim = next((dim for dim in ("expert_shard", "expert_replicate") if dim in (mesh.mesh_dim_names or ())), None)
+    expert_dp_dim = next(
+        (dim for dim in ("expert_shard", "expert_replicate") if dim in (mesh.mesh_dim_names or ())), None
+    )
     applied, experts = [], set()
     if expert_dp_dim:
         applied.append(apply_expert_parallel(root, mesh["ep"]))
@@ -283,7 +353,11 @@ def action_embedding_layout(model: RobotTransformer, tp_mesh) -> None:
     distribute_module(model.action_embed, tp_mesh)
     distribute_module(model.action_dim_embed, tp_mesh)
     # Its input (action-dimension indices) is created inside forward.
-    parallelize_module(model, tp_mesh, {"action_dim_embed": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))})
+    parallelize_module(
+        model,
+        tp_mesh,
+        {"action_dim_embed": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))},
+    )
 
 
 def action_head_layout(model: RobotTransformer, tp_mesh) -> None:
@@ -296,7 +370,9 @@ def action_head_layout(model: RobotTransformer, tp_mesh) -> None:
         {
             "action_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
             "action_loss": PrepareModuleInput(
-                input_layouts=(Replicate(), Shard(0), None), desired_input_layouts=(Replicate(), Replicate(), None), use_local_output=True
+                input_layouts=(Replicate(), Shard(0), None),
+                desired_input_layouts=(Replicate(), Replicate(), None),
+                use_local_output=True,
             ),
         },
     )
@@ -311,5 +387,7 @@ DISCRETE_ACTION_HEAD = HeadPlan(
 )
 
 ENVIRONMENT_STATE_HEAD = HeadPlan(
-    "environment state", tp_layout=replicated("environment_state_head"), present=lambda model: model.environment_state_head is not None
+    "environment state",
+    tp_layout=replicated("environment_state_head"),
+    present=lambda model: model.environment_state_head is not None,
 )
