@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from uma_lightning.tracking.server import start_mlflow_server
+from uma_lightning.tools.mlflow_server import start_mlflow_server
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = [

@@ -189,7 +189,7 @@ def expert_parallel_rank(out: str, tokens: int, repeats: int) -> None:
 
 
 def expert_parallel_share(tokens: int, repeats: int, world_size: int = 2) -> list[list[object]]:
-    from uma_lightning.parallel.launch import run_local_group
+    from uma_lightning.tools.launch import run_local_group
 
     with tempfile.TemporaryDirectory() as root:
         out = str(Path(root) / "ranks.json")

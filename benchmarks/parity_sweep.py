@@ -2,7 +2,7 @@
 
     python benchmarks/parity_sweep.py [--shapes 20] [--first-seed 0] [--steps 3] [--config recipes/pretrain.yaml] [--json out.json]
 
-Each shape (``uma_lightning.parallel.parity.random_network``: layers, width, heads, kv heads,
+Each shape (``uma_lightning.tools.parity.random_network``: layers, width, heads, kv heads,
 feed-forward width, vision tokenizer, environment-state head) trains on the recipe's first
 batches under ddp, fsdp, tp, hsdp and fsdp_tp (the shapes are dense: ep and ep_fsdp need
 experts); every shape of a group size shares one launch.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harness import print_table
 
-from uma_lightning.parallel.parity import LAYOUTS, Case, check_parity, needs_experts, random_network, resolve
+from uma_lightning.tools.parity import LAYOUTS, Case, check_parity, needs_experts, random_network, resolve
 
 DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0", "--data.batch_size", "8"]
 

@@ -52,8 +52,8 @@ def worker(job_file: str) -> None:
     from lightning.pytorch import Callback
 
     from uma_lightning.parallel import MeshStrategy
-    from uma_lightning.parallel.fixed_batches import fit_on_batches
     from uma_lightning.parallel.pipeline import pipeline_of
+    from uma_lightning.tools.fixed_batches import fit_on_batches
 
     with open(job_file, "rb") as f:
         job = pickle.load(f)  # written by this script a moment ago, in its private folder
@@ -84,8 +84,8 @@ def worker(job_file: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from uma_lightning.parallel.launch import run_local_group
-    from uma_lightning.parallel.parity import resolve
+    from uma_lightning.tools.launch import run_local_group
+    from uma_lightning.tools.parity import resolve
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="2,4", help="comma-separated group sizes")

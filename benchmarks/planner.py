@@ -42,8 +42,8 @@ def main() -> None:
     parser.add_argument("--strategies", help="only these rows (names in planner/check.py's LAYOUTS and EXPERT_LAYOUTS)")
     parser.add_argument("--global-batch", type=int, default=8)
     args = parser.parse_args()
-    from uma_lightning.parallel.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
-    from uma_lightning.parallel.planner.layout import Layout
+    from uma_lightning.tools.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
+    from uma_lightning.tools.planner.layout import Layout
 
     rows = []
     for size in args.sizes.split(","):

@@ -26,8 +26,8 @@ from lightning.pytorch import Callback
 from uma_lightning.data import RobotDataModule
 from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
 from uma_lightning.parallel import MeshStrategy
-from uma_lightning.parallel.fixed_batches import fit_on_batches
-from uma_lightning.parallel.launch import run_local_group
+from uma_lightning.tools.fixed_batches import fit_on_batches
+from uma_lightning.tools.launch import run_local_group
 
 STRATEGIES = {
     "one process": None,

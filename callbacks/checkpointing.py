@@ -29,7 +29,7 @@ from uma_lightning.checkpoint import (
     rng,
 )
 from uma_lightning.checkpoint.state import TRAINER, apply_trainer_state, collect, load
-from uma_lightning.parallel.mesh import random_stream_rank
+from uma_lightning.ranks import random_stream_rank
 
 log = logging.getLogger("uma_lightning")
 

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import MeanMetric
 
 from uma_lightning.cli_errors import ConfigError
-from uma_lightning.parallel.mesh import data_parallel_rank
+from uma_lightning.ranks import data_parallel_rank
 from uma_lightning.sim.closed_loop import run_episodes
 
 log = logging.getLogger("uma_lightning")

@@ -18,7 +18,7 @@ from typing import Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from uma_lightning.callbacks.peak_flops import resolve_peak
-from uma_lightning.parallel.mesh import data_parallel_rank
+from uma_lightning.ranks import data_parallel_rank
 from uma_lightning.tracking import find_mlflow_logger
 
 log = logging.getLogger("uma_lightning")

@@ -191,7 +191,7 @@ class SaveWeightsAtStart(Callback):
         self.path = path
 
     def on_train_start(self, trainer, pl_module):
-        from uma_lightning.parallel.recorded_runs import full_expert_biases, full_parameters
+        from uma_lightning.tools.parity.recorded_runs import full_expert_biases, full_parameters
 
         weights = {**full_parameters(pl_module), **full_expert_biases(pl_module)}
         if trainer.is_global_zero:

@@ -193,7 +193,7 @@ def parity_on_two_processes():
     experts under ep, in 1F1B pipeline stages and under tp; and one injected bug per case."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case, recipe
 
-    from uma_lightning.parallel.parity import check_parity, random_network
+    from uma_lightning.tools.parity import check_parity, random_network
 
     def fault(name, strategies, *overrides):
         return parity_case(name, strategies, *overrides, "--model.init_args.fault", name, module=FAULT)
@@ -261,7 +261,7 @@ def parity_on_four_processes():
     stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case
 
-    from uma_lightning.parallel.parity import check_parity, random_network
+    from uma_lightning.tools.parity import check_parity, random_network
 
     switches = {
         "activation_checkpointing": "full",

@@ -139,7 +139,7 @@ def parity_case(
 ):
     """A ``uma parity`` case: the recipe ``config`` (pretrain) with the small model, ``overrides`` and the
     LightningModule class ``module`` (with its init args as ``--model.init_args.KEY`` overrides)."""
-    from uma_lightning.parallel.parity import Case, resolve
+    from uma_lightning.tools.parity import Case, resolve
 
     chosen = ["--model", module] if module else []
     args = [*chosen, "--model.network.size", json.dumps(PARITY_SIZE), *PARITY_DATA, *overrides]

@@ -30,7 +30,7 @@ from uma_lightning.data import (
 from uma_lightning.data.generate import generate_planar_arm
 from uma_lightning.data.loader import BatchStream, RobotDataLoader
 from uma_lightning.data.order import SourceLayout, buffer_shuffle
-from uma_lightning.data.tools import main as data_tool
+from uma_lightning.tools.data import main as data_tool
 from uma_lightning.tracking import MLflowLogger
 
 

@@ -21,8 +21,8 @@ from uma_lightning.data.dataset import HELD_SHARE
 from uma_lightning.data.frame_store import FrameStoreError, default_store_dir, open_store
 from uma_lightning.data.generate import RealisticPreset, generate_realistic
 from uma_lightning.data.order import EpochOrder
-from uma_lightning.data.tools import main as data_tool
 from uma_lightning.data.video import VideoError, VideoReader, decode_frames_at, decoder_threads, encode_video
+from uma_lightning.tools.data import main as data_tool
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,9 @@
-"""No import cycles in the package: the static import graph of uma_lightning, read from the source."""
+"""The package's imports: no cycles, the tools above the runtime, and no effect on Lightning from importing."""
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,3 +141,72 @@ def test_the_cycle_check_names_a_cycle_and_is_quiet_without_one(tmp_path):
     cycles = import_cycles(import_graph({"pkg": cyclic / "pkg", "pkg.plugins": cyclic / "extra"}))
     assert cycles == [["pkg.a", "pkg.sub.c", "pkg.plugins.more", "pkg.a"]], cycles
     assert describe(cycles) == "import cycles: pkg.a -> pkg.sub.c -> pkg.plugins.more -> pkg.a"
+
+
+def test_only_the_tools_import_the_command_line():
+    """``uma_lightning.cli`` is the top of the runtime: the tools build on it, nothing below imports it."""
+    graph = import_graph(PACKAGE_DIRS)
+    importers = sorted(name for name, targets in graph.items() if "uma_lightning.cli" in targets)
+    assert importers and all(name.startswith("uma_lightning.tools.") for name in importers), importers
+    runtime = {name for name in graph if not name.startswith("uma_lightning.tools") and name != "uma_lightning.cli"}
+    reaching = sorted(name for name in runtime if any(t.startswith("uma_lightning.tools") for t in graph[name]))
+    assert not reaching, f"runtime modules that import a tool: {reaching}"
+
+
+REGISTRIES = """
+import json, sys
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.accelerators import AcceleratorRegistry
+
+def snapshot():
+    return {
+        "strategies": {name: repr(entry) for name, entry in StrategyRegistry.items()},
+        "accelerators": sorted(AcceleratorRegistry),
+    }
+
+before = snapshot()
+import importlib
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+after = snapshot()
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+def _registries_after_importing(modules: list[str]) -> tuple[dict, dict]:
+    done = subprocess.run(
+        [sys.executable, "-c", REGISTRIES, *modules], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return found["before"], found["after"]
+
+
+def test_importing_every_module_leaves_lightnings_registries_as_they_were():
+    # The tools' own modules and scripts (a parity worker, the planner) included; gpu-only kernels import lazily.
+    modules = sorted(modules_of(PACKAGE_DIRS))
+    assert len(modules) > 100 and "uma_lightning.parallel.strategy" in modules and "uma_lightning.data" in modules
+    before, after = _registries_after_importing(modules)
+    assert after == before, {
+        name: (before["strategies"].get(name), after["strategies"].get(name))
+        for name in set(before["strategies"]) | set(after["strategies"])
+        if before["strategies"].get(name) != after["strategies"].get(name)
+    }
+
+
+def test_the_registry_check_sees_a_registration():
+    """The comparison is not blind: registering our strategies, as the ``uma`` command does, changes both names."""
+    before, after = _registries_after_importing(["uma_lightning.data"])
+    assert after == before
+    script = REGISTRIES.replace(
+        "after = snapshot()",
+        "from uma_lightning.parallel import register_strategies\nregister_strategies()\nafter = snapshot()",
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    changed = {
+        n
+        for n in found["after"]["strategies"]
+        if found["after"]["strategies"][n] != found["before"]["strategies"].get(n)
+    }
+    assert {"ddp", "fsdp", "fsdp_tp", "pp"} <= changed, changed

@@ -16,18 +16,15 @@ from torch import nn
 
 from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.models import RobotTransformer
-from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for
+from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for, register_strategies
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
 from uma_lightning.parallel.mesh import MESH_DIMS, resolve_mesh_shape
-from uma_lightning.parallel.parity import (
-    TOLERANCES,
-    first_routing_difference,
-    needs_experts,
-    random_network,
-)
-from uma_lightning.parallel.parity import (
-    main as parity_main,
-)
+from uma_lightning.tools.parity import TOLERANCES, needs_experts, random_network
+from uma_lightning.tools.parity import main as parity_main
+from uma_lightning.tools.parity.compare import first_routing_difference
+
+# The names below (fsdp_tp, our ddp and fsdp...) are the ones the uma command registers.
+register_strategies()
 
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
@@ -723,7 +720,7 @@ def test_random_model_shapes_are_distinct_and_split_over_tp():
 def test_precision_check_names_the_layer_that_overflows_in_fp16_and_is_quiet_otherwise():
     from suite import parity_case
 
-    from uma_lightning.parallel.precision_parity import compare_precision
+    from uma_lightning.tools.parity.precision import compare_precision
 
     def check(precision, module=None):
         case = parity_case(precision, "", module=module, steps=2)
@@ -833,7 +830,7 @@ def test_launch_templates_are_valid():
 
 
 def test_throughput_counts_each_sample_once_under_tensor_parallel():
-    from uma_lightning.parallel.mesh import data_parallel_rank
+    from uma_lightning.ranks import data_parallel_rank
 
     # Tensor-parallel ranks share a batch: two TP ranks process one batch, two DDP ranks two.
     assert data_parallel_rank(Trainer(strategy="tp", accelerator="cpu", devices=2, logger=False)) == (0, 1)

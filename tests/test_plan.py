@@ -10,12 +10,12 @@ from suite import RECIPE, assert_short_error, run_main
 
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models import RobotModelConfig, load_size
-from uma_lightning.parallel.planner.cluster import ACCELERATORS, LINK_PRESETS, Cluster, Link
-from uma_lightning.parallel.planner.comm import Collective, seconds
-from uma_lightning.parallel.planner.estimate import Settings, estimate, pipeline_bubble
-from uma_lightning.parallel.planner.layout import Layout
-from uma_lightning.parallel.planner.memory import Precision, chunk, rank_state
-from uma_lightning.parallel.planner.model import facts_of_config
+from uma_lightning.tools.planner.cluster import ACCELERATORS, LINK_PRESETS, Cluster, Link
+from uma_lightning.tools.planner.comm import Collective, seconds
+from uma_lightning.tools.planner.estimate import Settings, estimate, pipeline_bubble
+from uma_lightning.tools.planner.layout import Layout
+from uma_lightning.tools.planner.memory import Precision, chunk, rank_state
+from uma_lightning.tools.planner.model import facts_of_config
 
 # Heads, kv heads, feed-forward, action bins and the 44-token sequence all split over tp 4.
 SPEC = DataSpec(
@@ -78,7 +78,7 @@ def test_bubble_and_ring_times():
 
 
 def test_checkpointing_and_pipelines_change_activations_as_their_schedules_say():
-    from uma_lightning.parallel.planner.memory import activation_bytes, block_activations, in_flight_microbatches
+    from uma_lightning.tools.planner.memory import activation_bytes, block_activations, in_flight_microbatches
 
     model, fp32 = facts(), Precision.of("32-true")
     none, ops, full = (activation_bytes(model, Layout(ac=ac), fp32, 8) for ac in ("none", "ops", "full"))
@@ -153,10 +153,10 @@ def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsy
 def test_pipeline_and_expert_layouts_are_those_uma_fit_accepts(tmp_path, capsys):
     """The fastest pp, ep and ep_fsdp layouts of a mixture-of-experts model are fragments uma fit
     takes; what the strategy refuses (ep with pp, inside HSDP, with tp) is rejected with its message."""
-    from uma_lightning.parallel.planner import report
-    from uma_lightning.parallel.planner.estimate import rank
-    from uma_lightning.parallel.planner.model import facts_of_stage
-    from uma_lightning.parallel.planner.tool import build_cluster, build_parser, resolve
+    from uma_lightning.tools.planner import report
+    from uma_lightning.tools.planner.estimate import rank
+    from uma_lightning.tools.planner.model import facts_of_stage
+    from uma_lightning.tools.planner.tool import build_cluster, build_parser, resolve
 
     size = ["--model.network.size", "tiny_moe"]
     args, overrides = build_parser().parse_known_args(
@@ -236,8 +236,8 @@ def test_expert_layer_activations_match_a_real_forward(every_n_layers, n_shared)
     import dataclasses
 
     from uma_lightning.models import RobotTransformer
-    from uma_lightning.parallel.planner.check import random_batch, saved_activation_bytes
-    from uma_lightning.parallel.planner.memory import activation_bytes
+    from uma_lightning.tools.planner.check import random_batch, saved_activation_bytes
+    from uma_lightning.tools.planner.memory import activation_bytes
 
     moe = {"n_experts": 8, "top_k": 2, "n_shared": n_shared, "every_n_layers": every_n_layers, "expert_dim": 128}
     cfg = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4, "moe": moe}))
@@ -255,7 +255,7 @@ def test_predictions_match_a_real_step_of_every_strategy():
     activations are compared on the first stage only (``planner/check.py`` says why)."""
     import dataclasses
 
-    from uma_lightning.parallel.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
+    from uma_lightning.tools.planner.check import EXPERT_LAYOUTS, LAYOUTS, compare
 
     moe = dataclasses.replace(CONFIG, backbone=load_size({"name": "tiny_moe", "n_layers": 4}))
     four_layers = dataclasses.replace(
@@ -301,7 +301,7 @@ def test_mfu_is_calibrated_from_the_median_a_run_logged(tmp_path, monkeypatch):
 
     from uma_lightning.checkpoint.directory import step_dirname
     from uma_lightning.checkpoint.manifest import FORMAT
-    from uma_lightning.parallel.planner.calibrate import measured_mfu
+    from uma_lightning.tools.planner.calibrate import measured_mfu
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = (tmp_path / "mlruns").as_uri()  # a file store: seconds faster to open than sqlite, which migrates its schema

@@ -14,7 +14,7 @@ import yaml
 from mlflow import MlflowClient
 from suite import REPO, recipe, run_main
 
-from uma_lightning.rl.cli import RLCLI
+from uma_lightning.tools.rl import RLCLI
 
 DEFAULT, PPO, SAC = recipe("rl"), recipe("rl_inverted_pendulum"), recipe("rl_pendulum_sac")
 

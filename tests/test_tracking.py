@@ -14,13 +14,13 @@ from suite import QUICK, RECIPE, assert_short_error, run_main
 from uma_lightning.cli import UmaCLI
 from uma_lightning.data import LeRobotMetadata
 from uma_lightning.data.generate import generate_planar_arm
-from uma_lightning.data.tools import main as data_tool
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
+from uma_lightning.tools.data import main as data_tool
+from uma_lightning.tools.mlflow_server import start_mlflow_server
 from uma_lightning.tracking import MLflowLogger
 from uma_lightning.tracking.datasets import metadata_digest
 from uma_lightning.tracking.run_config import headline_metrics
 from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
-from uma_lightning.tracking.server import start_mlflow_server
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from uma_lightning.data import RobotDataModule
 from uma_lightning.data.lerobot import DatasetError
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import StageModule
-from uma_lightning.parallel import MeshStrategy  # also registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp
+from uma_lightning.parallel import MeshStrategy, register_strategies
 from uma_lightning.tracking import MLflowLogger, RecordRunConfig
 from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
 
@@ -54,11 +54,11 @@ register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 # Subcommands that are tools rather than training runs: name -> "module:function(argv) -> exit code".
 # Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
 TOOLS: dict[str, str] = {
-    "data": "uma_lightning.data.tools:main",
-    "parity": "uma_lightning.parallel.parity:main",
-    "ckpt": "uma_lightning.checkpoint.tools:main",
-    "rl": "uma_lightning.rl.cli:main",
-    "plan": "uma_lightning.parallel.planner.tool:main",
+    "data": "uma_lightning.tools.data:main",
+    "parity": "uma_lightning.tools.parity.cli:main",
+    "ckpt": "uma_lightning.tools.ckpt:main",
+    "rl": "uma_lightning.tools.rl:main",
+    "plan": "uma_lightning.tools.planner.tool:main",
 }
 
 
@@ -73,6 +73,9 @@ class UmaCLI(LightningCLI):
         configs = _configs_of(sys.argv[1:] if args is None else args)
         self.recipe, self.extra_configs = (configs[0], tuple(configs[1:])) if configs else (None, ())
         self.overrides = ""
+        # Our names (fsdp_tp, pp, ...) and ours in place of Lightning's ddp and fsdp, for this command only:
+        # importing the package leaves Lightning's registry alone.
+        register_strategies()
         super().__init__(
             self.model_class,
             self.datamodule_class,

@@ -78,7 +78,7 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
 
     from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
     from uma_lightning.parallel import MeshStrategy
-    from uma_lightning.parallel.fixed_batches import fit_on_batches
+    from uma_lightning.tools.fixed_batches import fit_on_batches
 
     class StepTimer(Callback):
         def __init__(self):

@@ -24,7 +24,7 @@ from uma_lightning.data.order import OrderConfig, OrderSettings
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.data.storage import Storage
 from uma_lightning.data.video import choose_decoder, decoder_threads
-from uma_lightning.parallel.mesh import data_parallel_rank
+from uma_lightning.ranks import data_parallel_rank
 from uma_lightning.stop_signals import LoaderWorkerSignals
 
 logger = logging.getLogger(__name__)

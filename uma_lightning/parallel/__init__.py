@@ -1,7 +1,8 @@
-"""Parallelism: the mesh strategy (DDP, FSDP2, tensor parallel, hybrids), per-model plans, and the parity tool.
+"""Parallelism: the mesh strategy (DDP, FSDP2, tensor, pipeline and expert parallel, hybrids) and per-model plans.
 
-Importing this package registers the strategy names ddp, fsdp, tp, hsdp, fsdp_tp, ep and ep_fsdp in
-Lightning's strategy registry (the ``uma`` command imports it).
+Importing changes nothing in Lightning. ``register_strategies()`` adds the names ddp, fsdp, tp, hsdp,
+fsdp_tp, pp, ep... to Lightning's strategy registry, ours in place of its own ddp and fsdp; the ``uma``
+command calls it, and so may a plain Lightning script that wants ``Trainer(strategy="fsdp_tp")``.
 """
 
 from uma_lightning.parallel.apply import ParallelConfig
@@ -9,8 +10,6 @@ from uma_lightning.parallel.mesh import MeshShape
 from uma_lightning.parallel.plans import HeadPlan, Plan, plan_for, register_head, register_plan
 from uma_lightning.parallel.plans.robot import replicated
 from uma_lightning.parallel.strategy import MeshStrategy, register_strategies
-
-register_strategies()
 
 __all__ = [
     "HeadPlan",
@@ -21,5 +20,6 @@ __all__ = [
     "plan_for",
     "register_head",
     "register_plan",
+    "register_strategies",
     "replicated",
 ]

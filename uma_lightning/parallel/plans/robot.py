@@ -53,7 +53,7 @@ OBSERVATION_INPUTS = 4
 INFERENCE_METHODS = ("predict_actions",)
 # The tensor-parallel split of a block's weights: column-wise layers split their output features
 # (dim 0 of an nn.Linear weight), row-wise ones their input features (dim 1). The planner
-# (``parallel/planner``) reads these too, to predict each rank's shard.
+# (``tools/planner``) reads these too, to predict each rank's shard.
 BLOCK_COLWISE = ("attn.wq", "attn.wk", "attn.wv", "ffn.w1", "ffn.w3")
 BLOCK_ROWWISE = ("attn.wo", "ffn.w2")
 

@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch import Callback
 
 from uma_lightning.models.moe import moe_layers
-from uma_lightning.parallel.fixed_batches import fit_on_batches
 from uma_lightning.parallel.moe_stats import sum_per_moe_layer
+from uma_lightning.tools.fixed_batches import fit_on_batches
 
 COMPARE_DTYPE = torch.float64  # what every record holds, whatever the run's precision
 

@@ -11,7 +11,7 @@ import os
 import lightning as L
 from torch.utils.data import DataLoader
 
-from uma_lightning.parallel.mesh import data_parallel_rank
+from uma_lightning.ranks import data_parallel_rank
 
 
 class GlobalBatches(L.LightningDataModule):

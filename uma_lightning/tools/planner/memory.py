@@ -17,8 +17,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from uma_lightning.parallel.planner.layout import Layout
-from uma_lightning.parallel.planner.model import ModelFacts, Param
+from uma_lightning.tools.planner.layout import Layout
+from uma_lightning.tools.planner.model import ModelFacts, Param
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 ADAM_STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar tensor

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError
-from uma_lightning.parallel.planner import report
-from uma_lightning.parallel.planner.calibrate import measured_mfu
-from uma_lightning.parallel.planner.cluster import ACCELERATORS, GIB, LINK_PRESETS, Cluster, Link, preset_link
-from uma_lightning.parallel.planner.estimate import Estimate, Settings, rank
-from uma_lightning.parallel.planner.memory import Precision
-from uma_lightning.parallel.planner.model import ModelFacts, facts_of_stage
+from uma_lightning.tools.planner import report
+from uma_lightning.tools.planner.calibrate import measured_mfu
+from uma_lightning.tools.planner.cluster import ACCELERATORS, GIB, LINK_PRESETS, Cluster, Link, preset_link
+from uma_lightning.tools.planner.estimate import Estimate, Settings, rank
+from uma_lightning.tools.planner.memory import Precision
+from uma_lightning.tools.planner.model import ModelFacts, facts_of_stage
 
 GPUS_PER_NODE_TRIED = (1, 2, 4, 8)  # node shapes tried when looking for the smallest cluster that fits
 MAX_NODES_TRIED = 128

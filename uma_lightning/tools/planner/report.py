@@ -10,10 +10,10 @@ from collections import Counter
 
 import yaml
 
-from uma_lightning.parallel.planner.cluster import GIB, Cluster
-from uma_lightning.parallel.planner.comm import crosses_nodes, seconds
-from uma_lightning.parallel.planner.estimate import USABLE_MEMORY, Estimate, Settings
-from uma_lightning.parallel.planner.model import ModelFacts
+from uma_lightning.tools.planner.cluster import GIB, Cluster
+from uma_lightning.tools.planner.comm import crosses_nodes, seconds
+from uma_lightning.tools.planner.estimate import USABLE_MEMORY, Estimate, Settings
+from uma_lightning.tools.planner.model import ModelFacts
 
 BAR_WIDTH = 50
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from uma_lightning.parallel.apply import ActivationCheckpointing
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.planner.cluster import Cluster
-from uma_lightning.parallel.planner.model import ModelFacts
+from uma_lightning.tools.planner.cluster import Cluster
+from uma_lightning.tools.planner.model import ModelFacts
 
 AC_MODES: tuple[ActivationCheckpointing, ...] = ("none", "ops", "full")
 MICROBATCHES = (1, 2, 4, 8, 16, 32)

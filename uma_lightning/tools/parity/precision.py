@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from uma_lightning.parallel.launch import run_local_group
-from uma_lightning.parallel.recorded_runs import train, worker
+from uma_lightning.tools.launch import run_local_group
+from uma_lightning.tools.parity.recorded_runs import train, worker
 
 # Unit roundoff of each low precision (half its machine epsilon): bf16 keeps 8 significant bits, fp16 11.
 UNIT_ROUNDOFF = {"bf16-mixed": 2.0**-8, "16-mixed": 2.0**-11}

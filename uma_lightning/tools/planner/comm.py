@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from uma_lightning.parallel.planner.cluster import Cluster, Link
-from uma_lightning.parallel.planner.layout import Layout
-from uma_lightning.parallel.planner.memory import Precision, padded_shape, stage_params, unit_elements
-from uma_lightning.parallel.planner.model import ModelFacts
+from uma_lightning.tools.planner.cluster import Cluster, Link
+from uma_lightning.tools.planner.layout import Layout
+from uma_lightning.tools.planner.memory import Precision, padded_shape, stage_params, unit_elements
+from uma_lightning.tools.planner.model import ModelFacts
 
 
 @dataclass(frozen=True)

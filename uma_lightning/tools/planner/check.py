@@ -32,10 +32,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from uma_lightning.models.robot import RobotModelConfig
-from uma_lightning.parallel.planner.comm import step_collectives
-from uma_lightning.parallel.planner.layout import Layout
-from uma_lightning.parallel.planner.memory import Precision, activation_bytes, rank_state
-from uma_lightning.parallel.planner.model import ModelFacts, facts_of_config
+from uma_lightning.tools.planner.comm import step_collectives
+from uma_lightning.tools.planner.layout import Layout
+from uma_lightning.tools.planner.memory import Precision, activation_bytes, rank_state
+from uma_lightning.tools.planner.model import ModelFacts, facts_of_config
 
 # The strategies on four processes, both dimensions of the 2-D ones real.
 LAYOUTS = {
@@ -206,7 +206,7 @@ def compare(
     """Per case (a model and a layout), per rank: {"measured": ..., "predicted": ...}, from one launch of ``WORLD_SIZE`` processes."""
     import tempfile
 
-    from uma_lightning.parallel.launch import run_local_group
+    from uma_lightning.tools.launch import run_local_group
 
     with tempfile.TemporaryDirectory(prefix="uma-plan-check-") as out_dir:
         run_local_group(measure_rank, WORLD_SIZE, (cases, global_batch, out_dir), timeout)

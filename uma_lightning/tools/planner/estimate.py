@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from uma_lightning.parallel.planner.cluster import GIB, Cluster
-from uma_lightning.parallel.planner.comm import Collective, seconds, step_collectives
-from uma_lightning.parallel.planner.layout import Layout, candidates, illegal_reason
-from uma_lightning.parallel.planner.memory import Precision, activation_bytes, buffer_bytes, largest_state
-from uma_lightning.parallel.planner.model import ModelFacts
+from uma_lightning.tools.planner.cluster import GIB, Cluster
+from uma_lightning.tools.planner.comm import Collective, seconds, step_collectives
+from uma_lightning.tools.planner.layout import Layout, candidates, illegal_reason
+from uma_lightning.tools.planner.memory import Precision, activation_bytes, buffer_bytes, largest_state
+from uma_lightning.tools.planner.model import ModelFacts
 
 # Of a device's memory, what training may use: the CUDA context, NCCL's buffers and the caching
 # allocator's fragmentation take the rest.
