@@ -17,7 +17,8 @@ v3.0: many episodes per parquet and mp4 file; meta/episodes says where each one 
     videos/<camera>/chunk-000/file-000.mp4
 
 Either way an episode is a run of rows in one parquet file and a time span in one mp4 per camera,
-which is all the loader needs (`EpisodeInfo`).
+which is all the loader needs (`EpisodeInfo`). Vector features are `fixed_size_list` columns as
+lerobot records them, or `list` columns as its v2.1 -> v3.0 converter rewrites them.
 """
 
 from __future__ import annotations
@@ -356,7 +357,7 @@ class LeRobotMetadata:
                 if field.name not in schema.names:
                     raise DatasetError(f"{where}: column {field.name!r} declared in meta/info.json is missing")
                 actual = _canonical_type(schema.field(field.name).type)
-                if actual != field.type:
+                if actual != field.type and actual != _variable_list(field.type):
                     raise DatasetError(
                         f"{where}: column {field.name!r} has type {actual}, meta/info.json declares {field.type}"
                     )
@@ -371,7 +372,7 @@ class LeRobotMetadata:
         for key in keys:
             if table.column(key).null_count:
                 raise DatasetError(f"{where}: column {key!r} contains nulls")
-            out[key] = _to_numpy(table.column(key))
+            out[key] = _to_numpy(table.column(key), f"{where}: column {key!r}", episode.data_row, self.features[key])
         return out
 
 
@@ -489,13 +490,38 @@ def _canonical_type(arrow_type: pa.DataType) -> pa.DataType:
     """Writers name a list's child field differently ("item", "element"); only its type and size matter."""
     if pa.types.is_fixed_size_list(arrow_type):
         return pa.list_(arrow_type.value_type, arrow_type.list_size)
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return pa.list_(arrow_type.value_type)
     return arrow_type
 
 
-def _to_numpy(column: pa.ChunkedArray) -> np.ndarray:
+def _variable_list(arrow_type: pa.DataType) -> pa.DataType | None:
+    """The variable-size list a fixed-size vector column may also be stored as: lerobot's
+    v2.1 -> v3.0 converter rewrites the data through pandas, which turns `fixed_size_list<float, N>`
+    into `list<float>`. Each row's length is then checked against the declared shape when read."""
+    return pa.list_(arrow_type.value_type) if pa.types.is_fixed_size_list(arrow_type) else None
+
+
+def _to_numpy(column: pa.ChunkedArray, where: str, first_row: int, feature: Mapping[str, Any]) -> np.ndarray:
+    """The column as an array [rows] or [rows, size]; a variable-size list must hold the number of
+    values meta/info.json declares in every row (`first_row`: the file's row of the column's first)."""
     array = column.combine_chunks()
     if pa.types.is_fixed_size_list(array.type):
         return array.flatten().to_numpy().reshape(len(array), array.type.list_size)
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        size = int(np.prod(feature["shape"]))
+        lengths = array.value_lengths().to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(lengths != size)
+        if wrong.size:
+            row = int(wrong[0])
+            raise DatasetError(
+                f"{where}: row {first_row + row} holds {lengths[row]} values, meta/info.json declares shape "
+                f"{list(feature['shape'])}"
+            )
+        values = array.flatten()
+        if values.null_count:
+            raise DatasetError(f"{where} contains nulls inside its lists")
+        return values.to_numpy().reshape(len(array), size)
     return array.to_numpy()
 
 
