@@ -358,3 +358,31 @@ def test_a_bad_file_met_in_a_loader_worker_is_one_error_line(written, tmp_path, 
     assert code == 2 and "Traceback" not in err, err
     assert lines[-1].startswith("uma: error: episode 2: ") and str(bad) in lines[-1], err
     assert sum("error" in line for line in lines) == 1, err
+
+
+def test_columns_training_does_not_read_are_named_and_left_alone(written, tmp_path, capsys):
+    """lerobot 0.6's annotation pipeline adds two columns of dtype "language" (lists of message
+    structs, src/lerobot/datasets/language.py): the dataset still loads, and `uma data info` names them."""
+    root = shutil.copytree(written["v3.0-lerobot-0.6"], tmp_path / "annotated")
+    row = pa.struct(
+        [("role", pa.string()), ("content", pa.string()), ("style", pa.string()), ("camera", pa.string())]
+        + [("tool_calls", pa.list_(pa.string()))]
+    )
+    for path in (root / "data").rglob("*.parquet"):
+        table = pq.read_table(path)
+        messages = [[{"role": "user", "content": "pick", "style": "subtask", "camera": None, "tool_calls": []}]]
+        for name in ("language_persistent", "language_events"):
+            table = table.append_column(name, pa.array(messages * table.num_rows, pa.list_(row)))
+        pq.write_table(table, path)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    for name in ("language_persistent", "language_events"):
+        info["features"][name] = {"dtype": "language", "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info, indent=4))
+
+    meta = LeRobotMetadata.load(root)
+    np.testing.assert_array_equal(meta.read_episode(2).state, conformance.vectors(2, 5)[0])
+    assert data_tool(["info", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert "unused    language_persistent (language), language_events (language): training does not read these" in out
+    assert err == ""

@@ -53,6 +53,9 @@ ACTION_KEY = "action"
 ENV_STATE_KEY = "observation.environment_state"
 VECTOR_KEYS = (STATE_KEY, ACTION_KEY, ENV_STATE_KEY)  # float vectors per frame (the last optional)
 INDEX_KEYS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
+# Features that are no numeric column: frames (mp4 or images in parquet), text (lerobot 0.6's
+# annotation pipeline adds `language_persistent` and `language_events` columns of dtype "language").
+NON_NUMERIC_DTYPES = ("video", "image", "string", "language")
 
 
 class DatasetError(RuntimeError):
@@ -60,11 +63,11 @@ class DatasetError(RuntimeError):
 
 
 def arrow_schema(features: Mapping[str, Any]) -> pa.Schema:
-    """The parquet schema that info.json `features` imply: every non-video feature is a column,
-    vectors as fixed-size lists."""
+    """The parquet schema that info.json's numeric `features` imply: a column each, vectors as
+    fixed-size lists."""
     fields = []
     for key, feature in features.items():
-        if feature["dtype"] in ("video", "image"):
+        if feature["dtype"] in NON_NUMERIC_DTYPES:
             continue
         try:
             scalar = pa.from_numpy_dtype(np.dtype(feature["dtype"]))
@@ -243,6 +246,12 @@ class LeRobotMetadata:
         self._names[key] = [str(name) for name in names]
         return self._names[key]
 
+    def unused_features(self) -> dict[str, str]:
+        """Features training does not read, with their dtype: all but the cameras (video), the
+        state, action and environment state vectors and the index columns."""
+        used = {*self.cameras, *VECTOR_KEYS, *INDEX_KEYS}
+        return {key: feature["dtype"] for key, feature in self.features.items() if key not in used}
+
     @property
     def state_dim(self) -> int:
         return int(self.features[STATE_KEY]["shape"][0])
@@ -288,9 +297,7 @@ class LeRobotMetadata:
         episode = self.episodes[episode_index]
         path = self.data_path(episode_index)
         optional = (ENV_STATE_KEY,) if self.environment_state_dim else ()
-        columns = self._read(
-            episode_index, path, (STATE_KEY, ACTION_KEY, *optional, *INDEX_KEYS), open_parquet, check_schema=True
-        )
+        columns = self._read(episode_index, path, (STATE_KEY, ACTION_KEY, *optional, *INDEX_KEYS), open_parquet)
         where = f"episode {episode_index}: {path}"
         length = episode.length
         if not np.array_equal(columns["frame_index"], np.arange(length)):
@@ -322,7 +329,7 @@ class LeRobotMetadata:
 
     def read_columns(self, episode_index: int, keys: Sequence[str]) -> dict[str, np.ndarray]:
         """Only the named columns of one episode (the fast statistics pass)."""
-        return self._read(episode_index, self.data_path(episode_index), keys, None, check_schema=False)
+        return self._read(episode_index, self.data_path(episode_index), keys, None)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -345,15 +352,16 @@ class LeRobotMetadata:
         path: Path,
         keys: Sequence[str],
         open_parquet: Callable[[Path], pq.ParquetFile] | None,
-        check_schema: bool,
     ) -> dict[str, np.ndarray]:
+        """The columns `keys` of the episode's rows, each checked against its feature in
+        meta/info.json; columns training does not read are not looked at (`unused_features`)."""
         episode = self.episodes[episode_index]
         where = f"episode {episode_index}: {path}"
         try:
             parquet = open_parquet(path) if open_parquet is not None else pq.ParquetFile(path)
             schema = parquet.schema_arrow
             expected = arrow_schema(self.features)
-            for field in expected if check_schema else (expected.field(key) for key in keys):
+            for field in (expected.field(key) for key in keys):
                 if field.name not in schema.names:
                     raise DatasetError(f"{where}: column {field.name!r} declared in meta/info.json is missing")
                 actual = _canonical_type(schema.field(field.name).type)

@@ -149,6 +149,13 @@ def print_info(metadata: LeRobotMetadata) -> None:
     for camera in metadata.cameras:
         shape = metadata.features[camera]["shape"]
         print(f"camera    {camera}: {shape[1]}x{shape[0]}")
+    unused = metadata.unused_features()
+    if unused:
+        print(
+            "unused    "
+            + ", ".join(f"{key} ({dtype})" for key, dtype in unused.items())
+            + ": training does not read these"
+        )
     for key in (STATE_KEY, ACTION_KEY):
         stats = metadata.stats[key]
         names = metadata.feature_names(key)
