@@ -20,6 +20,18 @@ What this reproduces of lerobot 0.4's writer (`LeRobotDataset.save_episode` and 
   meta/stats.json;
 - tasks as a pandas DataFrame indexed by the task text (meta/tasks.parquet), or tasks.jsonl in v2.1;
 - `names: null` on every index feature, and on vectors when the recording named nothing.
+
+`release="0.6"`: what lerobot 0.6.1 (the newest release, tag v0.6.1, read in
+src/lerobot/datasets/dataset_writer.py, dataset_metadata.py, feature_utils.py, io_utils.py, utils.py
+and video_utils.py) writes differently from 0.4: meta/info.json in the field order of its
+`DatasetInfo` dataclass; a camera's `info` block with the encoder's settings as `video.<field>`
+(g, crf, preset, fast_decode, video_backend, extra_options) and `is_depth_map` in place of
+`video.is_depth_map`; meta/tasks.parquet indexed by a pandas index named "task". Data files are
+still one row group per episode with vectors as fixed-size lists, episodes still concatenated into
+shared mp4s. (Its 12-bit depth encoding is not reproduced: depth cameras are 0.4's.)
+
+`converted=True`: a v2.1 dataset as above, then rewritten to v3.0 as lerobot 0.6.1's
+src/lerobot/scripts/convert_dataset_v21_to_v30.py does (see `convert_v21_to_v30`).
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +52,7 @@ import pyarrow.parquet as pq
 
 os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its whole configuration for every file otherwise; errors only
 META_BUFFER = 10  # lerobot's default metadata_buffer_size
+CONVERTER_CHUNKS_SIZE = 1000  # lerobot's DEFAULT_CHUNK_SIZE
 QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
 TASKS = ("pick up the red cube", "push the block to the left", "open the drawer")
 STATE_DIM, ACTION_DIM = 6, 4
@@ -69,6 +82,10 @@ class Variant:
     crf: int = 30
     fps: int = 10
     missing_stats: tuple[str, ...] = ()  # features left out of meta/stats.json
+    release: str = "0.4"  # the lerobot release whose writer is reproduced: "0.4" or "0.6"
+    converted: bool = False  # written as v2.1, then converted to v3.0 by lerobot's converter
+    data_file_mb: float = 100.0  # the converter's size limits (its defaults)
+    video_file_mb: float = 200.0
 
 
 def frame(camera: Camera, episode: int, t: int) -> np.ndarray:
@@ -96,7 +113,13 @@ def task_of(episode: int) -> str:
 
 
 def write(variant: Variant, root: Path) -> Path:
-    """Write `variant` at `root` as lerobot 0.4 would; returns root."""
+    """Write `variant` at `root` as lerobot 0.4 (or 0.6) would; returns root."""
+    if variant.converted:
+        source = Path(tempfile.mkdtemp(prefix="lerobot-v21-")) / root.name
+        write(replace(variant, version="v2.1", converted=False), source)
+        convert_v21_to_v30(source, root, variant.data_file_mb, variant.video_file_mb)
+        shutil.rmtree(source.parent)
+        return root
     root.mkdir(parents=True)
     writer = _Writer(variant, root)
     for episode, length in enumerate(variant.lengths):
@@ -212,13 +235,13 @@ def _duration_s(path: Path) -> float:
         return float(container.duration / av.time_base)
 
 
-def _concatenate(first: Path, second: Path) -> None:
-    """Append `second` to `first` by stream copy through FFmpeg's concat demuxer, into a temporary
-    file moved over `first` (as lerobot does, which leaves the file with the temporary file's mode 0600)."""
+def _concatenate(parts: list[Path], target: Path) -> None:
+    """Join `parts` by stream copy through FFmpeg's concat demuxer into a temporary file moved to
+    `target` (as lerobot does, which leaves the file with the temporary file's mode 0600)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ffconcat", delete=False) as listing:
-        listing.write("ffconcat version 1.0\n" + "".join(f"file '{p.resolve()}'\n" for p in (first, second)))
-    with tempfile.NamedTemporaryFile(suffix=".mp4", delete=False) as target:
-        output_path = target.name
+        listing.write("ffconcat version 1.0\n" + "".join(f"file '{p.resolve()}'\n" for p in parts))
+    with tempfile.NamedTemporaryFile(suffix=".mp4", delete=False) as temporary:
+        output_path = temporary.name
     source = av.open(listing.name, format="concat", options={"safe": "0"})
     output = av.open(output_path, "w", options={"movflags": "faststart"})
     copied = {}
@@ -231,7 +254,8 @@ def _concatenate(first: Path, second: Path) -> None:
             output.mux(packet)
     source.close()
     output.close()
-    shutil.move(output_path, first)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(output_path, target)
     Path(listing.name).unlink()
 
 
@@ -333,7 +357,7 @@ class _Writer:
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(encoded, path)
         else:
-            _concatenate(path, encoded)
+            _concatenate([path, encoded], path)
             encoded.unlink()
         if episode == 0:
             self._video_info(camera, path)
@@ -394,7 +418,7 @@ class _Writer:
     def _video_info(self, camera: Camera, path: Path) -> None:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
-            self.features[camera.key]["info"] = {
+            info = {
                 "video.height": stream.height,
                 "video.width": stream.width,
                 "video.codec": stream.codec.canonical_name,
@@ -404,6 +428,13 @@ class _Writer:
                 "video.channels": 3,
                 "has_audio": False,
             }
+        if self.variant.release == "0.6":  # the encoder's settings, and the depth marker renamed
+            del info["video.is_depth_map"]
+            v = self.variant
+            preset = 12 if v.codec == "libsvtav1" else None
+            info.update({"video.g": v.gop, "video.crf": v.crf, "video.preset": preset, "video.fast_decode": 0})
+            info.update({"video.video_backend": "pyav", "video.extra_options": {}, "is_depth_map": camera.depth})
+        self.features[camera.key]["info"] = info
 
     def finalize(self) -> None:
         v = self.variant
@@ -427,8 +458,8 @@ class _Writer:
             self.data_writer.close()
             self._flush_meta()
             self.meta_writer.close()
-            tasks = pd.DataFrame({"task_index": list(self.tasks.values())}, index=list(self.tasks))
-            tasks.to_parquet(meta / "tasks.parquet")
+            index = pd.Index(list(self.tasks), name="task" if v.release == "0.6" else None)
+            pd.DataFrame({"task_index": list(self.tasks.values())}, index=index).to_parquet(meta / "tasks.parquet")
             info.update(
                 data_files_size_in_mb=100,
                 video_files_size_in_mb=200,
@@ -448,5 +479,147 @@ class _Writer:
                 video_path="videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
             )
         info["features"] = self.features
+        if v.release == "0.6":
+            info = _dataset_info_order(info)
         (meta / "info.json").write_text(json.dumps(info, indent=4))
         shutil.rmtree(self.scratch)
+
+
+# The fields of lerobot 0.6's DatasetInfo, in order: info.json is that dataclass written out, and
+# keys it does not know (v2.1's total_chunks, total_videos) are dropped when it is built.
+DATASET_INFO_FIELDS = (
+    "codebase_version",
+    "fps",
+    "features",
+    "total_episodes",
+    "total_frames",
+    "total_tasks",
+    "chunks_size",
+    "data_files_size_in_mb",
+    "video_files_size_in_mb",
+    "data_path",
+    "video_path",
+    "robot_type",
+    "splits",
+)
+
+
+def _dataset_info_order(info: dict[str, Any]) -> dict[str, Any]:
+    defaults = {"data_files_size_in_mb": 100, "video_files_size_in_mb": 200, "chunks_size": 1000, "splits": {}}
+    return {key: info.get(key, defaults.get(key)) for key in DATASET_INFO_FIELDS}
+
+
+# ---- lerobot's v2.1 -> v3.0 converter --------------------------------------------------------------
+
+
+def convert_v21_to_v30(source: Path, target: Path, data_file_mb: float, video_file_mb: float) -> None:
+    """Rewrite the v2.1 dataset at `source` to v3.0 at `target`, step for step as lerobot 0.6.1's
+    convert_dataset_v21_to_v30 (convert_info, convert_tasks, convert_data, convert_videos,
+    convert_episodes_metadata):
+    - data: the episode files in path order are read with pandas and concatenated into one parquet
+      file per group, a group closing before the episode that would bring it to `data_file_mb`;
+      pandas writes the vectors back as variable-size `list<float>` and one row group per file;
+    - videos: per camera (cameras sorted), the episode files grouped the same way by `video_file_mb`
+      and joined by one concat-demuxer stream copy per file; from/to_timestamp are the running sums
+      of the episode files' durations, restarting at each file;
+    - meta/episodes: one file, chunk 0 file 0, a row per episode holding the data and video
+      locations, the v2.1 episode row and its statistics flattened to `stats/<feature>/<stat>`;
+    - meta/stats.json aggregated from episodes_stats.jsonl; meta/tasks.parquet indexed by "task";
+    - meta/info.json: codebase_version v3.0, the size limits and v3.0 path templates, `fps` added to
+      every non-video feature, written through DatasetInfo (its fields, in its order)."""
+    meta = target / "meta"
+    meta.mkdir(parents=True)
+    info = json.loads((source / "meta" / "info.json").read_text())
+    info["codebase_version"] = "v3.0"
+    info.update(data_files_size_in_mb=data_file_mb, video_files_size_in_mb=video_file_mb, fps=int(info["fps"]))
+    info["data_path"] = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+    info["video_path"] = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+    for feature in info["features"].values():
+        if feature["dtype"] != "video":
+            feature["fps"] = info["fps"]
+    (meta / "info.json").write_text(json.dumps(_dataset_info_order(info), indent=4))
+
+    tasks = [json.loads(line) for line in (source / "meta" / "tasks.jsonl").read_text().splitlines()]
+    tasks.sort(key=lambda row: row["task_index"])
+    index = pd.Index([row["task"] for row in tasks], name="task")
+    pd.DataFrame({"task_index": [row["task_index"] for row in tasks]}, index=index).to_parquet(meta / "tasks.parquet")
+
+    # The converter numbers files with lerobot's default chunk size, whatever info.json's chunks_size says.
+    rows = _convert_data(source, target, data_file_mb, CONVERTER_CHUNKS_SIZE)
+    cameras = sorted(key for key, feature in info["features"].items() if feature["dtype"] == "video")
+    for camera in cameras:
+        for row, video in zip(rows, _convert_videos(source, target, camera, video_file_mb, CONVERTER_CHUNKS_SIZE)):
+            row.update(video)
+    legacy = [json.loads(line) for line in (source / "meta" / "episodes.jsonl").read_text().splitlines()]
+    stats = [json.loads(line)["stats"] for line in (source / "meta" / "episodes_stats.jsonl").read_text().splitlines()]
+    episodes = []
+    for row, episode, episode_stats in zip(rows, legacy, stats):
+        flat = {f"stats/{key}/{name}": value for key, values in episode_stats.items() for name, value in values.items()}
+        episodes.append({**row, **episode, **flat, "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
+    path = target / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(episodes), path)
+    as_arrays = [{k: {n: np.asarray(v) for n, v in s.items()} for k, s in episode.items()} for episode in stats]
+    (meta / "stats.json").write_text(json.dumps(_json(_aggregate(as_arrays)), indent=4))
+
+
+def _size_mb(path: Path) -> float:
+    return path.stat().st_size / 1024**2
+
+
+def _convert_data(source: Path, target: Path, limit_mb: float, chunks_size: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    group: list[Path] = []
+    chunk, file, size, frames = 0, 0, 0.0, 0
+
+    def flush() -> None:
+        path = target / "data" / f"chunk-{chunk:03d}" / f"file-{file:03d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pd.concat([pd.read_parquet(p) for p in group], ignore_index=True).to_parquet(path, index=False)
+
+    for episode, path in enumerate(sorted((source / "data").glob("*/*.parquet"))):
+        episode_mb, episode_frames = _size_mb(path), pq.ParquetFile(path).metadata.num_rows
+        if size + episode_mb >= limit_mb and group:
+            flush()
+            (chunk, file), size, group = _next_file(chunk, file, chunks_size), 0.0, []
+        rows.append(
+            {
+                "episode_index": episode,
+                "data/chunk_index": chunk,
+                "data/file_index": file,
+                "dataset_from_index": frames,
+                "dataset_to_index": frames + episode_frames,
+            }
+        )
+        size, frames = size + episode_mb, frames + episode_frames
+        group.append(path)
+    flush()
+    return rows
+
+
+def _convert_videos(source: Path, target: Path, camera: str, limit_mb: float, chunks_size: int) -> list[dict]:
+    rows: list[dict[str, Any]] = []
+    group: list[Path] = []
+    chunk, file, size, start = 0, 0, 0.0, 0.0
+    prefix = f"videos/{camera}"
+
+    def flush() -> None:
+        _concatenate(group, target / "videos" / camera / f"chunk-{chunk:03d}" / f"file-{file:03d}.mp4")
+
+    for path in sorted((source / "videos").glob(f"*/{camera}/*.mp4")):
+        episode_mb, duration = _size_mb(path), _duration_s(path)
+        if size + episode_mb >= limit_mb and group:
+            flush()
+            (chunk, file), size, start, group = _next_file(chunk, file, chunks_size), 0.0, 0.0, []
+        rows.append(
+            {
+                f"{prefix}/chunk_index": chunk,
+                f"{prefix}/file_index": file,
+                f"{prefix}/from_timestamp": start,
+                f"{prefix}/to_timestamp": start + duration,
+            }
+        )
+        size, start = size + episode_mb, start + duration
+        group.append(path)
+    flush()
+    return rows

@@ -125,8 +125,8 @@ def test_uma_data_info_stats_and_preview(v30, tmp_path, capsys, monkeypatch):
         stats["action"]["q99"], np.quantile(actions, 0.99, axis=0)
     )
 
-    assert data_tool(["info", str(tmp_path / "nothing")]) == 1
-    assert "is not a directory" in capsys.readouterr().out
+    assert data_tool(["info", str(tmp_path / "nothing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------- timestamps

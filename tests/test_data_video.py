@@ -245,16 +245,16 @@ def test_a_corrupt_store_is_refused_naming_the_file_and_rebuilt_on_request(datas
     with pytest.raises(FrameStoreError, match=str(named)):
         datamodule(root)
     capsys.readouterr()
-    assert data_tool(["cache", str(root)]) == 1
-    assert str(named) in capsys.readouterr().out
+    assert data_tool(["cache", str(root)]) == 2
+    assert str(named) in capsys.readouterr().err
     assert data_tool(["cache", str(root), "--rebuild"]) == 0
     assert datamodule(root).train_sets[0].frame_store is not None
 
 
 def test_the_store_keeps_to_its_size_bound_and_stores_only_the_cameras_asked(datasets, cache_dir, capsys):
     root = datasets["h264-gop2"]
-    assert data_tool(["cache", str(root), "--max-gb", "0.0001", "--rebuild"]) == 1
-    assert "over the bound" in capsys.readouterr().out
+    assert data_tool(["cache", str(root), "--max-gb", "0.0001", "--rebuild"]) == 2
+    assert "over the bound" in capsys.readouterr().err
     meta = LeRobotMetadata.load(root)
     assert data_tool(["cache", str(root), "--cameras", meta.cameras[1], "--rebuild"]) == 0
     dm = datamodule(root)

@@ -12,14 +12,18 @@ import av
 import lerobot_conformance as conformance
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from lerobot_conformance import Camera, Variant
+from suite import TINY, run_main
 
 from uma_lightning.cli import UmaCLI
 from uma_lightning.data import RobotDataModule
 from uma_lightning.data.dataset import FrameDataset, resize_frames
-from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, LeRobotMetadata
+from uma_lightning.data.lerobot import ACTION_KEY, STATE_KEY, DatasetError, LeRobotMetadata
 from uma_lightning.data.video import decode_frames_at
+from uma_lightning.tools.data import main as data_tool
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "pretrain.yaml")
@@ -56,6 +60,30 @@ VARIANTS = [
     ),
     Variant("v2.1-h264", "v2.1", "libx264", (FRONT, WRIST), lengths=(4, 5, 3), chunks_size=2, gop=12),
     Variant("v2.1-av1", "v2.1", "libsvtav1", (FRONT,), lengths=(5, 3, 4), names="null"),
+    # lerobot's own converter on a v2.1 dataset: vectors as list<float>; size limits small enough
+    # (7 KB of parquet, 4 KB of mp4) that the first two episodes share files and the third starts new ones.
+    Variant(
+        "v3.0-converted",
+        "v3.0",
+        "libx264",
+        (FRONT, WRIST),
+        lengths=(4, 5, 3),
+        chunks_size=2,
+        gop=12,
+        converted=True,
+        data_file_mb=0.007,
+        video_file_mb=0.004,
+    ),
+    # The newest release's writer.
+    Variant(
+        "v3.0-lerobot-0.6",
+        "v3.0",
+        "libsvtav1",
+        (FRONT, WRIST),
+        lengths=(4, 3, 5),
+        release="0.6",
+        episodes_per_video_file=2,
+    ),
 ]
 # Measured over all variants (crf 30, frames of 16 to 32 pixels): a frame scores 26.8 dB or more
 # against what was recorded at its time, and 18.4 dB at most against the frames just before and after.
@@ -251,3 +279,110 @@ def test_a_dataset_broken_at_normalisation_is_one_error_line(tmp_path):
     ), result.stderr
     assert sum("error" in line for line in lines) == 1, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "native threads started: 0"
+
+
+def test_the_converter_and_the_newest_writer_lay_out_what_lerobot_does(written):
+    converted = written["v3.0-converted"]
+    schema = pq.read_schema(converted / "data" / "chunk-000" / "file-000.parquet")
+    assert schema.field(STATE_KEY).type == pa.list_(pa.float32()) and b"pandas" in schema.metadata
+    assert [p.relative_to(converted).as_posix() for p in sorted((converted / "data").rglob("*.parquet"))] == [
+        "data/chunk-000/file-000.parquet",
+        "data/chunk-000/file-001.parquet",
+    ]
+    assert len(list((converted / "meta" / "episodes").rglob("*.parquet"))) == 1
+    assert pq.read_schema(converted / "meta" / "tasks.parquet").names == ["task_index", "task"]
+    info = json.loads((converted / "meta" / "info.json").read_text())
+    assert tuple(info) == conformance.DATASET_INFO_FIELDS and info["features"][STATE_KEY]["fps"] == 10
+    meta = LeRobotMetadata.load(converted)
+    assert [e.videos[FRONT.key][1] > 0 for e in meta.episodes] == [False, True, False]  # shared, then a new file
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in (converted / "videos").rglob("*.mp4"))
+
+    newest = written["v3.0-lerobot-0.6"]
+    info = json.loads((newest / "meta" / "info.json").read_text())
+    assert tuple(info) == conformance.DATASET_INFO_FIELDS
+    camera = info["features"][FRONT.key]["info"]
+    assert camera["is_depth_map"] is False and camera["video.g"] == 2 and "video.is_depth_map" not in camera
+    assert pq.read_schema(newest / "data" / "chunk-000" / "file-000.parquet").field(STATE_KEY).type == pa.list_(
+        pa.float32(), 6
+    )
+    assert pq.read_schema(newest / "meta" / "tasks.parquet").names == ["task_index", "task"]
+
+
+def _rewrite_state_row(path: Path, row: int, values: list[float]) -> None:
+    table = pq.read_table(path)
+    states = table.column(STATE_KEY).to_pylist()
+    states[row] = values
+    column = table.schema.get_field_index(STATE_KEY)
+    pq.write_table(table.set_column(column, STATE_KEY, pa.array(states, pa.list_(pa.float32()))), path)
+
+
+def test_uma_data_info_checks_what_training_reads(written, tmp_path, capsys):
+    """Quiet on a dataset the loader reads whole; a list row of the wrong length, and a truncated
+    video, are each named by file (and column and row) with exit status 2."""
+    root = shutil.copytree(written["v3.0-converted"], tmp_path / "converted")
+    assert data_tool(["info", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert "every file the loader reads: 3 episode(s), 4 video file(s)" in out and err == ""
+
+    data_file = root / "data" / "chunk-000" / "file-000.parquet"
+    _rewrite_state_row(data_file, 6, [0.5] * 5)  # episode 1's third frame: 5 values for 6 dimensions
+    message = f"episode 1: {data_file}: column '{STATE_KEY}': row 6 holds 5 values, meta/info.json declares shape [6]"
+    with pytest.raises(DatasetError) as error:
+        LeRobotMetadata.load(root).read_episode(1)
+    assert str(error.value) == message
+    video = root / "videos" / WRIST.key / "chunk-000" / "file-001.mp4"
+    video.write_bytes(video.read_bytes()[: video.stat().st_size // 2])
+    assert data_tool(["info", str(root)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == f"uma data: error: {message}"
+    assert len(lines) == 2 and lines[1].startswith("uma data: error: episode 2: ") and str(video) in lines[1], lines
+
+
+@pytest.mark.parametrize("damage", ["video", "parquet"])
+def test_a_bad_file_met_in_a_loader_worker_is_one_error_line(written, tmp_path, capsys, damage):
+    """Found by a worker mid-run, re-raised by torch with the worker's traceback: `uma fit` prints
+    only the message, which names the file, and exits 2."""
+    root = shutil.copytree(written["v3.0-converted"], tmp_path / "converted")
+    if damage == "video":
+        bad = root / "videos" / FRONT.key / "chunk-000" / "file-001.mp4"
+        bad.write_bytes(bad.read_bytes()[:200])
+    else:
+        bad = root / "data" / "chunk-000" / "file-001.parquet"
+        _rewrite_state_row(bad, 1, [0.5] * 7)
+    args = ["fit", "--config", RECIPE, "--model.network.size", json.dumps(TINY), "--data.root", str(root)]
+    args += ["--data.batch_size", "4", "--data.val_episodes", "0", "--data.loader.num_workers", "1"]
+    args += ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "0", "--trainer.logger", "false"]
+    args += ["--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "run")]
+    code, _, err = run_main(args, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert lines[-1].startswith("uma: error: episode 2: ") and str(bad) in lines[-1], err
+    assert sum("error" in line for line in lines) == 1, err
+
+
+def test_columns_training_does_not_read_are_named_and_left_alone(written, tmp_path, capsys):
+    """lerobot 0.6's annotation pipeline adds two columns of dtype "language" (lists of message
+    structs, src/lerobot/datasets/language.py): the dataset still loads, and `uma data info` names them."""
+    root = shutil.copytree(written["v3.0-lerobot-0.6"], tmp_path / "annotated")
+    row = pa.struct(
+        [("role", pa.string()), ("content", pa.string()), ("style", pa.string()), ("camera", pa.string())]
+        + [("tool_calls", pa.list_(pa.string()))]
+    )
+    for path in (root / "data").rglob("*.parquet"):
+        table = pq.read_table(path)
+        messages = [[{"role": "user", "content": "pick", "style": "subtask", "camera": None, "tool_calls": []}]]
+        for name in ("language_persistent", "language_events"):
+            table = table.append_column(name, pa.array(messages * table.num_rows, pa.list_(row)))
+        pq.write_table(table, path)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    for name in ("language_persistent", "language_events"):
+        info["features"][name] = {"dtype": "language", "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info, indent=4))
+
+    meta = LeRobotMetadata.load(root)
+    np.testing.assert_array_equal(meta.read_episode(2).state, conformance.vectors(2, 5)[0])
+    assert data_tool(["info", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert "unused    language_persistent (language), language_events (language): training does not read these" in out
+    assert err == ""

@@ -18,9 +18,10 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Two CPUs, one per rollout worker; the tests' env factories importable by Ray's worker processes.
+    # Two CPUs, one per rollout worker; the tests' env factories importable by Ray's worker processes;
+    # the dashboard, which answers Ray's state API (`ray list actors`).
     ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}}
+        num_cpus=2, include_dashboard=True, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}}
     )
     yield
     ray.shutdown()
@@ -77,5 +78,25 @@ def test_ray_actors_sync_weights_restart_crashed_and_hung_workers_and_batch_on_a
         actors.publish(policy.state_dict(), 4)
         snapshots[4] = copy.deepcopy(policy)
         check_versions(collect_until_version(actors, 4), {4: snapshots[4]}, {})
+    finally:
+        actors.close()
+
+
+@pytest.mark.slow
+def test_ray_actors_are_named_by_role_and_index(cluster):
+    """As `ray list actors` shows them: through Ray's state API, in the run's own namespace."""
+    from ray.util.state import list_actors
+
+    from uma_lightning.rl.ray_backend import RayActors
+
+    spec = probe_env("rl_envs:hanging_pendulum", {"marker": "/nonexistent"})
+    setup = ActorSetup(spec, env_kwargs={"marker": "/nonexistent"}, n_envs=1, steps=4, seed=0)
+    server = {"max_batch": 2, "max_wait": 0.01, "device": "cpu"}
+    actors = RayActors(setup, GaussianMLPPolicy(spec, hidden=(8,)), n_workers=2, server=server)
+    try:
+        listed = list_actors(filters=[("ray_namespace", "=", actors.namespace)], timeout=60)
+        assert sorted(actor.name for actor in listed) == ["inference-server", "rollout-worker-0", "rollout-worker-1"]
+        assert {actor.class_name for actor in listed} == {"RayInferenceServer", "RayRolloutWorker"}
+        assert actors.namespace.startswith("uma-rl-")
     finally:
         actors.close()

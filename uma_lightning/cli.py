@@ -37,6 +37,7 @@ from uma_lightning.callbacks.preemption import Preempted
 from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError, explain, problem_lines
 from uma_lightning.data import RobotDataModule
+from uma_lightning.data.dataset import BAD_DATA_ERRORS
 from uma_lightning.data.lerobot import DatasetError
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import StageModule
@@ -270,6 +271,18 @@ def _stage_of(model) -> str:
     return cls.__name__.removesuffix("Module").removesuffix("Learner").lower()
 
 
+def bad_data_message(error: Exception) -> str:
+    """The message of a dataset or video error. One raised in a DataLoader worker reaches this
+    process re-raised by torch as the same class around "Caught X in DataLoader worker process N.",
+    the worker's whole traceback, and last "module.X: message": the message is that last line."""
+    text = str(error)
+    if not (text.startswith("Caught ") and "\nOriginal Traceback" in text):
+        return text
+    last = text.rstrip().rsplit("\n", 1)[-1]
+    cls = type(error)
+    return last.removeprefix(f"{cls.__module__}.{cls.__qualname__}: ")
+
+
 def _quiet_library_noise() -> None:
     """Drop messages that say nothing about the run: an advert, and a deprecation inside Lightning."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
@@ -290,6 +303,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         UmaCLI(args)
     except (ConfigError, CheckpointError) as err:  # each names the file, key or value at fault
         print(f"uma: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except BAD_DATA_ERRORS as err:  # a file found unreadable mid-run, by a loader worker or this process
+        print(f"uma: error: {bad_data_message(err)}", file=sys.stderr)
         raise SystemExit(2) from None
     except TrainingHalted as err:
         print(f"uma: training halted: {err}", file=sys.stderr)

@@ -17,7 +17,8 @@ v3.0: many episodes per parquet and mp4 file; meta/episodes says where each one 
     videos/<camera>/chunk-000/file-000.mp4
 
 Either way an episode is a run of rows in one parquet file and a time span in one mp4 per camera,
-which is all the loader needs (`EpisodeInfo`).
+which is all the loader needs (`EpisodeInfo`). Vector features are `fixed_size_list` columns as
+lerobot records them, or `list` columns as its v2.1 -> v3.0 converter rewrites them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ ACTION_KEY = "action"
 ENV_STATE_KEY = "observation.environment_state"
 VECTOR_KEYS = (STATE_KEY, ACTION_KEY, ENV_STATE_KEY)  # float vectors per frame (the last optional)
 INDEX_KEYS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
+# Features that are no numeric column: frames (mp4 or images in parquet), text (lerobot 0.6's
+# annotation pipeline adds `language_persistent` and `language_events` columns of dtype "language").
+NON_NUMERIC_DTYPES = ("video", "image", "string", "language")
 
 
 class DatasetError(RuntimeError):
@@ -59,11 +63,11 @@ class DatasetError(RuntimeError):
 
 
 def arrow_schema(features: Mapping[str, Any]) -> pa.Schema:
-    """The parquet schema that info.json `features` imply: every non-video feature is a column,
-    vectors as fixed-size lists."""
+    """The parquet schema that info.json's numeric `features` imply: a column each, vectors as
+    fixed-size lists."""
     fields = []
     for key, feature in features.items():
-        if feature["dtype"] in ("video", "image"):
+        if feature["dtype"] in NON_NUMERIC_DTYPES:
             continue
         try:
             scalar = pa.from_numpy_dtype(np.dtype(feature["dtype"]))
@@ -242,6 +246,12 @@ class LeRobotMetadata:
         self._names[key] = [str(name) for name in names]
         return self._names[key]
 
+    def unused_features(self) -> dict[str, str]:
+        """Features training does not read, with their dtype: all but the cameras (video), the
+        state, action and environment state vectors and the index columns."""
+        used = {*self.cameras, *VECTOR_KEYS, *INDEX_KEYS}
+        return {key: feature["dtype"] for key, feature in self.features.items() if key not in used}
+
     @property
     def state_dim(self) -> int:
         return int(self.features[STATE_KEY]["shape"][0])
@@ -287,9 +297,7 @@ class LeRobotMetadata:
         episode = self.episodes[episode_index]
         path = self.data_path(episode_index)
         optional = (ENV_STATE_KEY,) if self.environment_state_dim else ()
-        columns = self._read(
-            episode_index, path, (STATE_KEY, ACTION_KEY, *optional, *INDEX_KEYS), open_parquet, check_schema=True
-        )
+        columns = self._read(episode_index, path, (STATE_KEY, ACTION_KEY, *optional, *INDEX_KEYS), open_parquet)
         where = f"episode {episode_index}: {path}"
         length = episode.length
         if not np.array_equal(columns["frame_index"], np.arange(length)):
@@ -321,7 +329,7 @@ class LeRobotMetadata:
 
     def read_columns(self, episode_index: int, keys: Sequence[str]) -> dict[str, np.ndarray]:
         """Only the named columns of one episode (the fast statistics pass)."""
-        return self._read(episode_index, self.data_path(episode_index), keys, None, check_schema=False)
+        return self._read(episode_index, self.data_path(episode_index), keys, None)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -344,19 +352,20 @@ class LeRobotMetadata:
         path: Path,
         keys: Sequence[str],
         open_parquet: Callable[[Path], pq.ParquetFile] | None,
-        check_schema: bool,
     ) -> dict[str, np.ndarray]:
+        """The columns `keys` of the episode's rows, each checked against its feature in
+        meta/info.json; columns training does not read are not looked at (`unused_features`)."""
         episode = self.episodes[episode_index]
         where = f"episode {episode_index}: {path}"
         try:
             parquet = open_parquet(path) if open_parquet is not None else pq.ParquetFile(path)
             schema = parquet.schema_arrow
             expected = arrow_schema(self.features)
-            for field in expected if check_schema else (expected.field(key) for key in keys):
+            for field in (expected.field(key) for key in keys):
                 if field.name not in schema.names:
                     raise DatasetError(f"{where}: column {field.name!r} declared in meta/info.json is missing")
                 actual = _canonical_type(schema.field(field.name).type)
-                if actual != field.type:
+                if actual != field.type and actual != _variable_list(field.type):
                     raise DatasetError(
                         f"{where}: column {field.name!r} has type {actual}, meta/info.json declares {field.type}"
                     )
@@ -371,7 +380,7 @@ class LeRobotMetadata:
         for key in keys:
             if table.column(key).null_count:
                 raise DatasetError(f"{where}: column {key!r} contains nulls")
-            out[key] = _to_numpy(table.column(key))
+            out[key] = _to_numpy(table.column(key), f"{where}: column {key!r}", episode.data_row, self.features[key])
         return out
 
 
@@ -489,13 +498,38 @@ def _canonical_type(arrow_type: pa.DataType) -> pa.DataType:
     """Writers name a list's child field differently ("item", "element"); only its type and size matter."""
     if pa.types.is_fixed_size_list(arrow_type):
         return pa.list_(arrow_type.value_type, arrow_type.list_size)
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return pa.list_(arrow_type.value_type)
     return arrow_type
 
 
-def _to_numpy(column: pa.ChunkedArray) -> np.ndarray:
+def _variable_list(arrow_type: pa.DataType) -> pa.DataType | None:
+    """The variable-size list a fixed-size vector column may also be stored as: lerobot's
+    v2.1 -> v3.0 converter rewrites the data through pandas, which turns `fixed_size_list<float, N>`
+    into `list<float>`. Each row's length is then checked against the declared shape when read."""
+    return pa.list_(arrow_type.value_type) if pa.types.is_fixed_size_list(arrow_type) else None
+
+
+def _to_numpy(column: pa.ChunkedArray, where: str, first_row: int, feature: Mapping[str, Any]) -> np.ndarray:
+    """The column as an array [rows] or [rows, size]; a variable-size list must hold the number of
+    values meta/info.json declares in every row (`first_row`: the file's row of the column's first)."""
     array = column.combine_chunks()
     if pa.types.is_fixed_size_list(array.type):
         return array.flatten().to_numpy().reshape(len(array), array.type.list_size)
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        size = int(np.prod(feature["shape"]))
+        lengths = array.value_lengths().to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(lengths != size)
+        if wrong.size:
+            row = int(wrong[0])
+            raise DatasetError(
+                f"{where}: row {first_row + row} holds {lengths[row]} values, meta/info.json declares shape "
+                f"{list(feature['shape'])}"
+            )
+        values = array.flatten()
+        if values.null_count:
+            raise DatasetError(f"{where} contains nulls inside its lists")
+        return values.to_numpy().reshape(len(array), size)
     return array.to_numpy()
 
 

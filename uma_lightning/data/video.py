@@ -167,9 +167,12 @@ class VideoReader:
         self.name = name or str(self.path)  # the file in decoded-frame cache keys (a dataset's relative path)
         try:
             self._container = av.open(str(self.path))
-            self._stream = self._container.streams.video[0]
-        except (av.FFmpegError, OSError, IndexError) as error:
+        except (av.FFmpegError, OSError) as error:
             raise VideoError(f"cannot open video {self.path}: {error}") from error
+        if not self._container.streams.video:  # a truncated file can still open
+            self._container.close()
+            raise VideoError(f"cannot open video {self.path}: it holds no video stream (truncated or not a video?)")
+        self._stream = self._container.streams.video[0]
         # One thread for small frames (threads cost more than they save, and loader workers run in
         # parallel); see `decoder_threads`. Threaded decoding returns the same pixels.
         self._stream.thread_count = threads

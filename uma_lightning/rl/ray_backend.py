@@ -9,6 +9,10 @@ resolves only when the version is newer than its own. Ray restarts a worker whos
 for a worker's first call) marks the worker hung, and it is killed for Ray to restart. Either way
 the unfinished chunk is discarded, and the learner counts a restart when the worker answers from
 a new process.
+
+Actors are named by role and index (`rollout-worker-0`, ..., `inference-server`; a restarted actor
+keeps its name) in a namespace of their own per run (`uma-rl-<8 hex>`), so that two runs on one
+cluster do not collide: `ray list actors --filter ray_namespace=<it>` shows one run's actors.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import copy
 import logging
 import time
+import uuid
 import warnings
 from typing import Any, Optional
 
@@ -27,6 +32,12 @@ from uma_lightning.rl.local import ActorSetup, Chunk
 from uma_lightning.rl.rollout import EnvRunner, PolicyActor, chunk_layout, sample_actions
 
 log = logging.getLogger("uma_lightning")
+
+INFERENCE_SERVER_NAME = "inference-server"
+
+
+def rollout_worker_name(index: int) -> str:
+    return f"rollout-worker-{index}"
 
 
 class RayActors:
@@ -47,19 +58,35 @@ class RayActors:
         self.ray = ray
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            # The dashboard where the `ray` extra installed it (ray[default]): `ray list actors` and
+            # the state API ask it, also about a cluster this run starts for itself.
+            ray.init(address=address, include_dashboard=None, log_to_driver=True)
         self.setup, self.heartbeat_timeout, self.startup_timeout = setup, heartbeat_timeout, startup_timeout
+        self.namespace = f"uma-rl-{uuid.uuid4().hex[:8]}"
         policy = copy.deepcopy(policy).cpu()
         self.server = None
         if server is not None:
             server_cls = ray.remote(
                 num_cpus=0, num_gpus=1 if server["device"].startswith("cuda") else 0, max_restarts=-1
             )(RayInferenceServer)
-            self.server = server_cls.remote(policy, server["max_batch"], server["max_wait"], server["device"])
+            self.server = server_cls.options(name=INFERENCE_SERVER_NAME, namespace=self.namespace).remote(
+                policy, server["max_batch"], server["max_wait"], server["device"]
+            )
         worker_cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RayRolloutWorker)
         self.workers = [
-            worker_cls.remote(index, setup, None if self.server else policy, self.server) for index in range(n_workers)
+            worker_cls.options(name=rollout_worker_name(index), namespace=self.namespace).remote(
+                index, setup, None if self.server else policy, self.server
+            )
+            for index in range(n_workers)
         ]
+        log.info(
+            "ray: %d actor(s) %s..%s%s in namespace %s",
+            n_workers,
+            rollout_worker_name(0),
+            rollout_worker_name(n_workers - 1),
+            f" and {INFERENCE_SERVER_NAME}" if self.server is not None else "",
+            self.namespace,
+        )
         self.pending: dict[Any, tuple[int, float]] = {}  # in-flight rollout call -> (worker, submitted at)
         self.last_version = [-1] * n_workers  # per worker: newest version in its last chunk
         self.incarnations = [0] * n_workers  # restarts are counted when a worker answers from a new process

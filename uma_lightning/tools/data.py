@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -110,6 +111,11 @@ def main(argv: list[str]) -> int:
         metadata = LeRobotMetadata.load(storage)
         if args.command == "info":
             print_info(metadata)
+            problems = check_readable(metadata)
+            for problem in problems:
+                print(f"uma data: error: {problem}", file=sys.stderr)
+            if problems:
+                return 2
             if args.preview:
                 write_preview(metadata, args.episode, args.preview)
                 print(f"preview of episode {args.episode}: {args.preview}")
@@ -120,8 +126,8 @@ def main(argv: list[str]) -> int:
         else:
             convert_dataset(metadata, args.target, args.version, args.data_file_mb, args.video_file_mb)
     except (DatasetError, VideoError, StorageError, FrameStoreError, FileExistsError, ValueError) as error:
-        print(f"uma data: error: {error}")
-        return 1
+        print(f"uma data: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -143,14 +149,78 @@ def print_info(metadata: LeRobotMetadata) -> None:
     for camera in metadata.cameras:
         shape = metadata.features[camera]["shape"]
         print(f"camera    {camera}: {shape[1]}x{shape[0]}")
+    unused = metadata.unused_features()
+    if unused:
+        print(
+            "unused    "
+            + ", ".join(f"{key} ({dtype})" for key, dtype in unused.items())
+            + ": training does not read these"
+        )
     for key in (STATE_KEY, ACTION_KEY):
         stats = metadata.stats[key]
-        names = metadata.features[key].get("names") or [str(i) for i in range(metadata.features[key]["shape"][0])]
+        names = metadata.feature_names(key)
         print(f"{key}:")
         for i, name in enumerate(names):
             print(
                 f"  {name:>16}  mean {stats['mean'][i]:+.4f}  std {stats['std'][i]:.4f}  min {stats['min'][i]:+.4f}  max {stats['max'][i]:+.4f}"
             )
+
+
+def check_readable(metadata: LeRobotMetadata, tolerance_s: float = 1e-4) -> list[str]:
+    """What training would fail to read, one line per problem naming the file: the vector features'
+    names and statistics, every episode's rows (columns, types, list lengths, indices, timestamps)
+    and, per camera, the frames at its first and last timestamps (a truncated video loses its end)."""
+    problems = []
+    vectors = [key for key in VECTOR_KEYS if key in metadata.features]
+    stats_file = metadata.storage.url("meta/stats.json")
+    for key in vectors:
+        try:
+            dim = len(metadata.feature_names(key))
+        except DatasetError as error:
+            problems.append(str(error))
+            continue
+        for name, values in metadata.stats.get(key, {}).items():
+            if name != "count" and np.size(values) != dim:
+                problems.append(f"{stats_file}: {key}/{name} has {np.size(values)} values for {dim} dimensions")
+    try:
+        metadata.image_size  # noqa: B018 - raises when the dataset has no camera
+    except DatasetError as error:
+        problems.append(str(error))
+    readers: dict[Path, VideoReader] = {}
+    unopened: set[Path] = set()  # video files that do not open
+    start = last = time.perf_counter()
+    try:
+        for position, episode in enumerate(metadata.episodes):
+            try:
+                data = metadata.read_episode(episode.index, tolerance_s=tolerance_s)
+            except DatasetError as error:
+                problems.append(str(error))
+                continue
+            ends = data.timestamp[[0, -1]].astype(np.float64)
+            for camera in metadata.cameras:
+                try:
+                    path = metadata.video_path(episode.index, camera)
+                    if path in unopened:
+                        continue  # said once
+                    if path not in readers:
+                        unopened.add(path)
+                        readers[path] = VideoReader(path)
+                        unopened.remove(path)
+                    readers[path].frames_at(episode.videos[camera][1] + ends, tolerance_s)
+                except (DatasetError, VideoError) as error:
+                    problems.append(f"episode {episode.index}: {error}")
+            now = time.perf_counter()
+            if now - last >= 5.0:
+                logger.info("checked %d/%d episodes (%.1fs)", position + 1, len(metadata.episodes), now - start)
+                last = now
+    finally:
+        for reader in readers.values():
+            reader.close()
+    if not problems:
+        print(
+            f"checked   every file the loader reads: {len(metadata.episodes)} episode(s), {len(readers)} video file(s)"
+        )
+    return problems
 
 
 def write_preview(metadata: LeRobotMetadata, episode: int, path: Path, columns: int = 8) -> None:
