@@ -125,7 +125,7 @@ def read_weights(
     ``show_progress`` reports the bytes checksummed and read (``uma_lightning.progress``).
     """
     path = Path(path)
-    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path)
+    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path, show_progress=show_progress)
     if directory is None:
         raise CheckpointError(f"{path}: a directory without checkpoints")
     if directory == path:  # choose_checkpoint has verified the one it chose
