@@ -81,7 +81,7 @@ class Progress:
             self._bar = tqdm(
                 total=total,
                 initial=initial,
-                desc=what,
+                desc=what.rstrip(":"),  # tqdm adds its own colon
                 unit="B" if byte_counts else unit,
                 unit_scale=byte_counts,
                 file=sys.stderr,
