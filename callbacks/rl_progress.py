@@ -10,7 +10,7 @@ import time
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
-from uma_lightning.callbacks.progress import _duration
+from uma_lightning.progress import format_duration
 
 log = logging.getLogger("uma_lightning")
 
@@ -65,14 +65,14 @@ class RolloutProgressLog(Callback):
         parts += [fmt.format(float(metrics[name])) for name, fmt in _FIELDS if name in metrics]
         done = steps - self._start_steps
         if total and done > 0:
-            parts.append(f"eta {_duration((time.monotonic() - self._start) / done * max(total - steps, 0))}")
+            parts.append(f"eta {format_duration((time.monotonic() - self._start) / done * max(total - steps, 0))}")
         log.info(" | ".join(parts))
 
     @rank_zero_only
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._start is not None:
             steps = float(trainer.callback_metrics.get("rollout/env_steps", self._start_steps)) - self._start_steps
-            log.info("collected %d env steps in %s", steps, _duration(time.monotonic() - self._start))
+            log.info("collected %d env steps in %s", steps, format_duration(time.monotonic() - self._start))
 
 
 def _total(trainer: Trainer):

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from contextlib import nullcontext
 from pathlib import Path
+
+from uma_lightning.progress import Progress
 
 MANIFEST = "manifest.json"
 FORMAT = "uma-checkpoint/1"
@@ -22,13 +25,15 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used, with the reason and the path."""
 
 
-def file_checksum(path: str | Path) -> str:
+def file_checksum(path: str | Path, progress: Progress | None = None) -> str:
     """CRC-32 of the file's bytes as 8 hex digits: catches truncation and bit rot, and is cheap enough to
-    verify every checkpoint before it is loaded."""
+    verify every checkpoint before it is loaded. ``progress`` counts the bytes read."""
     crc = 0
     with open(path, "rb") as file:
         while chunk := file.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
+            if progress is not None:
+                progress.advance(len(chunk))
     return f"{crc:08x}"
 
 
@@ -71,11 +76,12 @@ def read_manifest(directory: str | Path) -> dict:
     return manifest
 
 
-def verify(directory: str | Path, names: list[str] | None = None) -> list[str]:
+def verify(directory: str | Path, names: list[str] | None = None, show_progress: bool = False) -> list[str]:
     """Problems that make ``directory`` unusable; empty when it is complete.
 
     ``names`` restricts the (expensive) checksum comparison to some of the listed files, so that ranks
     can share the work; the manifest itself and every file's presence and size are always checked.
+    ``show_progress`` reports the bytes checksummed (``uma_lightning.progress``).
     """
     directory = Path(directory)
     try:
@@ -83,17 +89,23 @@ def verify(directory: str | Path, names: list[str] | None = None) -> list[str]:
     except CheckpointError as err:
         return [str(err)]
     problems = []
-    for name, expected in sorted(files.items()):
-        path = directory / name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{path}: missing")
-            continue
-        if size != expected.get("bytes"):
-            problems.append(f"{path}: {size} bytes, the manifest says {expected.get('bytes')}")
-        elif (names is None or name in names) and file_checksum(path) != expected.get("crc32"):
-            problems.append(
-                f"{path}: checksum {file_checksum(path)} does not match the manifest's {expected.get('crc32')}"
-            )
+    checked = sum(int(entry.get("bytes") or 0) for name, entry in files.items() if names is None or name in names)
+    with (
+        Progress(checked, f"verify {directory.name}:", "B", byte_counts=True) if show_progress else nullcontext()
+    ) as progress:
+        for name, expected in sorted(files.items()):
+            path = directory / name
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                problems.append(f"{path}: missing")
+                continue
+            if size != expected.get("bytes"):
+                problems.append(f"{path}: {size} bytes, the manifest says {expected.get('bytes')}")
+            elif names is None or name in names:
+                checksum = file_checksum(path, progress)
+                if checksum != expected.get("crc32"):
+                    problems.append(
+                        f"{path}: checksum {checksum} does not match the manifest's {expected.get('crc32')}"
+                    )
     return problems

@@ -16,7 +16,9 @@ from uma_lightning.checkpoint.storage import tensor_metadata
 log = logging.getLogger(__name__)
 
 
-def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = None) -> Optional[Path]:
+def choose_checkpoint(
+    root: Path, process_group: Optional[dist.ProcessGroup] = None, show_progress: bool = False
+) -> Optional[Path]:
     """The newest checkpoint under ``root`` that verifies against its manifest and whose index loads; None
     when there is none yet.
 
@@ -24,7 +26,7 @@ def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = N
     reported and skipped. With a process group, every rank checksums a share of the files and all
     ranks agree on the answer.
     Raises CheckpointError when checkpoints exist but none is usable: starting over silently would
-    throw the run away.
+    throw the run away. ``show_progress`` reports the bytes checksummed (``uma_lightning.progress``).
     """
     candidates = [committed(root)]
     if process_group is not None:
@@ -34,10 +36,10 @@ def choose_checkpoint(root: Path, process_group: Optional[dist.ProcessGroup] = N
     world = dist.get_world_size(process_group) if process_group is not None else 1
     for _step, path in reversed(candidates):
         started = time.monotonic()
-        problems = [unusable_because(path, rank, world)]
+        problems = [unusable_because(path, rank, world, show_progress)]
         if process_group is not None:
             problems = [None] * world
-            dist.all_gather_object(problems, unusable_because(path, rank, world), group=process_group)
+            dist.all_gather_object(problems, unusable_because(path, rank, world, show_progress), group=process_group)
         found = [problem for share in problems for problem in share]
         if not found:
             if rank == 0:
@@ -71,14 +73,14 @@ def continue_tracked_run(loggers, root: Path) -> Optional[str]:
     return None
 
 
-def unusable_because(path: Path, rank: int = 0, world: int = 1) -> list[str]:
+def unusable_because(path: Path, rank: int = 0, world: int = 1, show_progress: bool = False) -> list[str]:
     """What makes checkpoint ``path`` unusable, as far as the share of rank ``rank`` of ``world`` shows
     (all of it by default); empty when it can be resumed from."""
     try:
         names = sorted(read_manifest(path)["files"])
     except CheckpointError as err:
         return [str(err)]
-    problems = verify(path, names=names[rank::world])
+    problems = verify(path, names=names[rank::world], show_progress=show_progress)
     if rank == 0 and not problems:
         # Files that match their manifest can still hold an index the loader refuses (one that would
         # unpickle code, re-signed): found here, it is skipped like a failed checksum, not met mid-load.

@@ -22,6 +22,7 @@ from uma_lightning.checkpoint.codec import decode
 from uma_lightning.checkpoint.manifest import CheckpointError, verify
 from uma_lightning.checkpoint.resume import choose_checkpoint
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+from uma_lightning.progress import Progress
 
 log = logging.getLogger("uma_lightning")
 
@@ -113,19 +114,22 @@ def read_state(directory: Path) -> dict:
         raise CheckpointError(f"{directory / STATE_FILE}: unreadable: {err}") from None
 
 
-def read_weights(path: Path, prefixes: tuple[str, ...]) -> tuple[Path, str, dict[str, torch.Tensor]]:
+def read_weights(
+    path: Path, prefixes: tuple[str, ...], show_progress: bool = False
+) -> tuple[Path, str, dict[str, torch.Tensor]]:
     """(checkpoint directory, prefix, tensors) of the tensors under the first of ``prefixes`` (checkpoint
     keys such as ``"model/model."``) that has any, read whole on this process, however they were sharded.
 
     ``path`` is one checkpoint directory, or a run's checkpoints directory, which means its newest valid
     checkpoint. Raises CheckpointError when there is none, it is unusable, or no prefix matches.
+    ``show_progress`` reports the bytes checksummed and read (``uma_lightning.progress``).
     """
     path = Path(path)
-    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path)
+    directory = path if (path / "manifest.json").exists() else choose_checkpoint(path, show_progress=show_progress)
     if directory is None:
         raise CheckpointError(f"{path}: a directory without checkpoints")
     if directory == path:  # choose_checkpoint has verified the one it chose
-        problems = verify(directory)
+        problems = verify(directory, show_progress=show_progress)
         if problems:
             raise CheckpointError(f"{directory} is unusable: {'; '.join(problems)}")
     entries = tensor_metadata(directory)
@@ -135,8 +139,27 @@ def read_weights(path: Path, prefixes: tuple[str, ...]) -> tuple[Path, str, dict
             f"{directory}: no tensors under {' or '.join(map(repr, prefixes))}; see `uma ckpt inspect {directory}` for the names"
         )
     tensors = {key: empty_like_saved(entry) for key, entry in entries.items() if key.startswith(prefix)}
-    load_tensors(tensors, directory, None)
+    if show_progress:
+        _load_in_parts(tensors, directory)
+    else:
+        load_tensors(tensors, directory, None)
     return directory, prefix, tensors
+
+
+def _load_in_parts(tensors: dict[str, torch.Tensor], directory: Path, parts: int = 20) -> None:
+    """``load_tensors`` about a twentieth of the bytes at a time, reporting each: one call for
+    multi-GB weights would show nothing until the end."""
+    total = sum(tensor.nbytes for tensor in tensors.values())
+    with Progress(total, f"read {directory.name}:", "B", byte_counts=True) as progress:
+        part: dict[str, torch.Tensor] = {}
+        part_bytes = 0
+        for index, (key, tensor) in enumerate(tensors.items()):
+            part[key] = tensor
+            part_bytes += tensor.nbytes
+            if part_bytes >= total / parts or index == len(tensors) - 1:
+                load_tensors(part, directory, None)
+                progress.advance(part_bytes)
+                part, part_bytes = {}, 0
 
 
 def check_weights(

@@ -31,6 +31,7 @@ import numpy as np
 
 from uma_lightning.data.lerobot import DatasetError, LeRobotMetadata
 from uma_lightning.data.video import VideoError, to_rgb
+from uma_lightning.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -260,27 +261,28 @@ def build_store(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     entries: dict[str, Any] = {}
-    written = 0
-    for k, relative in enumerate(store_files(metadata, cameras)):
-        name = f"{k:06d}.u8"
-        times, count = _decode_into(metadata.storage.path(relative), partial / name, size)
-        written += count * size[0] * size[1] * 3
-        if written > max_bytes:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise FrameStoreError(
-                f"frame store {directory}: over the bound of {max_bytes / 2**30:.1f} GiB at {relative}"
-            )
-        shard_size = (partial / name).stat().st_size
-        entries[relative] = {
-            "shard": name,
-            "shape": [count, size[0], size[1], 3],
-            "times": times,
-            "shard_size": shard_size,
-            "sample_hash": _sample_hash(partial / name, shard_size),
-            "blake2b": _hash_file(partial / name),
-            "source": source_identity(metadata, relative),
-        }
-        logger.info("frame store: %d frames of %s", count, relative)
+    written = decoded = 0
+    with Progress(frames, "frame store: frames", "frame", logger=logger) as progress:
+        for k, relative in enumerate(store_files(metadata, cameras)):
+            name = f"{k:06d}.u8"
+            times, count = _decode_into(metadata.storage.path(relative), partial / name, size, progress, decoded)
+            decoded += count
+            written += count * size[0] * size[1] * 3
+            if written > max_bytes:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise FrameStoreError(
+                    f"frame store {directory}: over the bound of {max_bytes / 2**30:.1f} GiB at {relative}"
+                )
+            shard_size = (partial / name).stat().st_size
+            entries[relative] = {
+                "shard": name,
+                "shape": [count, size[0], size[1], 3],
+                "times": times,
+                "shard_size": shard_size,
+                "sample_hash": _sample_hash(partial / name, shard_size),
+                "blake2b": _hash_file(partial / name),
+                "source": source_identity(metadata, relative),
+            }
     manifest = {
         "format": STORE_FORMAT,
         "source": str(metadata.root),
@@ -305,8 +307,11 @@ def verify_store(directory: Path) -> None:
             )
 
 
-def _decode_into(source: Path, target: Path, size: tuple[int, int]) -> tuple[list[float], int]:
-    """Decode every frame of `source` in order, appending RGB bytes to `target`; (timestamps, count)."""
+def _decode_into(
+    source: Path, target: Path, size: tuple[int, int], progress: Progress, decoded_before: int
+) -> tuple[list[float], int]:
+    """Decode every frame of `source` in order, appending RGB bytes to `target`; (timestamps, count).
+    `progress` counts the frames, after the `decoded_before` of earlier files."""
     times: list[float] = []
     try:
         with av.open(str(source)) as container, open(target, "wb") as out:
@@ -317,6 +322,7 @@ def _decode_into(source: Path, target: Path, size: tuple[int, int]) -> tuple[lis
                     continue
                 out.write(to_rgb(frame, size).tobytes())
                 times.append(float(frame.pts * frame.time_base))
+                progress.update(decoded_before + len(times))
             out.flush()
             os.fsync(out.fileno())  # on disk before the manifest names it
             if hasattr(os, "posix_fadvise"):

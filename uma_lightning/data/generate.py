@@ -18,6 +18,7 @@ import numpy as np
 
 from uma_lightning.cache_dir import default_cache_dir
 from uma_lightning.data.writer import LeRobotWriter
+from uma_lightning.progress import Progress
 from uma_lightning.sim.planar_arm import PlanarArmConfig, PlanarArmEnv
 
 logger = logging.getLogger(__name__)
@@ -108,20 +109,22 @@ def rollout_expert(env: PlanarArmEnv, seed: int) -> Rollout:
 def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed: int) -> Path:
     """Write `n_episodes` successful expert demonstrations to `root` in LeRobot v2.1 format."""
     env = PlanarArmEnv(PlanarArmConfig(image_size=image_size))
-    log_every = max(1, n_episodes // 10)
     max_attempts = 2 * n_episodes + 10
     start = time.perf_counter()
     logger.info("generating %d planar-arm episodes into %s", n_episodes, root)
-    with LeRobotWriter(
-        root,
-        fps=env.fps,
-        cameras=(CAMERA,),
-        image_size=(image_size, image_size),
-        state_names=env.state_names,
-        action_names=env.action_names,
-        environment_state_names=env.environment_state_names,
-        robot_type="planar_arm",
-    ) as writer:
+    with (
+        LeRobotWriter(
+            root,
+            fps=env.fps,
+            cameras=(CAMERA,),
+            image_size=(image_size, image_size),
+            state_names=env.state_names,
+            action_names=env.action_names,
+            environment_state_names=env.environment_state_names,
+            robot_type="planar_arm",
+        ) as writer,
+        Progress(n_episodes, "episodes", "episode", logger=logger, all_ranks=True) as progress,
+    ):
         written = attempts = 0
         while written < n_episodes:
             if attempts == max_attempts:
@@ -140,8 +143,7 @@ def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed
                 rollout.environment_states,
             )
             written += 1
-            if written % log_every == 0 or written == n_episodes:
-                logger.info("%d/%d episodes (%.1fs)", written, n_episodes, time.perf_counter() - start)
+            progress.update(written)
         path = writer.finalize()
     logger.info(
         "generated %s in %.1fs (%d failed expert episodes skipped)",
@@ -223,22 +225,25 @@ def generate_realistic(root: str | Path, preset: RealisticPreset) -> Path:
     start = time.perf_counter()
     cameras = tuple(f"observation.images.cam_{k}" for k in range(preset.n_cameras))
     logger.info("generating %s into %s", preset, root)
-    with LeRobotWriter(
-        root,
-        fps=preset.fps,
-        cameras=cameras,
-        image_size=(preset.image_size, preset.image_size),
-        state_names=REALISTIC_STATE_NAMES,
-        action_names=REALISTIC_STATE_NAMES,
-        robot_type="realistic_benchmark",
-        version=preset.version,
-        codec=preset.codec,
-        gop=preset.gop,
-    ) as writer:
+    with (
+        LeRobotWriter(
+            root,
+            fps=preset.fps,
+            cameras=cameras,
+            image_size=(preset.image_size, preset.image_size),
+            state_names=REALISTIC_STATE_NAMES,
+            action_names=REALISTIC_STATE_NAMES,
+            robot_type="realistic_benchmark",
+            version=preset.version,
+            codec=preset.codec,
+            gop=preset.gop,
+        ) as writer,
+        Progress(preset.n_episodes, "episodes", "episode", logger=logger, all_ranks=True) as progress,
+    ):
         for episode in range(preset.n_episodes):
             frames, state, action, task = realistic_episode(preset, episode)
             writer.add_episode(frames, state, action, task)
-            logger.info("%d/%d episodes (%.1fs)", episode + 1, preset.n_episodes, time.perf_counter() - start)
+            progress.update(episode + 1)
         path = writer.finalize()
     logger.info("generated %s in %.1fs", path, time.perf_counter() - start)
     return path

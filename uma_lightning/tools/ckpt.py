@@ -102,7 +102,7 @@ def inspect_checkpoints(path: Path, show_all: bool = False) -> int:
 def export_weights(path: Path, output: Path, module: str = "model") -> int:
     """Write the network's weights, unsharded and under plain names, to a safetensors file."""
     prefix = f"{MODEL}/{module}." if module else f"{MODEL}/"
-    directory, _, tensors = read_weights(path, (prefix,))
+    directory, _, tensors = read_weights(path, (prefix,), show_progress=True)
     manifest = read_manifest(directory)
     hyperparameters = decode(read_state(directory)[TRAINER].get("hyper_parameters"), {})
     metadata = {

@@ -35,6 +35,7 @@ from uma_lightning.data.stats import compute_stats, stats_to_json
 from uma_lightning.data.storage import Storage, StorageError
 from uma_lightning.data.video import CODECS, VideoError, VideoReader
 from uma_lightning.data.writer import LeRobotWriter
+from uma_lightning.progress import Progress
 
 logger = logging.getLogger("uma_lightning")
 
@@ -334,22 +335,23 @@ def convert_dataset(
             dropped,
         )
     names = {key: metadata.feature_names(key) for key in vectors}
-    start = last = time.perf_counter()
     readers: dict[Path, VideoReader] = {}  # v3.0 sources: one reader per file, decoding its episodes in order
-    with LeRobotWriter(
-        target,
-        fps=metadata.fps,
-        cameras=metadata.cameras,
-        image_size=metadata.image_size,
-        state_names=names[STATE_KEY],
-        action_names=names[ACTION_KEY],
-        environment_state_names=names.get(ENV_STATE_KEY, ()),
-        robot_type=metadata.info.get("robot_type", "unknown"),
-        version=version,
-        data_file_mb=data_file_mb,
-        video_file_mb=video_file_mb,
-    ) as writer:
-        n = len(metadata.episodes)
+    with (
+        LeRobotWriter(
+            target,
+            fps=metadata.fps,
+            cameras=metadata.cameras,
+            image_size=metadata.image_size,
+            state_names=names[STATE_KEY],
+            action_names=names[ACTION_KEY],
+            environment_state_names=names.get(ENV_STATE_KEY, ()),
+            robot_type=metadata.info.get("robot_type", "unknown"),
+            version=version,
+            data_file_mb=data_file_mb,
+            video_file_mb=video_file_mb,
+        ) as writer,
+        Progress(len(metadata.episodes), "convert: episodes", "episode", logger=logger) as progress,
+    ):
         for episode in metadata.episodes:
             data = metadata.read_episode(episode.index)
             frames = {}
@@ -364,10 +366,7 @@ def convert_dataset(
             writer.add_episode(
                 frames, data.state, data.action, metadata.tasks[data.task_index[0]], data.environment_state
             )
-            now = time.perf_counter()
-            if now - last >= 5.0 or episode.index + 1 == n:
-                logger.info("convert: %d/%d episodes (%.1fs)", episode.index + 1, n, now - start)
-                last = now
+            progress.update(episode.index + 1)
         writer.finalize()
     for reader in readers.values():
         reader.close()
