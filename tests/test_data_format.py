@@ -304,3 +304,42 @@ def test_bad_metadata_is_an_error_naming_the_file(dataset):
     info_path.unlink()
     with pytest.raises(DatasetError, match=rf"{re.escape(str(info_path))} is missing"):
         LeRobotMetadata.load(dataset)
+
+
+def test_a_new_format_comes_in_as_an_episode_source_written_to_lerobot(tmp_path, rollouts):
+    """The data-format seam: a format the loader does not read (here, episodes held as .npz files) is
+    an EpisodeSource, and write_lerobot turns it into a dataset whose arrays read back exactly."""
+    from uma_lightning.data.source import Episode, SourceLayout, write_lerobot
+
+    for index, rollout in enumerate(rollouts):
+        np.savez(tmp_path / f"ep{index}.npz", frames=rollout.frames, state=rollout.states, action=rollout.actions)
+
+    class NpzEpisodes:
+        layout = SourceLayout(
+            fps=FPS,
+            cameras=("observation.images.wrist",),
+            image_size=(32, 32),
+            state_names=PlanarArmEnv.state_names,
+            action_names=PlanarArmEnv.action_names,
+            robot_type="npz_rig",
+        )
+
+        def __len__(self):
+            return len(rollouts)
+
+        def __iter__(self):
+            for index in range(len(rollouts)):
+                with np.load(tmp_path / f"ep{index}.npz") as npz:
+                    yield Episode(
+                        {"observation.images.wrist": npz["frames"]}, npz["state"], npz["action"], f"task {index}"
+                    )
+
+    root = write_lerobot(NpzEpisodes(), tmp_path / "converted", version="v3.0")
+    metadata = LeRobotMetadata.load(root)
+    assert metadata.version == "v3.0" and metadata.cameras == ("observation.images.wrist",)
+    assert metadata.info["robot_type"] == "npz_rig" and len(metadata.episodes) == len(rollouts)
+    for index, rollout in enumerate(rollouts):
+        data = metadata.read_episode(index)
+        assert np.array_equal(data.state, rollout.states) and np.array_equal(data.action, rollout.actions)
+        assert metadata.tasks[data.task_index[0]] == f"task {index}"
+    assert not (tmp_path / "converted.partial").exists()

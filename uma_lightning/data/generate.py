@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from uma_lightning.cache_dir import default_cache_dir
-from uma_lightning.data.writer import LeRobotWriter
-from uma_lightning.progress import Progress
+from uma_lightning.data.source import Episode, SourceLayout, write_lerobot
 from uma_lightning.sim.planar_arm import PlanarArmConfig, PlanarArmEnv
 
 logger = logging.getLogger(__name__)
@@ -106,15 +105,14 @@ def rollout_expert(env: PlanarArmEnv, seed: int) -> Rollout:
     )
 
 
-def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed: int) -> Path:
-    """Write `n_episodes` successful expert demonstrations to `root` in LeRobot v2.1 format."""
-    env = PlanarArmEnv(PlanarArmConfig(image_size=image_size))
-    max_attempts = 2 * n_episodes + 10
-    start = time.perf_counter()
-    logger.info("generating %d planar-arm episodes into %s", n_episodes, root)
-    with (
-        LeRobotWriter(
-            root,
+class PlanarArmEpisodes:
+    """Successful expert demonstrations of the planar arm, as an episode source."""
+
+    def __init__(self, n_episodes: int, image_size: int, seed: int):
+        self.env = PlanarArmEnv(PlanarArmConfig(image_size=image_size))
+        self.n_episodes, self.seed, self.failed = n_episodes, seed, 0
+        env = self.env
+        self.layout = SourceLayout(
             fps=env.fps,
             cameras=(CAMERA,),
             image_size=(image_size, image_size),
@@ -122,34 +120,42 @@ def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed
             action_names=env.action_names,
             environment_state_names=env.environment_state_names,
             robot_type="planar_arm",
-        ) as writer,
-        Progress(n_episodes, "episodes", "episode", logger=logger, all_ranks=True) as progress,
-    ):
+        )
+
+    def __len__(self) -> int:
+        return self.n_episodes
+
+    def __iter__(self) -> Iterator[Episode]:
+        max_attempts = 2 * self.n_episodes + 10
         written = attempts = 0
-        while written < n_episodes:
+        while written < self.n_episodes:
             if attempts == max_attempts:
                 raise RuntimeError(f"the expert succeeded in only {written} of {attempts} planar-arm episodes")
             # Episode seeds derive from (seed, attempt), so datasets with different seeds share no scenes.
-            episode_seed = int(np.random.SeedSequence([seed, attempts]).generate_state(1)[0])
+            episode_seed = int(np.random.SeedSequence([self.seed, attempts]).generate_state(1)[0])
             attempts += 1
-            rollout = rollout_expert(env, episode_seed)
+            rollout = rollout_expert(self.env, episode_seed)
             if not rollout.success:  # only successful demonstrations are worth imitating
+                self.failed += 1
                 continue
-            writer.add_episode(
+            written += 1
+            yield Episode(
                 {CAMERA: rollout.frames},
                 rollout.states,
                 rollout.actions,
                 rollout.instruction,
                 rollout.environment_states,
             )
-            written += 1
-            progress.update(written)
-        path = writer.finalize()
+
+
+def generate_planar_arm(root: str | Path, n_episodes: int, image_size: int, seed: int) -> Path:
+    """Write `n_episodes` successful expert demonstrations to `root` in LeRobot v2.1 format."""
+    start = time.perf_counter()
+    logger.info("generating %d planar-arm episodes into %s", n_episodes, root)
+    source = PlanarArmEpisodes(n_episodes, image_size, seed)
+    path = write_lerobot(source, root, all_ranks=True)
     logger.info(
-        "generated %s in %.1fs (%d failed expert episodes skipped)",
-        path,
-        time.perf_counter() - start,
-        attempts - written,
+        "generated %s in %.1fs (%d failed expert episodes skipped)", path, time.perf_counter() - start, source.failed
     )
     return path
 
@@ -220,31 +226,35 @@ def realistic_episode(
     return frames, state, action, REALISTIC_TASKS[episode % len(REALISTIC_TASKS)]
 
 
-def generate_realistic(root: str | Path, preset: RealisticPreset) -> Path:
-    """Write the preset's episodes to `root` in LeRobot format."""
-    start = time.perf_counter()
-    cameras = tuple(f"observation.images.cam_{k}" for k in range(preset.n_cameras))
-    logger.info("generating %s into %s", preset, root)
-    with (
-        LeRobotWriter(
-            root,
+class RealisticEpisodes:
+    """The preset's synthetic episodes, as an episode source."""
+
+    def __init__(self, preset: RealisticPreset):
+        self.preset = preset
+        self.layout = SourceLayout(
             fps=preset.fps,
-            cameras=cameras,
+            cameras=tuple(f"observation.images.cam_{k}" for k in range(preset.n_cameras)),
             image_size=(preset.image_size, preset.image_size),
             state_names=REALISTIC_STATE_NAMES,
             action_names=REALISTIC_STATE_NAMES,
             robot_type="realistic_benchmark",
-            version=preset.version,
-            codec=preset.codec,
-            gop=preset.gop,
-        ) as writer,
-        Progress(preset.n_episodes, "episodes", "episode", logger=logger, all_ranks=True) as progress,
-    ):
-        for episode in range(preset.n_episodes):
-            frames, state, action, task = realistic_episode(preset, episode)
-            writer.add_episode(frames, state, action, task)
-            progress.update(episode + 1)
-        path = writer.finalize()
+        )
+
+    def __len__(self) -> int:
+        return self.preset.n_episodes
+
+    def __iter__(self) -> Iterator[Episode]:
+        for episode in range(self.preset.n_episodes):
+            yield Episode(*realistic_episode(self.preset, episode))
+
+
+def generate_realistic(root: str | Path, preset: RealisticPreset) -> Path:
+    """Write the preset's episodes to `root` in LeRobot format."""
+    start = time.perf_counter()
+    logger.info("generating %s into %s", preset, root)
+    path = write_lerobot(
+        RealisticEpisodes(preset), root, version=preset.version, codec=preset.codec, gop=preset.gop, all_ranks=True
+    )
     logger.info("generated %s in %.1fs", path, time.perf_counter() - start)
     return path
 

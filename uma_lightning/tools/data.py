@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +32,10 @@ from uma_lightning.data.lerobot import (
     DatasetError,
     LeRobotMetadata,
 )
+from uma_lightning.data.source import Episode, SourceLayout, write_lerobot
 from uma_lightning.data.stats import compute_stats, stats_to_json
 from uma_lightning.data.storage import Storage, StorageError
 from uma_lightning.data.video import CODECS, VideoError, VideoReader
-from uma_lightning.data.writer import LeRobotWriter
-from uma_lightning.progress import Progress
 
 logger = logging.getLogger("uma_lightning")
 
@@ -323,22 +323,14 @@ def run_stats(metadata: LeRobotMetadata, cameras: bool, frame_stride: int, write
         print(json.dumps(stats_to_json(stats), indent=2))
 
 
-def convert_dataset(
-    metadata: LeRobotMetadata, target: Path, version: str, data_file_mb: float, video_file_mb: float
-) -> None:
-    """Rewrite every episode (low-dimensional columns as they are, video decoded and re-encoded)."""
-    vectors = [key for key in VECTOR_KEYS if key in metadata.features]
-    dropped = [k for k, f in metadata.features.items() if f["dtype"] != "video" and k not in (*vectors, *INDEX_KEYS)]
-    if dropped:
-        logger.warning(
-            "convert: columns %s are not carried over (the writer knows cameras, state, action and environment state)",
-            dropped,
-        )
-    names = {key: metadata.feature_names(key) for key in vectors}
-    readers: dict[Path, VideoReader] = {}  # v3.0 sources: one reader per file, decoding its episodes in order
-    with (
-        LeRobotWriter(
-            target,
+class LeRobotEpisodes:
+    """A LeRobot dataset's episodes, video decoded, as an episode source: what ``uma data convert`` rewrites."""
+
+    def __init__(self, metadata: LeRobotMetadata):
+        self.metadata = metadata
+        vectors = [key for key in VECTOR_KEYS if key in metadata.features]
+        names = {key: metadata.feature_names(key) for key in vectors}
+        self.layout = SourceLayout(
             fps=metadata.fps,
             cameras=metadata.cameras,
             image_size=metadata.image_size,
@@ -346,28 +338,52 @@ def convert_dataset(
             action_names=names[ACTION_KEY],
             environment_state_names=names.get(ENV_STATE_KEY, ()),
             robot_type=metadata.info.get("robot_type", "unknown"),
-            version=version,
-            data_file_mb=data_file_mb,
-            video_file_mb=video_file_mb,
-        ) as writer,
-        Progress(len(metadata.episodes), "convert: episodes", "episode", logger=logger) as progress,
-    ):
-        for episode in metadata.episodes:
-            data = metadata.read_episode(episode.index)
-            frames = {}
-            for camera in metadata.cameras:
-                path = metadata.video_path(episode.index, camera)
-                if path not in readers:
-                    for old in readers.values():
-                        old.close()
-                    readers = {path: VideoReader(path)}
-                times = episode.videos[camera][1] + data.timestamp.astype(np.float64)
-                frames[camera] = readers[path].frames_at(times, tolerance_s=1e-4)
-            writer.add_episode(
-                frames, data.state, data.action, metadata.tasks[data.task_index[0]], data.environment_state
-            )
-            progress.update(episode.index + 1)
-        writer.finalize()
-    for reader in readers.values():
-        reader.close()
+        )
+        self.dropped = [
+            k for k, f in metadata.features.items() if f["dtype"] != "video" and k not in (*vectors, *INDEX_KEYS)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.metadata.episodes)
+
+    def __iter__(self) -> Iterator[Episode]:
+        metadata = self.metadata
+        readers: dict[Path, VideoReader] = {}  # v3.0 sources: one reader per file, decoding its episodes in order
+        try:
+            for episode in metadata.episodes:
+                data = metadata.read_episode(episode.index)
+                frames = {}
+                for camera in metadata.cameras:
+                    path = metadata.video_path(episode.index, camera)
+                    if path not in readers:
+                        for old in readers.values():
+                            old.close()
+                        readers = {path: VideoReader(path)}
+                    times = episode.videos[camera][1] + data.timestamp.astype(np.float64)
+                    frames[camera] = readers[path].frames_at(times, tolerance_s=1e-4)
+                task = metadata.tasks[data.task_index[0]]
+                yield Episode(frames, data.state, data.action, task, data.environment_state)
+        finally:
+            for reader in readers.values():
+                reader.close()
+
+
+def convert_dataset(
+    metadata: LeRobotMetadata, target: Path, version: str, data_file_mb: float, video_file_mb: float
+) -> None:
+    """Rewrite every episode (low-dimensional columns as they are, video decoded and re-encoded)."""
+    source = LeRobotEpisodes(metadata)
+    if source.dropped:
+        logger.warning(
+            "convert: columns %s are not carried over (the writer knows cameras, state, action and environment state)",
+            source.dropped,
+        )
+    write_lerobot(
+        source,
+        target,
+        version=version,
+        progress_label="convert: episodes",
+        data_file_mb=data_file_mb,
+        video_file_mb=video_file_mb,
+    )
     print(f"wrote {target} (LeRobot {version})")
