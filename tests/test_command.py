@@ -78,6 +78,7 @@ CASES = [
     (["uma", "c"], ["ckpt", "completion"]),
     (["uma", "fit", "--trainer.max_st"], ["--trainer.max_steps"]),
     (["uma", "fit", "--config", "r.yaml", "--model.network.si"], ["--model.network.size"]),
+    (["uma", "fit", "--model.sp"], []),  # model.spec comes from the data module, not the config
     (["uma", "fit", "--trainer.strategy", "f"], sorted(p for p in PRESETS if p.startswith("f"))),
     (["uma", "rl", "--trainer.strategy", "e"], ["ep", "ep_fsdp"]),
     (["uma", "data", "--cache-dir", "x", "co"], ["convert"]),

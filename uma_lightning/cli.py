@@ -26,6 +26,7 @@ import re
 import sys
 import warnings
 from argparse import SUPPRESS, ArgumentError
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -88,6 +89,13 @@ class UmaCLI(LightningCLI):
 
     model_class: type = StageModule
     datamodule_class: type = RobotDataModule
+    # The model's constructor arguments that the data module supplies once it has read its metadata
+    # (not config keys): the data's shapes, which the model is built for, and its normalisation,
+    # kept in checkpoints so that inference undoes it without the dataset.
+    data_links: dict[str, Callable] = {
+        "spec": lambda data: data.spec,
+        "normalization": lambda data: data.normalization(),
+    }
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True):
         # The first config is the recipe; later ones (fragments such as configs/vision/grounded.yaml) add to it.
@@ -171,18 +179,8 @@ class UmaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # Consumed by expand_includes before parsing; hidden so printed configs stay fully resolved.
         parser.add_argument("--include", type=Optional[list[str]], default=None, help=SUPPRESS)
-        self.link_data_to_model(parser)
-
-    def link_data_to_model(self, parser) -> None:
-        # The model is built for the data's shapes, known once the data module has read its metadata.
-        parser.link_arguments("data", "model.init_args.spec", compute_fn=lambda data: data.spec, apply_on="instantiate")
-        # Kept in checkpoints, so inference undoes the normalisation without the dataset.
-        parser.link_arguments(
-            "data",
-            "model.init_args.normalization",
-            compute_fn=lambda data: data.normalization(),
-            apply_on="instantiate",
-        )
+        for argument, compute in self.data_links.items():
+            parser.link_arguments("data", f"model.init_args.{argument}", compute_fn=compute, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         trainer = self.config[self.subcommand]["trainer"] if self.subcommand else self.config["trainer"]

@@ -100,8 +100,12 @@ def _training_command(parser, cli_class: type[UmaCLI]) -> Command:
     for group, base in (("model", cli_class.model_class), ("data", cli_class.datamodule_class)):
         classes = _concrete_subclasses(base)
         command.values[f"--{group}"] = sorted({cls.__name__ for cls in classes})
+        # Set from the data module, not from the config.
+        linked = tuple(f"model.{argument}" for argument in cli_class.data_links) if group == "model" else ()
         for cls in classes:
             for key, values in _init_keys(cls, group).items():
+                if any(key == target or key.startswith(f"{target}.") for target in linked):
+                    continue
                 if f"--{key}" not in command.options:
                     command.options.append(f"--{key}")
                 if values:

@@ -23,6 +23,8 @@ class RLCLI(UmaCLI):
 
     model_class = RLLearner
     datamodule_class = RolloutDataModule
+    # The learner's networks are built for the environment's shapes, read by the data module.
+    data_links = {"env": lambda data: data.env_spec}
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True):
         super().__init__(["fit", *(sys.argv[2:] if args is None else args)], run=run)
@@ -31,12 +33,6 @@ class RLCLI(UmaCLI):
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         # `uma rl` is the fit subcommand under its own name: its help and usage say `uma rl`.
         subcommand_parsers(self.parser)["fit"].prog = "uma rl"
-
-    def link_data_to_model(self, parser) -> None:
-        # The learner's networks are built for the environment's shapes, read by the data module.
-        parser.link_arguments(
-            "data", "model.init_args.env", compute_fn=lambda data: data.env_spec, apply_on="instantiate"
-        )
 
 
 def build_parser():
