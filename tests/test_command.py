@@ -81,6 +81,8 @@ CASES = [
     (["uma", "fit", "--model.sp"], []),  # model.spec comes from the data module, not the config
     (["uma", "fit", "--trainer.strategy", "f"], sorted(p for p in PRESETS if p.startswith("f"))),
     (["uma", "rl", "--trainer.strategy", "e"], ["ep", "ep_fsdp"]),
+    (["uma", "fit", "--model.network.size", "t"], ["tiny", "tiny_moe"]),
+    (["uma", "fit", "--data.loader.on_bad_data", ""], ["error", "skip"]),  # a Literal's values
     (["uma", "data", "--cache-dir", "x", "co"], ["convert"]),
     (["uma", "data", "convert", "--t"], ["--to"]),
     (["uma", "completion", ""], ["bash", "zsh"]),

@@ -5,9 +5,9 @@
 
 The script is generated from the parsers themselves (LightningCLI's for the training subcommands,
 each tool's ``build_parser()``) and holds every word it offers, so a <TAB> runs no Python. Keys of
-the model and data groups come from the constructors of every class those groups accept (their
-dataclass sections key by key, as ``--model.network.size``); ``--trainer.strategy`` offers the
-strategy presets. Generate it again after an upgrade.
+the model and data groups come from the constructors of this package's classes those groups accept
+(their dataclass sections key by key, as ``--model.network.size``); ``--trainer.strategy`` offers
+the strategy presets, ``--model.network.size`` the size presets. Generate it again after an upgrade.
 
 jsonargparse's own shtab output knows neither the tools nor the model's keys, and argcomplete
 runs Python on every <TAB>, which takes seconds to import torch and Lightning.
@@ -21,10 +21,11 @@ import enum
 import importlib
 import inspect
 import shlex
+import types
 import typing
 from dataclasses import dataclass, field
 
-from uma_lightning.cli import TOOLS, TRAINING, UmaCLI, subcommand_parsers
+from uma_lightning.cli import TOOLS, UmaCLI, subcommand_parsers
 from uma_lightning.models.sizes import ModelSize, preset_names
 from uma_lightning.parallel.strategy import PRESETS
 
@@ -60,7 +61,6 @@ def uma_commands() -> Command:
     training = UmaCLI.build_parser()
     root = Command(options=["--help", "--version"])
     for name, parser in subcommand_parsers(training).items():
-        assert name in TRAINING, f"LightningCLI subcommand {name!r} has no line in uma's TRAINING"
         root.subcommands[name] = _training_command(parser, UmaCLI)
     recipe_keys = root.subcommands["fit"]
     for name, (target, _) in TOOLS.items():
@@ -144,7 +144,8 @@ def _init_keys(cls: type, prefix: str) -> dict[str, list[str]]:
 
 
 def _keys_of(key: str, annotation) -> dict[str, list[str]]:
-    options = [arg for arg in typing.get_args(annotation) if arg is not type(None)] or [annotation]
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    options = [arg for arg in typing.get_args(annotation) if arg is not type(None)] if union else [annotation]
     keys = {key: _values_of(options)}
     for option in options:
         if dataclasses.is_dataclass(option):
