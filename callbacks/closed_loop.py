@@ -19,6 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import MeanMetric
 
 from uma_lightning.cli_errors import ConfigError
+from uma_lightning.modules.metrics import log_reduced
 from uma_lightning.ranks import data_parallel_rank
 from uma_lightning.sim.closed_loop import run_episodes
 
@@ -79,7 +80,7 @@ class ClosedLoopEval(Callback):
             success.update(float(result.success))
             distance.update(result.goal_distance)
         rate, mean_distance = success.compute(), distance.compute()  # averaged over all processes
-        pl_module.log_dict({f"{split}/success_rate": rate, f"{split}/goal_distance": mean_distance})
+        log_reduced(pl_module, {f"{split}/success_rate": rate, f"{split}/goal_distance": mean_distance})
         if trainer.is_global_zero:
             log.info(
                 "closed loop (%s): success %.1f%% of %d episodes, mean final distance to the target %.3f, %.0fs",

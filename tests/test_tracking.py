@@ -20,7 +20,7 @@ from uma_lightning.tools.mlflow_server import start_mlflow_server
 from uma_lightning.tracking import MLflowLogger
 from uma_lightning.tracking.datasets import metadata_digest
 from uma_lightning.tracking.run_config import headline_metrics
-from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
+from uma_lightning.tracking.run_name import MAX_NAME_LENGTH, changed_settings, describe_overrides, run_name
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +77,12 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, first_run, tmp_path):
         "max_steps=4 val_check_interval=2 limit_val_batches=1.0 default_root_dir=run"
     )
     assert run.data.tags["overrides"] == overrides
-    # The name as much of that as the runs table shows, then the suffix.
-    assert re.fullmatch(re.escape(f"pretrain {overrides}"[:119]) + "…" + NAME_SUFFIX, run.info.run_name), (
-        run.info.run_name
-    )
+    # The name: as many whole settings as the runs table shows, a count of the others, then the suffix.
+    match = re.fullmatch(r"pretrain (.+) \(\+(\d+) more\)" + NAME_SUFFIX, run.info.run_name)
+    assert match and len(run.info.run_name) <= MAX_NAME_LENGTH + len(" #123456"), run.info.run_name
+    shown = match.group(1).split(" ")
+    assert shown[:5] == overrides.split(" ")[:5] and set(shown) < set(overrides.split(" "))
+    assert len(shown) + int(match.group(2)) == len(overrides.split(" "))
 
     # The resolved config, flattened into params in their sections, each once; callbacks by class name.
     params = run.data.params
@@ -329,21 +331,21 @@ def test_a_name_lists_the_changed_settings_under_short_unambiguous_keys():
         },
     }
     args = ["--trainer.max_steps", "40", "--model.init_args.expert.lr", "2e-3", "--model.optimizer.lr", "1e-4"]
-    overrides = describe_overrides(changed_settings(recipe, resolved, args))
+    changed = changed_settings(recipe, resolved, args)
     # In the flags' order, then the rest; where the logs go is not what the run is.
-    assert overrides == "max_steps=40 expert.lr=2e-3 optimizer.lr=1e-4 default_root_dir=a"
+    assert describe_overrides(changed) == "max_steps=40 expert.lr=2e-3 optimizer.lr=1e-4 default_root_dir=a"
     assert re.fullmatch(
         r"pretrain max_steps=40 expert\.lr=2e-3 optimizer\.lr=1e-4 default_root_dir=a #[0-9a-f]{6}",
-        run_name("recipes/pretrain.yaml", "pretrain", "fit", overrides),
+        run_name("recipes/pretrain.yaml", "pretrain", "fit", changed),
     )
-    assert run_name("my_recipe.yaml", "posttrain", "validate", "", ("configs/vision/grounded.yaml",)).startswith(
+    assert run_name("my_recipe.yaml", "posttrain", "validate", {}, ("configs/vision/grounded.yaml",)).startswith(
         "my_recipe (posttrain) validate +grounded #"
     )
     # Drawn from the OS, not from the seeded `random`.
     random.seed(0)
-    first = run_name(None, "pretrain", "fit", "")
+    first = run_name(None, "pretrain", "fit", {})
     random.seed(0)
-    assert first != run_name(None, "pretrain", "fit", "")
+    assert first != run_name(None, "pretrain", "fit", {})
 
 
 @pytest.mark.parametrize(

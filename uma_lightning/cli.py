@@ -16,13 +16,17 @@ Paths are relative to the file that includes them. ``uma fit --config R`` become
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import importlib.metadata
 import logging
 import os
+import platform
 import re
 import sys
 import warnings
 from argparse import SUPPRESS, ArgumentError
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -52,15 +56,33 @@ _LINK_FAILURE = re.compile(r"Call to compute_fn of link '[^']*' with args")
 
 register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
 
-# Subcommands that are tools rather than training runs: name -> "module:function(argv) -> exit code".
-# Each tool parses its own arguments; imported only when called, so `uma fit` pays nothing for them.
-TOOLS: dict[str, str] = {
-    "data": "uma_lightning.tools.data:main",
-    "parity": "uma_lightning.tools.parity.cli:main",
-    "ckpt": "uma_lightning.tools.ckpt:main",
-    "rl": "uma_lightning.tools.rl:main",
-    "plan": "uma_lightning.tools.planner.tool:main",
+# LightningCLI's subcommands, each with the line `uma --help` shows for it.
+TRAINING: dict[str, str] = {
+    "fit": "train from a recipe, or resume its run: uma fit --config RECIPE",
+    "validate": "evaluate on the validation set (--ckpt_path: which weights)",
+    "test": "evaluate on the test set (--ckpt_path: which weights)",
+    "predict": "predict action chunks for the data (--ckpt_path: which weights)",
 }
+
+# Subcommands that are tools rather than training runs: name -> ("module:function(argv) -> exit code",
+# the line `uma --help` shows). Each tool parses its own arguments with the parser its module's
+# build_parser() returns (read by `uma completion` too); imported only when called, so `uma fit`
+# pays nothing for them.
+TOOLS: dict[str, tuple[str, str]] = {
+    "data": ("uma_lightning.tools.data:main", "look at, convert, cache and generate LeRobot datasets"),
+    "ckpt": ("uma_lightning.tools.ckpt:main", "inspect checkpoints, export their weights"),
+    "rl": ("uma_lightning.tools.rl:main", "train an RL learner in simulation: uma rl --config RECIPE"),
+    "plan": (
+        "uma_lightning.tools.planner.tool:main",
+        "rank a recipe's parallel layouts on a cluster",
+    ),
+    "parity": ("uma_lightning.tools.parity.cli:main", "check a recipe trains the same under each strategy"),
+    "completion": ("uma_lightning.tools.completion:main", "print the shell completion script for bash or zsh"),
+}
+
+
+class _ParserBuilt(Exception):
+    """Ends a command's construction once its parser is built (``UmaCLI.build_parser``)."""
 
 
 class UmaCLI(LightningCLI):
@@ -68,12 +90,19 @@ class UmaCLI(LightningCLI):
 
     model_class: type = StageModule
     datamodule_class: type = RobotDataModule
+    # The model's constructor arguments that the data module supplies once it has read its metadata
+    # (not config keys): the data's shapes, which the model is built for, and its normalisation,
+    # kept in checkpoints so that inference undoes it without the dataset.
+    data_links: dict[str, Callable] = {
+        "spec": lambda data: data.spec,
+        "normalization": lambda data: data.normalization(),
+    }
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True):
         # The first config is the recipe; later ones (fragments such as configs/vision/grounded.yaml) add to it.
         configs = _configs_of(sys.argv[1:] if args is None else args)
         self.recipe, self.extra_configs = (configs[0], tuple(configs[1:])) if configs else (None, ())
-        self.overrides = ""
+        self.changed: dict = {}  # the settings the command line changes from its config files
         # Our names (fsdp_tp, pp, ...) and ours in place of Lightning's ddp and fsdp, for this command only:
         # importing the package leaves Lightning's registry alone.
         register_strategies()
@@ -90,6 +119,21 @@ class UmaCLI(LightningCLI):
             run=run,
         )
 
+    @classmethod
+    def build_parser(cls):
+        """The parser this command parses with, its subcommands' parsers included, built as a run builds
+        it but without parsing arguments or building anything. LightningCLI has no call for that alone."""
+
+        class ParserOnly(cls):
+            def parse_arguments(self, parser, args) -> None:
+                raise _ParserBuilt(parser)
+
+        try:
+            ParserOnly([])
+        except _ParserBuilt as built:
+            return built.args[0]
+        raise AssertionError("LightningCLI built no parser")
+
     def parse_arguments(self, parser, args) -> None:
         args = expand_includes(sys.argv[1:] if args is None else list(args))
         try:
@@ -97,22 +141,22 @@ class UmaCLI(LightningCLI):
         except ArgumentError as err:
             defaults = {"model": _class_path(self.model_class), "data": _class_path(self.datamodule_class)}
             raise ConfigError(explain(str(err), parser, args, tools=tuple(TOOLS), defaults=defaults)) from None
-        self.overrides = self._describe_overrides(parser, args)
+        self.changed = self._changed_settings(parser, args)
 
-    def _describe_overrides(self, parser, args: list[str]) -> str:
-        """The settings the command line changes from its config files, as ``lr=1e-3 max_steps=40``.
+    def _changed_settings(self, parser, args: list[str]) -> dict:
+        """The settings the command line changes from its config files (``changed_settings``).
         Costs a second parse of the config files, so only for a run that is tracked."""
         subcommand = self.config.get("subcommand")
         resolved = self.config[subcommand] if subcommand else self.config
         if not resolved.get("trainer", {}).get("logger"):
-            return ""
+            return {}
         files = [item for index, arg in enumerate(args[:-1]) if arg == "--config" for item in (arg, args[index + 1])]
         try:
             recipe = parser.parse_args(([subcommand] if subcommand else []) + files)
         except ArgumentError:
-            return ""  # the files alone are incomplete; the command line completes them
+            return {}  # the files alone are incomplete; the command line completes them
         recipe = recipe[subcommand] if subcommand else recipe
-        return describe_overrides(changed_settings(recipe.as_dict(), resolved.as_dict(), args))
+        return changed_settings(recipe.as_dict(), resolved.as_dict(), args)
 
     def instantiate_classes(self) -> None:
         try:
@@ -129,25 +173,15 @@ class UmaCLI(LightningCLI):
         for logger in self.trainer.loggers:
             if isinstance(logger, MLflowLogger):
                 name = run_name(
-                    self.recipe, _stage_of(self.model), self.subcommand or "fit", self.overrides, self.extra_configs
+                    self.recipe, _stage_of(self.model), self.subcommand or "fit", self.changed, self.extra_configs
                 )
-                logger.name_new_run(name, self.overrides)
+                logger.name_new_run(name, describe_overrides(self.changed))
 
     def add_arguments_to_parser(self, parser) -> None:
         # Consumed by expand_includes before parsing; hidden so printed configs stay fully resolved.
         parser.add_argument("--include", type=Optional[list[str]], default=None, help=SUPPRESS)
-        self.link_data_to_model(parser)
-
-    def link_data_to_model(self, parser) -> None:
-        # The model is built for the data's shapes, known once the data module has read its metadata.
-        parser.link_arguments("data", "model.init_args.spec", compute_fn=lambda data: data.spec, apply_on="instantiate")
-        # Kept in checkpoints, so inference undoes the normalisation without the dataset.
-        parser.link_arguments(
-            "data",
-            "model.init_args.normalization",
-            compute_fn=lambda data: data.normalization(),
-            apply_on="instantiate",
-        )
+        for argument, compute in self.data_links.items():
+            parser.link_arguments("data", f"model.init_args.{argument}", compute_fn=compute, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         trainer = self.config[self.subcommand]["trainer"] if self.subcommand else self.config["trainer"]
@@ -175,6 +209,14 @@ class UmaCLI(LightningCLI):
                 # Before RecordRunConfig's setup hook opens a new MLflow run.
                 callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
+
+
+def subcommand_parsers(parser) -> dict:
+    """The parsers of ``parser``'s subcommands, by name (none for a tool's parser without subcommands)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 def resolve_recipe(config: str, overrides: list[str], cli_class: type[UmaCLI] = UmaCLI) -> UmaCLI:
@@ -291,12 +333,48 @@ def _quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
 
 
+def command_parser() -> argparse.ArgumentParser:
+    """``uma`` before its subcommand: every subcommand with one line, and the versions. Each
+    subcommand's own parser takes over from there (LightningCLI's, or a tool's)."""
+    tools = {name: line for name, (_, line) in TOOLS.items()}
+    width = max(map(len, [*TRAINING, *tools]))
+
+    def table(commands: dict[str, str]) -> str:
+        return "\n".join(f"  {name:<{width}}  {line}" for name, line in commands.items())
+
+    parser = argparse.ArgumentParser(
+        prog="uma",
+        usage="uma [-h] [--version] COMMAND ...",
+        description="Train humanoid-robot foundation models, and the tools around training.",
+        epilog=f"training (LightningCLI):\n{table(TRAINING)}\n\ntools:\n{table(tools)}\n\n"
+        "`uma COMMAND --help` shows a command's own options; for training, every config key.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the tables' rows
+    )
+    parser.add_argument(
+        "--version", action="version", version=versions(), help="print the versions of uma, torch and Lightning"
+    )
+    parser.add_argument("command", choices=[*TRAINING, *tools], metavar="COMMAND", help=argparse.SUPPRESS)
+    return parser
+
+
+def versions() -> str:
+    """uma-lightning's version and those of the libraries that decide how it trains."""
+    import lightning
+
+    return (
+        f"uma-lightning {importlib.metadata.version('uma-lightning')} (torch {torch.__version__}, "
+        f"lightning {lightning.__version__}, Python {platform.python_version()})"
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "--version"):
+        command_parser().parse_args(args[:1])  # prints and exits
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_library_noise()
-    if args and args[0] in TOOLS:
-        module, function = TOOLS[args[0]].split(":")
+    if args[0] in TOOLS:
+        module, function = TOOLS[args[0]][0].split(":")
         raise SystemExit(getattr(importlib.import_module(module), function)(args[1:]))
     _threads_for_slurm_task()
     try:

@@ -55,7 +55,7 @@ from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
 from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, grouped_settings, network_of, use_kernels
-from uma_lightning.modules.metrics import ActionError
+from uma_lightning.modules.metrics import ActionError, log_reduced
 from uma_lightning.parallel.grad_norm import clip_grad_norm
 from uma_lightning.parallel.moe_stats import sum_per_moe_layer
 from uma_lightning.parallel.pipeline import pipeline_of
@@ -340,7 +340,7 @@ class StageModule(L.LightningModule):
     def _log_action_errors(self, split: str) -> None:
         metric = self.action_errors[split]
         if metric.update_count:
-            self.log_dict(metric.compute())
+            log_reduced(self, metric.compute())
         metric.reset()
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:

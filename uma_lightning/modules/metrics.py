@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torchmetrics import Metric
+
+
+def log_reduced(module: LightningModule, values: dict[str, torch.Tensor]) -> None:
+    """Log values that every process already holds reduced over all processes, such as a torchmetrics
+    ``compute()`` (which syncs its states first). Lightning cannot tell and warns, once per name and
+    process, to pass ``sync_dist=True``, which would all-reduce each value again for nothing: that
+    warning is silenced for these names alone."""
+    for name in values:
+        warnings.filterwarnings(
+            "ignore", message=re.escape(f"It is recommended to use `self.log({name!r}, "), category=PossibleUserWarning
+        )
+    module.log_dict(values)
 
 
 class ActionError(Metric):

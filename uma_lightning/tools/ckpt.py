@@ -26,7 +26,7 @@ from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.checkpoint.weights import MODEL, TRAINER, read_state, read_weights
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uma ckpt", description="Inspect and export checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="step, size, manifest status and tensor shapes")
@@ -42,7 +42,11 @@ def main(argv: list[str]) -> int:
         default="model",
         help="attribute path of the network inside the LightningModule (default: model); '' exports everything",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return (
             inspect_checkpoints(args.path, args.all)

@@ -40,7 +40,7 @@ from uma_lightning.data.video import CODECS, VideoError, VideoReader
 logger = logging.getLogger("uma_lightning")
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uma data", description="Look at, summarise and convert LeRobot datasets.")
     parser.add_argument("--cache-dir", default=None, help="local cache of remote files (default: <uma cache>/shards)")
     parser.add_argument("--storage-options", default="{}", help="fsspec options for remote roots, as JSON")
@@ -96,7 +96,11 @@ def main(argv: list[str]) -> int:
     generate.add_argument(
         "--out", type=Path, default=None, help="directory the dataset goes under (default: the uma cache)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "generate":
         preset = RealisticPreset(
             n_episodes=args.episodes, seconds=args.seconds, codec=args.codec, gop=args.gop, version=args.version

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 MAX_NAME_LENGTH = 120  # the runs table shows about this much; the full list is the `overrides` tag
+MAX_VALUE_LENGTH = 24  # a JSON list or a long path would crowd out the other settings
 # How the config was given and where the run is logged, not what it runs.
 IGNORED = ("config", "include", "trainer.logger")
 
@@ -36,29 +37,56 @@ def changed_settings(recipe: dict, resolved: dict, args: list[str] = ()) -> dict
 def describe_overrides(changed: dict[str, Any]) -> str:
     """``lr=1e-3 max_steps=40``: each changed setting under the shortest tail of its key that no
     other changed setting shares."""
-    keys = list(changed)
-    return " ".join(f"{_short_key(key, keys)}={format_value(changed[key])}" for key in keys)
+    return " ".join(_settings(changed))
 
 
 def run_name(
-    recipe: Optional[str], stage: str, subcommand: str, overrides: str, extra_configs: tuple[str, ...] = ()
+    recipe: Optional[str], stage: str, subcommand: str, changed: dict[str, Any], extra_configs: tuple[str, ...] = ()
 ) -> str:
-    """``pretrain lr=1e-3 max_steps=40 #3f9a2c``: the recipe (and the stage when the recipe's name
-    does not say it), the subcommand unless it is fit, extra config files as ``+name``, the
-    overrides, and six hex digits from the OS's random source."""
+    """``pretrain strategy=fsdp lr=1e-3 max_steps=40 #3f9a2c``: the recipe (and the stage when the
+    recipe's name does not say it), the subcommand unless it is fit, extra config files as ``+name``,
+    the changed settings (``changed_settings``), and six hex digits from the OS's random source.
+
+    Within ``MAX_NAME_LENGTH``: the strategy's settings come first, as runs of one command on
+    different strategies differ there; each value is cut to ``MAX_VALUE_LENGTH``; settings that do
+    not fit are left out whole, counted as ``(+N more)``, rather than the name cut mid-setting."""
     what = Path(recipe).stem if recipe else stage
     if stage not in what:
         what += f" ({stage})"
-    parts = [
-        what,
-        *([] if subcommand == "fit" else [subcommand]),
-        *(f"+{Path(c).stem}" for c in extra_configs),
-        overrides,
-    ]
-    body = " ".join(part for part in parts if part)
+    head = " ".join(
+        [what, *([] if subcommand == "fit" else [subcommand]), *(f"+{Path(c).stem}" for c in extra_configs)]
+    )
+    keys = list(changed)
+    settings = _settings(changed, max_value_length=MAX_VALUE_LENGTH)
+    ordered = [setting for key, setting in zip(keys, settings) if _under(key, ("trainer.strategy",))]
+    ordered += [setting for key, setting in zip(keys, settings) if not _under(key, ("trainer.strategy",))]
+    body = " ".join([head, *ordered])
+    left_out = 0
     if len(body) > MAX_NAME_LENGTH:
-        body = body[: MAX_NAME_LENGTH - 1].rstrip() + "…"
-    return f"{body} #{secrets.token_hex(3)}"
+        # Room for the count of what is left out, at its widest.
+        room = MAX_NAME_LENGTH - len(_more(len(ordered)))
+        body = head
+        for setting in ordered:
+            if len(body) + 1 + len(setting) <= room:
+                body += f" {setting}"
+            else:
+                left_out += 1
+    return f"{body}{_more(left_out)} #{secrets.token_hex(3)}"
+
+
+def _more(left_out: int) -> str:
+    return f" (+{left_out} more)" if left_out else ""
+
+
+def _settings(changed: dict[str, Any], max_value_length: Optional[int] = None) -> list[str]:
+    keys = list(changed)
+    settings = []
+    for key in keys:
+        value = format_value(changed[key])
+        if max_value_length is not None and len(value) > max_value_length:
+            value = value[: max_value_length - 1] + "…"
+        settings.append(f"{_short_key(key, keys)}={value}")
+    return settings
 
 
 def format_value(value: Any) -> str:

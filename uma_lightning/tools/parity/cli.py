@@ -17,7 +17,7 @@ from uma_lightning.tools.parity.report import print_report
 from uma_lightning.tools.parity.runs import Case, check_parity
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="uma parity",
         description="Does a recipe train the same under each strategy as on one process (or in low precision as in fp32)?",
@@ -54,7 +54,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pp-virtual-stages", type=int, default=1, help="pipeline stages per rank")
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = build_parser().parse_known_args(argv)
     default = "" if args.precision else "ddp,fsdp,tp"
     strategies = [
         s.strip() for s in (args.strategies if args.strategies is not None else default).split(",") if s.strip()
