@@ -98,7 +98,7 @@ def test_layouts_that_cannot_run_say_why():
     assert estimate(model, Layout(dp_shard=3), CLUSTER, settings).rejected == "global batch 16 does not split over dp 3"
     # The strategy's own refusals, word for word (layout.strategy_refusal).
     assert estimate(model, Layout(pp=2, dp_shard=4, microbatches=1), CLUSTER, settings).rejected.startswith(
-        "pp_microbatches 1 is fewer than the 2 pipeline ranks"
+        "pipeline.microbatches 1 is fewer than the 2 pipeline ranks"
     )
     assert estimate(model, Layout(pp=4, dp_shard=2, microbatches=4), CLUSTER, settings).rejected.startswith(
         "pp: 2 backbone layers do not divide into 4 stages"
@@ -136,7 +136,7 @@ def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsy
     )
     assert any(r["reason"].startswith("tp 8 crosses nodes") for r in plan["rejected"])
     layout = plan["recommended"]["layout"]
-    args = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"]
+    args = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"]["sizes"]
     assert (args["dp_replicate"], args["dp_shard"], args["tp"]) == (
         layout["dp_replicate"],
         layout["dp_shard"],
@@ -144,7 +144,7 @@ def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsy
     )
     code, out, _ = run_main(["fit", "--config", RECIPE, *SIZE_7B, "--config", str(fragment), "--print_config"], capsys)
     printed = yaml.safe_load(out)
-    assert code in (0, None) and printed["trainer"]["strategy"]["init_args"]["dp_shard"] == layout["dp_shard"]
+    assert code in (0, None) and printed["trainer"]["strategy"]["init_args"]["sizes"]["dp_shard"] == layout["dp_shard"]
     assert printed["data"]["init_args"]["batch_size"] == plan["settings"]["global_batch"] // (
         layout["dp_replicate"] * layout["dp_shard"]
     )
@@ -188,7 +188,11 @@ def test_pipeline_and_expert_layouts_are_those_uma_fit_accepts(tmp_path, capsys)
         fragment.write_text(report.fragment(best, cluster, settings, RECIPE))
         code, out, _ = run_main(["fit", "--config", RECIPE, *size, "--config", str(fragment), "--print_config"], capsys)
         printed = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]
-        assert code in (0, None) and (printed["pp"], printed["ep"], printed["pp_microbatches"] or 1) == (
+        assert code in (0, None) and (
+            printed["sizes"]["pp"],
+            printed["sizes"]["ep"],
+            printed["pipeline"]["microbatches"] or 1,
+        ) == (
             best.layout.pp,
             best.layout.ep,
             best.layout.microbatches,

@@ -48,6 +48,12 @@ class Layout(MeshShape):
 
         return PipelineConfig(self.schedule, self.microbatches, self.virtual_stages)
 
+    def sizes(self):
+        """The ``sizes`` section of MeshStrategy that asks for this mesh."""
+        from uma_lightning.parallel.mesh import MeshSizes
+
+        return MeshSizes(**{field.name: getattr(self, field.name) for field in dataclasses.fields(MeshSizes)})
+
     def describe(self) -> str:
         parts = [
             f"{name} {getattr(self, name)}"
@@ -116,9 +122,8 @@ def strategy_refusal(facts: ModelFacts, layout: Layout, gpus_per_node: int, per_
     from uma_lightning.parallel.plans import plan_for
     from uma_lightning.parallel.plans.pipeline import check_pipeline
 
-    sizes = {name: getattr(layout, name) for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep")}
     try:
-        shape = resolve_mesh_shape(sizes, layout.world_size, gpus_per_node)
+        shape = resolve_mesh_shape(dataclasses.asdict(layout.sizes()), layout.world_size, gpus_per_node)
         plan_for(facts.model).check(facts.model, shape, ParallelConfig())
         if layout.pp > 1:
             pipeline = layout.pipeline_config()
