@@ -91,6 +91,15 @@ def test_checkpointing_and_pipelines_change_activations_as_their_schedules_say()
     assert in_flight_microbatches(Layout(pp=4, microbatches=8, virtual_stages=2)) == 4 * (1 + 3 / 8)
 
 
+def test_the_planner_weighs_every_activation_checkpointing_mode_of_the_strategy():
+    from typing import get_args
+
+    from uma_lightning.parallel.apply import ActivationCheckpointing
+    from uma_lightning.tools.planner.layout import AC_MODES
+
+    assert sorted(AC_MODES) == sorted(get_args(ActivationCheckpointing))
+
+
 def test_layouts_that_cannot_run_say_why():
     settings = Settings(16, Precision.of("bf16-mixed"), 0.4)
     model = facts()

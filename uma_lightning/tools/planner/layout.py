@@ -22,6 +22,7 @@ from uma_lightning.parallel.mesh import MeshShape
 from uma_lightning.tools.planner.cluster import Cluster
 from uma_lightning.tools.planner.model import ModelFacts
 
+# wrapping.activation_checkpointing's modes, from the least recomputation to the most.
 AC_MODES: tuple[ActivationCheckpointing, ...] = ("none", "ops", "full")
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 VIRTUAL_STAGES = (1, 2)
