@@ -106,11 +106,11 @@ def add_section_options(parser: argparse.ArgumentParser, name: str, section: typ
         else:
             # Optional[X]: X; a tuple of ints as comma-separated numbers.
             kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            options["type"] = _comma_separated_ints if typing.get_origin(kind) is tuple else kind
+            options["type"] = comma_separated_ints if typing.get_origin(kind) is tuple else kind
         group.add_argument(f"--{name}.{field.name}", **options)
 
 
-def _comma_separated_ints(text: str) -> tuple[int, ...]:
+def comma_separated_ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
 
 
