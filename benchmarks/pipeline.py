@@ -51,7 +51,7 @@ def worker(job_file: str) -> None:
     import torch
     from lightning.pytorch import Callback
 
-    from uma_lightning.parallel import MeshStrategy
+    from uma_lightning.parallel import MeshSizes, MeshStrategy, PipelineConfig
     from uma_lightning.parallel.pipeline import pipeline_of
     from uma_lightning.tools.fixed_batches import fit_on_batches
 
@@ -74,7 +74,12 @@ def worker(job_file: str) -> None:
     for name, sizes, options in job["runs"]:
         torch.manual_seed(0)
         measure = Measure()
-        fit_on_batches(copy.deepcopy(job["module"]), job["batches"], MeshStrategy(**sizes, **options), [measure])
+        fit_on_batches(
+            copy.deepcopy(job["module"]),
+            job["batches"],
+            MeshStrategy(MeshSizes(**sizes), PipelineConfig(**options)),
+            [measure],
+        )
         steps, bubbles = measure.steps[1:], measure.bubbles[1:]  # the first step builds the stages' buffers
         results.append(
             {"name": name, "options": options, "step_s": statistics.median(steps), "bubble": statistics.median(bubbles)}
@@ -122,7 +127,7 @@ def main(argv: list[str]) -> int:
                         (
                             schedule,
                             {"pp": p, "dp_shard": 1},
-                            {"pp_schedule": schedule, "pp_microbatches": m, "pp_virtual_stages": virtual},
+                            {"schedule": schedule, "microbatches": m, "virtual_stages": virtual},
                         )
                     )
             job = {"module": module, "batches": batches, "runs": runs, "out": str(Path(tmp) / f"{p}.json")}
@@ -133,8 +138,8 @@ def main(argv: list[str]) -> int:
             fsdp = results[0]["step_s"]
             for r in results[1:]:
                 o = r["options"]
-                rows.append([p, o["pp_schedule"], o["pp_microbatches"], o["pp_virtual_stages"], f"{r['bubble']:.3f}",
-                             f"{formula(p, o['pp_microbatches'], o['pp_virtual_stages']):.3f}", f"{1e3 * r['step_s']:.0f}", f"{1e3 * fsdp:.0f}", f"{r['step_s'] / fsdp:.2f}"])  # fmt: skip
+                rows.append([p, o["schedule"], o["microbatches"], o["virtual_stages"], f"{r['bubble']:.3f}",
+                             f"{formula(p, o['microbatches'], o['virtual_stages']):.3f}", f"{1e3 * r['step_s']:.0f}", f"{1e3 * fsdp:.0f}", f"{r['step_s'] / fsdp:.2f}"])  # fmt: skip
     print_table(
         f"pipeline bubble and step time, {args.size}, global batch {args.batch_size}, {args.steps - 1} measured steps (medians)",
         ["p", "schedule", "m", "v", "bubble", "formula", "step ms", "fsdp ms", "vs fsdp"],

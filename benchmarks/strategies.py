@@ -25,15 +25,15 @@ from lightning.pytorch import Callback
 
 from uma_lightning.data import RobotDataModule
 from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
-from uma_lightning.parallel import MeshStrategy
+from uma_lightning.parallel import MeshSizes, MeshStrategy
 from uma_lightning.tools.fixed_batches import fit_on_batches
 from uma_lightning.tools.launch import run_local_group
 
 STRATEGIES = {
     "one process": None,
-    "ddp": {"dp_replicate": 2, "dp_shard": 1, "tp": 1},
-    "fsdp": {"dp_replicate": 1, "dp_shard": 2, "tp": 1},
-    "tp": {"dp_replicate": 1, "dp_shard": 1, "tp": 2},
+    "ddp": MeshSizes(dp_replicate=2, dp_shard=1),
+    "fsdp": MeshSizes(dp_shard=2),
+    "tp": MeshSizes(dp_shard=1, tp=2),
 }
 
 
@@ -63,12 +63,12 @@ class StepMeter(Callback):
         self.step_times.append(time.perf_counter() - self._step_start)
 
 
-def train(job: str, sizes: dict | None, out: str) -> None:
+def train(job: str, sizes: MeshSizes | None, out: str) -> None:
     """One rank: train the job's module on its batches and write the measurements of this rank."""
     spec = torch.load(job, weights_only=False)
     meter = StepMeter()
     trainer = fit_on_batches(
-        spec["module"], spec["batches"], MeshStrategy(**sizes) if sizes else "auto", [meter], precision="32-true"
+        spec["module"], spec["batches"], MeshStrategy(sizes) if sizes else "auto", [meter], precision="32-true"
     )
     record = {"step_s": median(meter.step_times[1:]), "peak_mib": (meter.peak_rss - meter.start_rss) / 2**20}
     Path(f"{out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))

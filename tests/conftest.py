@@ -193,6 +193,7 @@ def parity_on_two_processes():
     experts under ep, in 1F1B pipeline stages and under tp; and one injected bug per case."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case, recipe
 
+    from uma_lightning.parallel import ParallelConfig, PipelineConfig
     from uma_lightning.tools.parity import check_parity, random_network
 
     def fault(name, strategies, *overrides):
@@ -214,8 +215,7 @@ def parity_on_two_processes():
             "ddp,fsdp,tp",
             "--model.network.environment_state_weight",
             "0.5",
-            activation_checkpointing="ops",
-            ac_every_n_blocks=2,
+            wrapping=ParallelConfig(activation_checkpointing="ops", ac_every_n_blocks=2),
         ),
         parity_case(
             "keypoints",
@@ -238,9 +238,7 @@ def parity_on_two_processes():
             "pp",
             "--model.network.size",
             json.dumps({**PARITY_SIZE, "n_layers": 4}),
-            pp_schedule="Interleaved1F1B",
-            pp_virtual_stages=2,
-            pp_microbatches=4,
+            pipeline=PipelineConfig(schedule="Interleaved1F1B", virtual_stages=2, microbatches=4),
         ),
         fault("unscaled_microbatches", "pp"),
         parity_case("experts", "ep,pp", *PARITY_MOE),
@@ -261,17 +259,18 @@ def parity_on_four_processes():
     stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case
 
+    from uma_lightning.parallel import ParallelConfig, PipelineConfig
     from uma_lightning.tools.parity import check_parity, random_network
 
-    switches = {
-        "activation_checkpointing": "full",
-        "compile": "blocks",
-        "compile_backend": "aot_eager",
-        "reshard_after_forward": False,
-        "cpu_offload": True,
-    }
+    switches = ParallelConfig(
+        activation_checkpointing="full",
+        compile="blocks",
+        compile_backend="aot_eager",
+        reshard_after_forward=False,
+        cpu_offload=True,
+    )
     cases = [
-        parity_case("switches", "hsdp,fsdp_tp", **switches),
+        parity_case("switches", "hsdp,fsdp_tp", wrapping=switches),
         parity_case("shape 2", "hsdp,fsdp_tp,pp_fsdp,pp_fsdp_tp", *random_network(2)),
         parity_case("experts 4", "ep_fsdp,pp_fsdp", *PARITY_MOE),
         parity_case("experts tp 4", "fsdp_tp,pp_fsdp_tp", *PARITY_MOE_TP),
@@ -281,18 +280,14 @@ def parity_on_four_processes():
             "pp_fsdp",
             "--model.network.size",
             json.dumps({**PARITY_SIZE, "n_layers": 4}),
-            pp_schedule="Interleaved1F1B",
-            pp_virtual_stages=2,
-            pp_microbatches=4,
+            pipeline=PipelineConfig(schedule="Interleaved1F1B", virtual_stages=2, microbatches=4),
         ),
         parity_case(
             "pipeline tp",
             "pp_fsdp_tp",
             "--model.network.size",
             json.dumps({**PARITY_SIZE, "n_layers": 4}),
-            pp_schedule="ZBVZeroBubble",
-            pp_virtual_stages=2,
-            pp_microbatches=2,
+            pipeline=PipelineConfig(schedule="ZBVZeroBubble", virtual_stages=2, microbatches=2),
         ),
     ]
     return check_parity(cases)

@@ -179,7 +179,7 @@ def test_uma_fit_under_ep_fsdp_resumes_bit_for_bit_after_sigkill(tmp_path):
     for name in ("reference", "interrupted"):
         recipe = resume_recipe(tmp_path / f"{name}.yaml", tmp_path / name / "record", every_n_steps=2,
                                trainer={"max_steps": FIT_STEPS, "accelerator": "cpu", "devices": 4})  # fmt: skip
-        runs[name] = ["fit", "--config", recipe, "--config", str(REPO / "configs" / "strategy" / "ep_fsdp.yaml"), "--trainer.strategy.init_args.ep", "2",
+        runs[name] = ["fit", "--config", recipe, "--config", str(REPO / "configs" / "strategy" / "ep_fsdp.yaml"), "--trainer.strategy.init_args.sizes.ep", "2",
                       "--model.network.size", json.dumps(SMALL_MOE), *FIT_DATA, "--trainer.default_root_dir", str(tmp_path / name / "run")]  # fmt: skip
     assert forked_cli.run_as_ranks(runs["reference"], tmp_path / "reference.log", tmp_path, world_size=4) == [0] * 4
     assert (

@@ -1,9 +1,13 @@
 """Parallelism: mesh validation, the strategies on real gloo process groups, parity with one process, launchers."""
 
+import dataclasses
+import inspect
 import json
 import os
 import subprocess
 import sys
+from dataclasses import is_dataclass
+from typing import get_type_hints
 
 import forked_cli
 import pytest
@@ -16,9 +20,10 @@ from torch import nn
 
 from uma_lightning.checkpoint.storage import tensor_metadata
 from uma_lightning.models import RobotTransformer
-from uma_lightning.parallel import MeshShape, MeshStrategy, plan_for, register_strategies
+from uma_lightning.parallel import MeshShape, MeshStrategy, PipelineConfig, plan_for, register_strategies
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
-from uma_lightning.parallel.mesh import MESH_DIMS, resolve_mesh_shape
+from uma_lightning.parallel.mesh import resolve_mesh_shape
+from uma_lightning.parallel.strategy import PRESETS
 from uma_lightning.tools.parity import TOLERANCES, needs_experts, random_network
 from uma_lightning.tools.parity import main as parity_main
 from uma_lightning.tools.parity.compare import first_routing_difference
@@ -29,9 +34,6 @@ register_strategies()
 # Small enough for several gloo processes on two cores: 2 layers of width 32, 6 short episodes.
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
 DATA = ["--data.generation.n_episodes", "6", "--data.loader.num_workers", "0"]
-
-
-MESH_SIZES = (*MESH_DIMS, "ep")
 
 
 def sizes(dp_replicate, dp_shard, tp, ep=1):
@@ -98,28 +100,58 @@ def test_strategy_names_select_the_mesh_strategy_on_cpu(name, shape):
     assert StrategyRegistry[name]["strategy"] is MeshStrategy
 
 
-def test_every_strategy_fragment_selects_the_mesh_strategy():
-    import yaml
+STRATEGY_ARGUMENTS = inspect.signature(MeshStrategy.__init__).parameters
+STRATEGY_SECTIONS = {name: hint for name, hint in get_type_hints(MeshStrategy.__init__).items() if is_dataclass(hint)}
 
+
+def strategy_settings(init_args) -> dict:
+    """Every argument of MeshStrategy for ``init_args`` (a dict or a parsed namespace), defaults filled in."""
+    given = dict(init_args.items()) if isinstance(init_args, dict) else init_args.as_dict()
+    settings = {name: given.get(name, p.default) for name, p in STRATEGY_ARGUMENTS.items() if name != "self"}
+    for name, section in STRATEGY_SECTIONS.items():
+        if isinstance(settings[name], dict):
+            settings[name] = section(**settings[name])
+    return settings
+
+
+def restated_defaults(init_args: dict) -> list[str]:
+    """The keys of a fragment's init_args that set what MeshStrategy sets anyway."""
+    restated = []
+    for name, value in init_args.items():
+        if name in STRATEGY_SECTIONS:
+            default = STRATEGY_ARGUMENTS[name].default
+            restated += [f"{name}.{key}" for key, v in value.items() if getattr(default, key) == v]
+        elif STRATEGY_ARGUMENTS[name].default == value:
+            restated.append(name)
+    return restated
+
+
+def test_every_strategy_fragment_is_its_preset_and_restates_no_default():
+    """configs/strategy/NAME.yaml, parsed as uma parses it, sets what --trainer.strategy NAME does (PRESETS),
+    and only what differs from MeshStrategy's defaults."""
+    import yaml
+    from jsonargparse import ActionConfigFile
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    parser = LightningArgumentParser(exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_lightning_class_args(Trainer, "trainer")
     fragments = sorted((REPO / "configs" / "strategy").glob("*.yaml"))
-    assert {f.stem for f in fragments} == {
-        "ddp",
-        "fsdp",
-        "tp",
-        "hsdp",
-        "fsdp_tp",
-        "pp",
-        "pp_fsdp",
-        "pp_fsdp_tp",
-        "ep",
-        "ep_fsdp",
-    }
+    assert {f.stem for f in fragments} == set(PRESETS)
     for fragment in fragments:
-        strategy = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]
-        built = MeshStrategy(**strategy["init_args"])  # every key is a real argument
-        preset = StrategyRegistry[fragment.stem]["init_params"]
-        assert {k: strategy["init_args"].get(k, 1) for k in MESH_SIZES} == {k: preset.get(k, 1) for k in MESH_SIZES}
-        assert built.plan_config.activation_checkpointing == "none"
+        strategy = parser.parse_args(["--config", str(fragment)]).trainer.strategy
+        assert strategy.class_path == "uma_lightning.parallel.MeshStrategy"
+        assert strategy_settings(strategy.init_args) == strategy_settings(PRESETS[fragment.stem][1]), fragment.name
+        written = yaml.safe_load(fragment.read_text())["trainer"]["strategy"].get("init_args", {})
+        assert restated_defaults(written) == [], fragment.name
+    # Both ways: a fragment that sets another layout than its preset, or restates a default, is told apart.
+    assert strategy_settings({"sizes": {"tp": 2}}) != strategy_settings(PRESETS["fsdp_tp"][1])
+    restating = {"sizes": {"tp": "node", "dp_shard": "auto"}, "wrapping": {"compile": "none"}}
+    assert restated_defaults(restating | {"save_distributed_checkpoint": True}) == [
+        "sizes.dp_shard",
+        "wrapping.compile",
+        "save_distributed_checkpoint",
+    ]
 
 
 def test_plans_are_found_by_model_class_and_subclass():
@@ -144,10 +176,10 @@ def test_module_without_a_plan_is_refused_with_a_hint():
 
 
 def test_bad_strategy_options_are_refused():
-    with pytest.raises(ValueError, match="activation_checkpointing must be none, full or ops, got 'all'"):
-        MeshStrategy(activation_checkpointing="all")
-    with pytest.raises(ValueError, match="compile must be none or blocks, got 'model'"):
-        MeshStrategy(compile="model")
+    with pytest.raises(ValueError, match="wrapping.activation_checkpointing must be none, full or ops, got 'all'"):
+        ParallelConfig(activation_checkpointing="all")
+    with pytest.raises(ValueError, match="wrapping.compile must be none or blocks, got 'model'"):
+        ParallelConfig(compile="model")
 
 
 @pytest.mark.parametrize("mode", ["full", "ops"])
@@ -318,11 +350,52 @@ def quick_fit(tmp_path, *args):
     ]  # fmt: skip
 
 
+FSDP_TP = str(REPO / "configs" / "strategy" / "fsdp_tp.yaml")
+PRESET_LIST = "presets: ddp, fsdp, tp, hsdp, fsdp_tp, pp, pp_fsdp, pp_fsdp_tp, ep, ep_fsdp"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--trainer.strategy", "fsdp_tpp"], f"command line: trainer.strategy: unknown strategy 'fsdp_tpp'; did you mean 'fsdp_tp'? ({PRESET_LIST};"),
+        (["--config", FSDP_TP, "--trainer.strategy.sizes.dp_shrad", "2"],
+         "unknown key 'trainer.strategy.sizes.dp_shrad': trainer.strategy.sizes takes no key 'dp_shrad'; did you mean 'dp_shard'?"),
+        (["--config", FSDP_TP, "--trainer.strategy.init_args.wraping.compile", "blocks"],
+         "trainer.strategy takes no argument 'wraping'; did you mean 'wrapping'?"),
+        (["--config", FSDP_TP, "--trainer.strategy.init_args.pp_schedule", "GPipe"],
+         "'trainer.strategy.pp_schedule' is now 'trainer.strategy.pipeline.schedule'"),
+        (["--config", FSDP_TP, "--trainer.strategy.pipeline.schedule", "Interleaved1F1B"],
+         "trainer.strategy: pipeline.schedule Interleaved1F1B interleaves 2 or more stages per rank, got pipeline.virtual_stages 1"),
+        (["--trainer.strategy", "fsdp_tp", "--trainer.strategy.sizes.tp", "2"],
+         "trainer.strategy: 'fsdp_tp' is a registered name, which takes no settings; give a class_path with them instead"),
+    ],
+)  # fmt: skip
+def test_a_wrong_strategy_name_or_setting_stops_before_any_work(tmp_path, capsys, monkeypatch, args, message):
+    """Before the dataset is generated or the run's tracking directory made: one line, the close name."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("UMA_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = run_main(["fit", "--config", RECIPE, *args], capsys)
+    assert_short_error(code, err, message)
+    assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # no dataset in the cache, no mlruns/
+
+
+def test_an_old_flat_strategy_key_in_a_fragment_names_its_section(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fragment = tmp_path / "old.yaml"
+    fragment.write_text(
+        "trainer:\n  strategy:\n    class_path: uma_lightning.parallel.MeshStrategy\n    init_args: {tp: 2}\n"
+    )
+    code, _, err = run_main(["fit", "--config", RECIPE, "--config", str(fragment)], capsys)
+    assert_short_error(code, err, f"{fragment}: 'trainer.strategy.tp' is now 'trainer.strategy.sizes.tp'")
+    assert [p.name for p in tmp_path.iterdir()] == ["old.yaml"]
+
+
 def test_mesh_larger_than_the_world_fails_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = quick_fit(
         tmp_path, "--trainer.devices", "2", "--trainer.logger", "false",
-        "--trainer.strategy", "uma_lightning.parallel.MeshStrategy", "--trainer.strategy.tp", "3", "--trainer.strategy.dp_shard", "1",
+        "--trainer.strategy", "uma_lightning.parallel.MeshStrategy", "--trainer.strategy.sizes.tp", "3", "--trainer.strategy.sizes.dp_shard", "1",
     )  # fmt: skip
     code, _, err = run_main(args, capsys)
     assert_short_error(code, err, "mesh dp_replicate 1 x dp_shard 1 x tp 3 needs 3 processes, but the world size is 2")
@@ -343,7 +416,7 @@ def test_heads_that_do_not_divide_by_tp_fail_before_any_work(tmp_path, capsys, m
     "devices, strategy, message",
     [
         ("3", ["--trainer.strategy", "ep"], "trainer.strategy: ep 3 does not divide the 8 experts of backbone.layers.1.ffn"),
-        ("4", ["--config", str(REPO / "configs" / "strategy" / "ep_fsdp.yaml"), "--trainer.strategy.init_args.ep", "3"],
+        ("4", ["--config", str(REPO / "configs" / "strategy" / "ep_fsdp.yaml"), "--trainer.strategy.init_args.sizes.ep", "3"],
          "mesh dp_replicate 1 x dp_shard 4 x tp 1: ep 3 does not divide the 4 data-parallel ranks (dp_shard) it splits the experts over"),
     ],
 )  # fmt: skip
@@ -393,6 +466,35 @@ def test_parity_refuses_bad_arguments_before_training(capsys):
     args = ["--config", RECIPE, "--strategies", "ddp,ep", "--trainer.logger", "false", *DATA, "--data.batch_size", "4"]
     assert parity_main(args) == 2
     assert "ep: the model has no mixture-of-experts layers to split" in capsys.readouterr().err
+    args = ["--config", RECIPE, "--strategies", "pp", "--pipeline.schedule", "Interleaved1F1B"]
+    assert parity_main(args) == 2
+    assert (
+        "--pipeline.schedule Interleaved1F1B interleaves 2 or more stages per rank, got pipeline.virtual_stages 1"
+        in capsys.readouterr().err
+    )
+
+
+def test_parity_takes_the_strategy_sections_as_options_of_the_same_dataclasses():
+    import argparse
+
+    from uma_lightning.tools.parity.cli import STRATEGY_SECTIONS as PARITY_SECTIONS
+    from uma_lightning.tools.parity.cli import add_section_options, section_of
+
+    parser = argparse.ArgumentParser()
+    for name, section in PARITY_SECTIONS.items():
+        add_section_options(parser, name, section)
+    given = ["--wrapping.compile", "blocks", "--no-wrapping.reshard_after_forward", "--wrapping.ac_every_n_blocks", "2"]
+    args = parser.parse_args([*given, "--pipeline.split", "2,4", "--pipeline.microbatches", "4"])
+    assert section_of(args, "wrapping", ParallelConfig) == ParallelConfig(
+        compile="blocks", reshard_after_forward=False, ac_every_n_blocks=2
+    )
+    assert section_of(args, "pipeline", PipelineConfig) == PipelineConfig(microbatches=4, split=(2, 4))
+    # Nothing given: the dataclasses' own defaults; every setting of each has its option.
+    assert section_of(parser.parse_args([]), "wrapping", ParallelConfig) == ParallelConfig()
+    listed = parser.format_help()
+    for name, section in PARITY_SECTIONS.items():
+        assert all(f"--{name}.{field.name}" in listed for field in dataclasses.fields(section) if field.init)
+    assert "bf16_params" not in listed  # set from the precision, not an option
 
 
 def assert_within_tolerance(name, result):

@@ -79,43 +79,56 @@ def test_stages_of_each_rank_follow_the_schedule():
 @pytest.mark.parametrize(
     "options, message",
     [
-        (["--trainer.strategy.pp_microbatches", "1"], "pp_microbatches 1 is fewer than the 2 pipeline ranks"),
         (
-            ["--trainer.strategy.pp_microbatches", "3"],
+            ["--trainer.strategy.pipeline.microbatches", "1"],
+            "pipeline.microbatches 1 is fewer than the 2 pipeline ranks",
+        ),
+        (
+            ["--trainer.strategy.pipeline.microbatches", "3"],
             "a batch of 4 samples (data.batch_size) does not divide into 3 microbatches",
         ),
         (
-            ["--trainer.strategy.pp_virtual_stages", "2"],
-            "pp_schedule 1F1B runs one stage per rank, got pp_virtual_stages 2",
-        ),
-        (
-            ["--trainer.strategy.pp_schedule", "ZBVZeroBubble", "--trainer.strategy.pp_virtual_stages", "3"],
-            "ZBVZeroBubble runs exactly 2 stages per rank",
-        ),
-        (
-            ["--trainer.strategy.pp_schedule", "Interleaved1F1B"],
-            "Interleaved1F1B interleaves 2 or more stages per rank, got pp_virtual_stages 1",
+            ["--trainer.strategy.pipeline.virtual_stages", "2"],
+            "pipeline.schedule 1F1B runs one stage per rank, got pipeline.virtual_stages 2",
         ),
         (
             [
-                "--trainer.strategy.pp_schedule",
-                "Interleaved1F1B",
-                "--trainer.strategy.pp_virtual_stages",
-                "2",
-                "--trainer.strategy.pp_microbatches",
+                "--trainer.strategy.pipeline.schedule",
+                "ZBVZeroBubble",
+                "--trainer.strategy.pipeline.virtual_stages",
                 "3",
             ],
-            "Interleaved1F1B takes a multiple of the 2 pipeline ranks as pp_microbatches, got 3",
+            "ZBVZeroBubble runs exactly 2 stages per rank",
         ),
         (
-            ["--trainer.strategy.pp_schedule", "Interleaved1F1B", "--trainer.strategy.pp_virtual_stages", "2"],
+            ["--trainer.strategy.pipeline.schedule", "Interleaved1F1B"],
+            "Interleaved1F1B interleaves 2 or more stages per rank, got pipeline.virtual_stages 1",
+        ),
+        (
+            [
+                "--trainer.strategy.pipeline.schedule",
+                "Interleaved1F1B",
+                "--trainer.strategy.pipeline.virtual_stages",
+                "2",
+                "--trainer.strategy.pipeline.microbatches",
+                "3",
+            ],
+            "Interleaved1F1B takes a multiple of the 2 pipeline ranks as pipeline.microbatches, got 3",
+        ),
+        (
+            [
+                "--trainer.strategy.pipeline.schedule",
+                "Interleaved1F1B",
+                "--trainer.strategy.pipeline.virtual_stages",
+                "2",
+            ],
             "2 backbone layers do not divide into 4 stages",
         ),
         (
-            ["--trainer.strategy.pp_split", "[2]"],
-            "pp_split [2]: split points must be increasing layer indices between 1 and 1",
+            ["--trainer.strategy.pipeline.split", "[2]"],
+            "pipeline.split [2]: split points must be increasing layer indices between 1 and 1",
         ),
-        (["--trainer.strategy.pp_split", "[1, 1]"], "2 stages need 1 split point(s)"),
+        (["--trainer.strategy.pipeline.split", "[1, 1]"], "2 stages need 1 split point(s)"),
         (
             ["--model.network.environment_state_weight", "0.5"],
             "pp: the environment-state head reads the first stage's prefix",
@@ -124,16 +137,16 @@ def test_stages_of_each_rank_follow_the_schedule():
             [
                 "--trainer.devices",
                 "4",
-                "--trainer.strategy.dp_shard",
+                "--trainer.strategy.sizes.dp_shard",
                 "2",
-                "--trainer.strategy.pp_schedule",
+                "--trainer.strategy.pipeline.schedule",
                 "ZBVZeroBubble",
-                "--trainer.strategy.pp_virtual_stages",
+                "--trainer.strategy.pipeline.virtual_stages",
                 "2",
                 "--model.network.size",
                 json.dumps({**TWO_LAYERS, "n_layers": 4}),
             ],
-            "pp_schedule ZBVZeroBubble with data parallelism (dp 2) gives wrong gradients here",
+            "pipeline.schedule ZBVZeroBubble with data parallelism (dp 2) gives wrong gradients here",
         ),
     ],
 )
@@ -143,7 +156,7 @@ def test_bad_pipeline_options_fail_in_one_line_before_any_work(tmp_path, capsys,
         "fit", "--config", RECIPE, "--model.network.size", json.dumps(TWO_LAYERS), "--data.generation.n_episodes", "6",
         "--data.loader.num_workers", "0", "--data.batch_size", "4", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "uma_lightning.parallel.MeshStrategy",
-        "--trainer.strategy.pp", "2", "--trainer.strategy.dp_shard", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *options,
+        "--trainer.strategy.sizes.pp", "2", "--trainer.strategy.sizes.dp_shard", "1", "--trainer.default_root_dir", str(tmp_path / "run"), *options,
     ]  # fmt: skip
     code, _, err = run_main(args, capsys)
     assert_short_error(code, err, message)

@@ -91,6 +91,15 @@ def test_checkpointing_and_pipelines_change_activations_as_their_schedules_say()
     assert in_flight_microbatches(Layout(pp=4, microbatches=8, virtual_stages=2)) == 4 * (1 + 3 / 8)
 
 
+def test_the_planner_weighs_every_activation_checkpointing_mode_of_the_strategy():
+    from typing import get_args
+
+    from uma_lightning.parallel.apply import ActivationCheckpointing
+    from uma_lightning.tools.planner.layout import AC_MODES
+
+    assert sorted(AC_MODES) == sorted(get_args(ActivationCheckpointing))
+
+
 def test_layouts_that_cannot_run_say_why():
     settings = Settings(16, Precision.of("bf16-mixed"), 0.4)
     model = facts()
@@ -98,7 +107,7 @@ def test_layouts_that_cannot_run_say_why():
     assert estimate(model, Layout(dp_shard=3), CLUSTER, settings).rejected == "global batch 16 does not split over dp 3"
     # The strategy's own refusals, word for word (layout.strategy_refusal).
     assert estimate(model, Layout(pp=2, dp_shard=4, microbatches=1), CLUSTER, settings).rejected.startswith(
-        "pp_microbatches 1 is fewer than the 2 pipeline ranks"
+        "pipeline.microbatches 1 is fewer than the 2 pipeline ranks"
     )
     assert estimate(model, Layout(pp=4, dp_shard=2, microbatches=4), CLUSTER, settings).rejected.startswith(
         "pp: 2 backbone layers do not divide into 4 stages"
@@ -136,7 +145,7 @@ def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsy
     )
     assert any(r["reason"].startswith("tp 8 crosses nodes") for r in plan["rejected"])
     layout = plan["recommended"]["layout"]
-    args = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"]
+    args = yaml.safe_load(fragment.read_text())["trainer"]["strategy"]["init_args"]["sizes"]
     assert (args["dp_replicate"], args["dp_shard"], args["tp"]) == (
         layout["dp_replicate"],
         layout["dp_shard"],
@@ -144,7 +153,7 @@ def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsy
     )
     code, out, _ = run_main(["fit", "--config", RECIPE, *SIZE_7B, "--config", str(fragment), "--print_config"], capsys)
     printed = yaml.safe_load(out)
-    assert code in (0, None) and printed["trainer"]["strategy"]["init_args"]["dp_shard"] == layout["dp_shard"]
+    assert code in (0, None) and printed["trainer"]["strategy"]["init_args"]["sizes"]["dp_shard"] == layout["dp_shard"]
     assert printed["data"]["init_args"]["batch_size"] == plan["settings"]["global_batch"] // (
         layout["dp_replicate"] * layout["dp_shard"]
     )
@@ -188,7 +197,11 @@ def test_pipeline_and_expert_layouts_are_those_uma_fit_accepts(tmp_path, capsys)
         fragment.write_text(report.fragment(best, cluster, settings, RECIPE))
         code, out, _ = run_main(["fit", "--config", RECIPE, *size, "--config", str(fragment), "--print_config"], capsys)
         printed = yaml.safe_load(out)["trainer"]["strategy"]["init_args"]
-        assert code in (0, None) and (printed["pp"], printed["ep"], printed["pp_microbatches"] or 1) == (
+        assert code in (0, None) and (
+            printed["sizes"]["pp"],
+            printed["sizes"]["ep"],
+            printed["pipeline"]["microbatches"] or 1,
+        ) == (
             best.layout.pp,
             best.layout.ep,
             best.layout.microbatches,

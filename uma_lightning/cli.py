@@ -17,6 +17,7 @@ Paths are relative to the file that includes them. ``uma fit --config R`` become
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata
 import logging
@@ -24,6 +25,7 @@ import os
 import platform
 import re
 import sys
+import typing
 import warnings
 from argparse import SUPPRESS, ArgumentError
 from collections.abc import Callable
@@ -34,18 +36,28 @@ import torch
 import yaml
 from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 from uma_lightning.callbacks import TrainingHalted
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.callbacks.preemption import Preempted
 from uma_lightning.checkpoint import CheckpointError
-from uma_lightning.cli_errors import ConfigError, explain, problem_lines
+from uma_lightning.cli_errors import (
+    ConfigError,
+    class_candidates,
+    did_you_mean,
+    explain,
+    import_dotted,
+    locate,
+    problem_lines,
+)
 from uma_lightning.data import RobotDataModule
 from uma_lightning.data.dataset import BAD_DATA_ERRORS
 from uma_lightning.data.lerobot import DatasetError
 from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import StageModule
 from uma_lightning.parallel import MeshStrategy, register_strategies
+from uma_lightning.parallel.strategy import PRESETS
 from uma_lightning.tracking import MLflowLogger, RecordRunConfig
 from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
 
@@ -141,6 +153,7 @@ class UmaCLI(LightningCLI):
         except ArgumentError as err:
             defaults = {"model": _class_path(self.model_class), "data": _class_path(self.datamodule_class)}
             raise ConfigError(explain(str(err), parser, args, tools=tuple(TOOLS), defaults=defaults)) from None
+        check_strategy(self.config, args)
         self.changed = self._changed_settings(parser, args)
 
     def _changed_settings(self, parser, args: list[str]) -> dict:
@@ -223,6 +236,36 @@ def resolve_recipe(config: str, overrides: list[str], cli_class: type[UmaCLI] = 
     """The recipe and its overrides resolved and instantiated as ``uma fit`` would, without training:
     one process, no logger. Tools that read a recipe (``uma parity``, ``uma plan``) start here."""
     return cli_class(["--config", config, *overrides, "--trainer.logger", "false", "--trainer.devices", "1"], run=False)
+
+
+def check_strategy(config, args: list[str]) -> None:
+    """A strategy name Lightning does not know, or MeshStrategy sections that do not hold together, as
+    a one-line ConfigError: checked after parsing, before the data module generates or reads anything
+    (Lightning would find a wrong name only when the Trainer is built, with its generic message)."""
+    subcommand = config.get("subcommand")
+    strategy = (config[subcommand] if subcommand else config).get("trainer", {}).get("strategy")
+    where = locate(args, "trainer.strategy", value=strategy if isinstance(strategy, str) else None)
+    if isinstance(strategy, str):
+        names = [*PRESETS, "auto", *(name for name in StrategyRegistry.available_strategies() if name not in PRESETS)]
+        if strategy.lower() not in names:
+            close = names + (class_candidates(strategy) if "." in strategy else [])  # a class path that did not import
+            raise ConfigError(
+                f"{where}trainer.strategy: unknown strategy {strategy!r}{did_you_mean(strategy, close)} (presets: "
+                f"{', '.join(PRESETS)}; or auto, another of Lightning's registered names, or a class_path)"
+            )
+        return
+    class_path = getattr(strategy, "class_path", None)
+    strategy_class = import_dotted(class_path) if class_path else None
+    if not (isinstance(strategy_class, type) and issubclass(strategy_class, MeshStrategy)):
+        return
+    # jsonargparse builds the sections only with the strategy, after the data module.
+    for name, section in typing.get_type_hints(strategy_class.__init__).items():
+        given = strategy.init_args.get(name) if dataclasses.is_dataclass(section) else None
+        if given is not None and not isinstance(given, section):
+            try:
+                section(**given.as_dict())
+            except ValueError as err:
+                raise ConfigError(f"{where}trainer.strategy: {err}") from None
 
 
 def _class_path(cls: type) -> str:

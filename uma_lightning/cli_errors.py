@@ -35,7 +35,7 @@ def explain(
 
     if match := re.search(r"invalid choice: '([^']+)' \(choose from (.+)\)", message):
         choices = re.findall(r"'([^']+)'", match.group(2)) + list(tools)
-        return f"unknown command {match.group(1)!r}{_did_you_mean(match.group(1), choices)} (commands: {', '.join(choices)})"
+        return f"unknown command {match.group(1)!r}{did_you_mean(match.group(1), choices)} (commands: {', '.join(choices)})"
 
     if match := re.search(r"Group '([\w.]+)' does not accept option '([^']+)'", message):
         # A key of a dataclass section inside a section, e.g. model.network.vision.
@@ -43,7 +43,17 @@ def explain(
         group, *nested = re.findall(r'Parser key "([^"]+)"', message) + match.group(1).split(".")
         name, section = match.group(2), ".".join([group, *nested])
         fields = _nested_fields(class_path.group(1), nested) if class_path else []
-        return f"{located.where(f'{section}.{name}', name)}unknown key '{section}.{name}': {section} takes no key {name!r}{_did_you_mean(name, fields)}"
+        return f"{located.where(f'{section}.{name}', name)}unknown key '{section}.{name}': {section} takes no key {name!r}{did_you_mean(name, fields)}"
+
+    class_path = re.search(r"Problem with given class_path '([^']+)'", message)
+    if class_path and (match := re.search(r"unrecognized arguments: --([\w.]+)", message)):
+        # A key of a dataclass section of a class given by class_path, e.g. trainer.strategy.sizes.
+        section, _, name = match.group(1).rpartition(".")
+        owner, key = _parser_key(message), f"{_parser_key(message)}.{match.group(1)}"
+        if fields := _nested_fields(class_path.group(1), section.split(".")) if section else []:
+            return f"{located.where(key, name)}unknown key {key!r}: {owner}.{section} takes no key {name!r}{did_you_mean(name, fields)}"
+        first = match.group(1).split(".")[0]
+        return f"{located.where(key, name)}unknown key {key!r}: {owner} takes no argument {first!r}{did_you_mean(first, _init_params(class_path.group(1)))}"
 
     if match := re.search(r"does not accept option '([^']+)'", message) or re.search(
         r"unrecognized arguments: --([\w.]+)", message
@@ -52,12 +62,12 @@ def explain(
         group, *rest = [part for part in key.split(".") if part != "init_args"]
         if rest and (moved := _moved_to(group, rest[0], (defaults or _DEFAULT_CLASSES).get(group))):
             return f"{located.where(key)}{_moved_message(group, rest, moved)}"
-        return f"{located.where(key)}unknown key {key!r}{_did_you_mean(key, _known_keys(parser, args, defaults or _DEFAULT_CLASSES))}"
+        return f"{located.where(key)}unknown key {key!r}{did_you_mean(key, _known_keys(parser, args, defaults or _DEFAULT_CLASSES))}"
 
     if match := re.search(r'Parser key "config": File does not exist: \'([^\']+)\'', message):
         path = Path(match.group(1))
         siblings = [str(p) for p in path.parent.glob("*.y*ml")] if path.parent.is_dir() else []
-        return f"config file not found: {path}{_did_you_mean(str(path), siblings)}"
+        return f"config file not found: {path}{did_you_mean(str(path), siblings)}"
 
     lines = problem_lines(message)
     key = ".".join(re.findall(r'Parser key "([^"]+)"', message)) or "config"
@@ -67,32 +77,42 @@ def explain(
         class_path = class_match.group(1)
         if option := re.search(r"Option '([^']+)' is not accepted", problem):
             name = option.group(1)
-            group, *nested = key.split(".")
-            if nested:  # a key of a dataclass argument, e.g. model.vision
+            nested = key.split(".")[1:]
+            # A key of a dataclass argument, e.g. model.vision.
+            if nested and (fields := _nested_fields(class_path, nested)):
                 full = f"{key}.{name}"
-                return (
-                    f"{located.where(full, name)}unknown key {full!r}: {key} takes no key {name!r}"
-                    f"{_did_you_mean(name, _nested_fields(class_path, nested))}"
-                )
+                return f"{located.where(full, name)}unknown key {full!r}: {key} takes no key {name!r}{did_you_mean(name, fields)}"
+            # An argument of the class given by class_path, at the top of a group (model) or deeper (trainer.strategy).
             full = f"{key}.init_args.{name}"
-            if not nested and (moved := _moved_to(group, name.split(".")[0], class_path)):
-                return f"{located.where(full, name)}{_moved_message(group, name.split('.'), moved)}"
+            if moved := _moved_to(key, name.split(".")[0], class_path):
+                return f"{located.where(full, name)}{_moved_message(key, name.split('.'), moved)}"
             return (
                 f"{located.where(full, name)}unknown key {full!r}: {class_path} takes no argument {name!r}"
-                f"{_did_you_mean(name, _init_params(class_path))}"
+                f"{did_you_mean(name, _init_params(class_path))}"
             )
         if re.search(r"(has no attribute|No module named|Unable to import|does not correspond)", problem):
-            candidates = _class_candidates(class_path)
-            return f"{located.where(key, value=class_path)}{key}: unknown class {class_path!r}{_did_you_mean(class_path, candidates)}"
+            candidates = class_candidates(class_path)
+            return f"{located.where(key, value=class_path)}{key}: unknown class {class_path!r}{did_you_mean(class_path, candidates)}"
+    if named := re.search(r"Expected a dot import path string: (\S+)", problem):
+        # A registered name (a strategy preset) with settings after it: only a class_path takes settings.
+        return (
+            f"{located.where(key)}{key}: {named.group(1)!r} is a registered name, which takes no settings; give a "
+            f"class_path with them instead (e.g. a fragment of configs/, as configs/strategy/ has for each strategy)"
+        )
     if expected := re.search(r"Expected a <class '([\w.]+)'>\. Got value: (.+)", problem):
         return f"{located.where(key)}{key}: expected {expected.group(1)}, got {expected.group(2)!r}"
     return f"{located.where(key)}{key}: {problem}"
 
 
+def locate(args: list[str], key: str, value: str | None = None) -> str:
+    """ "command line: ", "<config file>: " or "" for the last place in ``args`` that set ``key`` (or ``value``)."""
+    return _Locator(args).where(key, value=value)
+
+
 def _moved_to(group: str, name: str, class_path: str | None) -> str | None:
     """The new key of a setting that an earlier version took as ``group.name``, from the class's
     ``moved_settings`` (old argument name -> its key in a section), or None."""
-    moved = getattr(_import(class_path), "moved_settings", None) if class_path else None
+    moved = getattr(import_dotted(class_path), "moved_settings", None) if class_path else None
     return f"{group}.{moved[name]}" if isinstance(moved, dict) and name in moved else None
 
 
@@ -118,7 +138,7 @@ def problem_lines(message: str) -> list[str]:
     return [line for line in stripped if line and not line.startswith(boilerplate)]
 
 
-def _did_you_mean(name: str, candidates) -> str:
+def did_you_mean(name: str, candidates) -> str:
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -148,7 +168,7 @@ def _known_keys(parser, args: list[str], defaults: dict[str, str]) -> list[str]:
 
 
 def _init_params(class_path: str) -> list[str]:
-    cls = _import(class_path)
+    cls = import_dotted(class_path)
     if cls is None:
         return []
     params = []
@@ -160,7 +180,7 @@ def _init_params(class_path: str) -> list[str]:
 
 def _nested_fields(class_path: str, path: list[str]) -> list[str]:
     """Field names of the dataclass at ``path`` inside ``class_path``'s arguments (``["vision"]``), or []."""
-    annotation = _import(class_path)
+    annotation = import_dotted(class_path)
     for name in path:
         hints = {}
         for klass in inspect.getmro(annotation) if inspect.isclass(annotation) else ():
@@ -174,7 +194,7 @@ def _nested_fields(class_path: str, path: list[str]) -> list[str]:
     return [field.name for field in dataclasses.fields(annotation)]
 
 
-def _class_candidates(class_path: str) -> list[str]:
+def class_candidates(class_path: str) -> list[str]:
     module_name, _, _ = class_path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
@@ -183,7 +203,7 @@ def _class_candidates(class_path: str) -> list[str]:
     return [f"{module_name}.{name}" for name, obj in vars(module).items() if inspect.isclass(obj)]
 
 
-def _import(class_path: str):
+def import_dotted(class_path: str):
     module_name, _, name = class_path.rpartition(".")
     try:
         return getattr(importlib.import_module(module_name), name)

@@ -77,7 +77,7 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
     from lightning.pytorch import Callback
 
     from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
-    from uma_lightning.parallel import MeshStrategy
+    from uma_lightning.parallel import MeshStrategy, ParallelConfig
     from uma_lightning.tools.fixed_batches import fit_on_batches
 
     class StepTimer(Callback):
@@ -99,7 +99,11 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
         torch.cuda.reset_peak_memory_stats()
     module = PretrainModule(spec=spec, network=NetworkConfig(size=size), optimizer=OptimizerConfig(warmup_steps=1))
     timer = StepTimer()
-    strategy = "auto" if strategy_args is None else MeshStrategy(**strategy_args, compile_backend=compile_backend)
+    strategy = (
+        "auto"
+        if strategy_args is None
+        else MeshStrategy(wrapping=ParallelConfig(**strategy_args, compile_backend=compile_backend))
+    )
     fit_on_batches(
         module,
         batches,

@@ -6,7 +6,8 @@ command calls it, and so may a plain Lightning script that wants ``Trainer(strat
 """
 
 from uma_lightning.parallel.apply import ParallelConfig
-from uma_lightning.parallel.mesh import MeshShape
+from uma_lightning.parallel.mesh import MeshShape, MeshSizes
+from uma_lightning.parallel.pipeline import PipelineConfig
 from uma_lightning.parallel.plans import HeadPlan, Plan, plan_for, register_head, register_plan
 from uma_lightning.parallel.plans.robot import replicated
 from uma_lightning.parallel.strategy import MeshStrategy, register_strategies
@@ -14,8 +15,10 @@ from uma_lightning.parallel.strategy import MeshStrategy, register_strategies
 __all__ = [
     "HeadPlan",
     "MeshShape",
+    "MeshSizes",
     "MeshStrategy",
     "ParallelConfig",
+    "PipelineConfig",
     "Plan",
     "plan_for",
     "register_head",

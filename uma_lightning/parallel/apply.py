@@ -8,8 +8,8 @@ line. A model's plan (``plans/``) adds its own tensor-parallel layout and calls 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -22,7 +22,18 @@ Compile = Literal["none", "blocks"]
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """What a plan applies besides the mesh layout; the strategy fills it from its arguments and the precision."""
+    """What a plan applies besides the mesh layout (the ``wrapping`` section of ``MeshStrategy``).
+
+    - ``activation_checkpointing``: none, full (recompute whole blocks) or ops (keep matmul outputs,
+      recompute the rest); ``ac_every_n_blocks``: checkpoint every n-th block only (1: all of them);
+    - ``compile``: torch.compile none, or blocks (each transformer block); ``compile_backend``: inductor
+      generates kernels, aot_eager only traces (for debugging);
+    - ``reshard_after_forward``: FSDP frees gathered parameters after each block's forward (less memory,
+      one more all-gather in backward); ``cpu_offload``: FSDP keeps parameters, gradients and optimizer
+      state in CPU memory.
+
+    ``bf16_params`` is no setting: the strategy sets it from the trainer's precision (``with_bf16_params``).
+    """
 
     activation_checkpointing: ActivationCheckpointing = "none"
     ac_every_n_blocks: int = 1
@@ -30,17 +41,23 @@ class ParallelConfig:
     compile_backend: str = "inductor"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
-    bf16_params: bool = False
+    bf16_params: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if self.activation_checkpointing not in ("none", "full", "ops"):
+        if self.activation_checkpointing not in get_args(ActivationCheckpointing):
             raise ValueError(
-                f"activation_checkpointing must be none, full or ops, got {self.activation_checkpointing!r}"
+                f"wrapping.activation_checkpointing must be none, full or ops, got {self.activation_checkpointing!r}"
             )
-        if self.compile not in ("none", "blocks"):
-            raise ValueError(f"compile must be none or blocks, got {self.compile!r}")
+        if self.compile not in get_args(Compile):
+            raise ValueError(f"wrapping.compile must be none or blocks, got {self.compile!r}")
         if self.ac_every_n_blocks < 1:
-            raise ValueError(f"ac_every_n_blocks must be >= 1, got {self.ac_every_n_blocks}")
+            raise ValueError(f"wrapping.ac_every_n_blocks must be >= 1, got {self.ac_every_n_blocks}")
+
+    def with_bf16_params(self, bf16_params: bool) -> ParallelConfig:
+        """This config, FSDP gathering parameters in bf16 (and reducing gradients in fp32) if ``bf16_params``."""
+        config = replace(self)
+        object.__setattr__(config, "bf16_params", bf16_params)  # frozen, and no init argument: not a setting
+        return config
 
 
 # Selective checkpointing keeps the outputs of these ops (expensive to recompute) and recomputes

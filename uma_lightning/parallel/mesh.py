@@ -42,6 +42,26 @@ MeshSize = Union[int, Literal["auto", "node"]]
 
 
 @dataclass(frozen=True)
+class MeshSizes:
+    """The mesh a strategy asks for; each size a number, "auto" (what the other sizes leave) or "node"
+    (the processes of one node). The defaults shard over every process (FSDP).
+
+    - ``dp_replicate``: data-parallel replica groups (DDP, or the replicate half of HSDP);
+    - ``dp_shard``: ranks that shard parameters, gradients and optimizer state within a replica group;
+    - ``tp``: tensor-parallel ranks, which split every layer and see the same batch;
+    - ``pp``: pipeline stages (ranks), each holding a contiguous part of the layers and seeing the same batch;
+    - ``ep``: expert-parallel ranks, which split every mixture-of-experts layer's experts: data-parallel
+      ranks ("auto": all of them).
+    """
+
+    dp_replicate: MeshSize = 1
+    dp_shard: MeshSize = "auto"
+    tp: MeshSize = 1
+    pp: MeshSize = 1
+    ep: MeshSize = 1
+
+
+@dataclass(frozen=True)
 class MeshShape:
     dp_replicate: int
     dp_shard: int

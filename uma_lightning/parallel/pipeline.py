@@ -44,10 +44,12 @@ ZERO_BUBBLE = (
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """How the pipeline runs; the strategy fills it from its ``pp_*`` arguments.
+    """How the pipeline runs, under pp above one (the ``pipeline`` section of ``MeshStrategy``).
 
-    ``microbatches`` None: one per rank of the pipeline, the fewest a schedule takes. ``split``: the
-    backbone layer each stage after the first starts at (None: balanced by FLOPs).
+    - ``schedule``: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (see above);
+    - ``microbatches``: microbatches each batch is cut into; None: one per pipeline rank, the fewest a schedule takes;
+    - ``virtual_stages``: stages per pipeline rank (the interleaved schedules take 2 or more, ZBVZeroBubble 2);
+    - ``split``: the backbone layer each stage after the first starts at; None balances the stages' FLOPs.
     """
 
     schedule: Schedule = "1F1B"
@@ -57,20 +59,20 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CLASSES:
-            raise ValueError(f"pp_schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {self.schedule!r}")
+            raise ValueError(f"pipeline.schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {self.schedule!r}")
         if self.microbatches is not None and self.microbatches < 1:
-            raise ValueError(f"pp_microbatches must be >= 1, got {self.microbatches}")
+            raise ValueError(f"pipeline.microbatches must be >= 1, got {self.microbatches}")
         if self.schedule in SINGLE_STAGE and self.virtual_stages != 1:
             raise ValueError(
-                f"pp_schedule {self.schedule} runs one stage per rank, got pp_virtual_stages {self.virtual_stages}; use Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
+                f"pipeline.schedule {self.schedule} runs one stage per rank, got pipeline.virtual_stages {self.virtual_stages}; use Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
             )
         if self.schedule in V_SHAPED and self.virtual_stages != 2:
             raise ValueError(
-                f"pp_schedule {self.schedule} runs exactly 2 stages per rank, got pp_virtual_stages {self.virtual_stages}"
+                f"pipeline.schedule {self.schedule} runs exactly 2 stages per rank, got pipeline.virtual_stages {self.virtual_stages}"
             )
         if self.schedule not in SINGLE_STAGE + V_SHAPED and self.virtual_stages < 2:
             raise ValueError(
-                f"pp_schedule {self.schedule} interleaves 2 or more stages per rank, got pp_virtual_stages {self.virtual_stages}"
+                f"pipeline.schedule {self.schedule} interleaves 2 or more stages per rank, got pipeline.virtual_stages {self.virtual_stages}"
             )
         if self.split is not None:
             object.__setattr__(self, "split", tuple(self.split))
@@ -83,15 +85,15 @@ class PipelineConfig:
         microbatches = self.n_microbatches(pp)
         if microbatches < pp:
             raise ValueError(
-                f"pp_microbatches {microbatches} is fewer than the {pp} pipeline ranks: some would never have work"
+                f"pipeline.microbatches {microbatches} is fewer than the {pp} pipeline ranks: some would never have work"
             )
         if self.schedule not in SINGLE_STAGE + V_SHAPED and microbatches % pp:
             raise ValueError(
-                f"pp_schedule {self.schedule} takes a multiple of the {pp} pipeline ranks as pp_microbatches, got {microbatches}"
+                f"pipeline.schedule {self.schedule} takes a multiple of the {pp} pipeline ranks as pipeline.microbatches, got {microbatches}"
             )
         if batch_size is not None and batch_size % microbatches:
             raise ValueError(
-                f"a batch of {batch_size} samples (data.batch_size) does not divide into {microbatches} microbatches (pp_microbatches)"
+                f"a batch of {batch_size} samples (data.batch_size) does not divide into {microbatches} microbatches (pipeline.microbatches)"
             )
 
     def stage_indices(self, pp: int, rank: int) -> list[int]:

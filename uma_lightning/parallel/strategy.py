@@ -6,26 +6,16 @@ ranks for mixture-of-experts models (``mesh.py``). After the module's
 the module's submodules (``plans/``) and applies it; a module that parallelizes itself in
 ``configure_model()``, as Lightning's ModelParallelStrategy expects, is left as it is.
 
-Registered names (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``):
-
-    ddp      dp_replicate = all processes                   full replicas, all-reduced gradients
-    fsdp     dp_shard = all processes                       FSDP2 fully_shard per block and at the root
-    tp       tp = all processes                             DTensor tensor + sequence parallel
-    hsdp     dp_shard = processes per node, dp_replicate = nodes
-    fsdp_tp  tp = processes per node, dp_shard = nodes
-    pp       pp = all processes                             stages of layers, scheduled in microbatches
-    pp_fsdp  pp = 2, dp_shard = the rest                    FSDP within each stage
-    pp_fsdp_tp  pp = 2, tp = 2, dp_shard = the rest         tensor parallel and FSDP within each stage
-    ep       dp_replicate = ep = all processes              experts split over all ranks, the rest DDP
-    ep_fsdp  dp_shard = all processes, ep = processes per node
-                                                            the rest FSDP; experts split within a node, FSDP across nodes
+Its settings are three sections (``sizes``, ``pipeline``, ``wrapping``). ``register_strategies()``
+adds the names in ``PRESETS`` (ddp, fsdp, tp, hsdp, fsdp_tp, pp, pp_fsdp, pp_fsdp_tp, ep, ep_fsdp) to
+Lightning's registry (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``), ours in place of its
+own ddp and fsdp; Lightning's classes stay available by class path.
 
 Under pp the plan (``plans/pipeline.py``) cuts the model into stages and the training step runs
 the schedule (``pipeline.py``): forward and backward of every microbatch happen inside the
 module's forward call, and this strategy's ``backward`` then only runs the hooks around it.
 
-Other layouts take explicit sizes (``configs/strategy/*.yaml``). Lightning's own ``ddp`` and
-``fsdp`` entries are replaced on import; its classes stay available by class path.
+Other layouts take explicit sections (``configs/strategy/*.yaml``, which hold what differs from the defaults).
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from datetime import timedelta
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -42,9 +32,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from uma_lightning.lightning_compat import optimizers_to_device, release_strategy_name
-from uma_lightning.parallel.apply import ActivationCheckpointing, Compile, ParallelConfig
-from uma_lightning.parallel.mesh import MeshShape, MeshSize, build_mesh, describe_sizes, resolve_mesh_shape
-from uma_lightning.parallel.pipeline import PipelineConfig, Schedule, pipeline_of
+from uma_lightning.parallel.apply import ParallelConfig
+from uma_lightning.parallel.mesh import MeshShape, MeshSizes, build_mesh, describe_sizes, resolve_mesh_shape
+from uma_lightning.parallel.pipeline import PipelineConfig, pipeline_of
 from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
 from uma_lightning.parallel.plans.pipeline import check_pipeline, pipeline_robot
 
@@ -52,44 +42,31 @@ log = logging.getLogger("uma_lightning")
 
 
 class MeshStrategy(ModelParallelStrategy):
+    """Its settings come in sections, each declared once: ``sizes`` (``MeshSizes``), ``pipeline``
+    (``PipelineConfig``) and ``wrapping`` (``ParallelConfig``)."""
+
+    #: Arguments of earlier versions that moved into a section: old name -> new key.
+    moved_settings: ClassVar[dict[str, str]] = {
+        **{f.name: f"sizes.{f.name}" for f in dataclasses.fields(MeshSizes)},
+        **{f"pp_{f.name}": f"pipeline.{f.name}" for f in dataclasses.fields(PipelineConfig)},
+        **{f.name: f"wrapping.{f.name}" for f in dataclasses.fields(ParallelConfig) if f.init},
+    }
+
     def __init__(
         self,
-        dp_replicate: MeshSize = 1,
-        dp_shard: MeshSize = "auto",
-        tp: MeshSize = 1,
-        pp: MeshSize = 1,
-        pp_schedule: Schedule = "1F1B",
-        pp_microbatches: Optional[int] = None,
-        pp_virtual_stages: int = 1,
-        pp_split: Optional[list[int]] = None,
-        ep: MeshSize = 1,
-        activation_checkpointing: ActivationCheckpointing = "none",
-        ac_every_n_blocks: int = 1,
-        compile: Compile = "none",
-        compile_backend: str = "inductor",
-        reshard_after_forward: bool = True,
-        cpu_offload: bool = False,
+        sizes: MeshSizes = MeshSizes(),
+        pipeline: PipelineConfig = PipelineConfig(),
+        wrapping: ParallelConfig = ParallelConfig(),
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
         """
         Args:
-            dp_replicate: Data-parallel replica groups: a number, "auto" (what the other sizes leave) or "node" (processes per node).
-            dp_shard: Ranks that shard parameters, gradients and optimizer state within a replica group.
-            tp: Tensor-parallel ranks, which split every layer and see the same batch.
-            pp: Pipeline stages (ranks), each holding a contiguous part of the layers and seeing the same batch.
-            pp_schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble.
-            pp_microbatches: Microbatches each batch is cut into (None: one per pipeline rank).
-            pp_virtual_stages: Stages per pipeline rank (the interleaved schedules take 2 or more, ZBVZeroBubble 2).
-            pp_split: The backbone layer each stage after the first starts at; None balances the stages' FLOPs.
-            ep: Expert-parallel ranks, which split every mixture-of-experts layer's experts: data-parallel ranks ("auto": all of them).
-            activation_checkpointing: none, full (recompute whole blocks) or ops (keep matmul outputs, recompute the rest).
-            ac_every_n_blocks: Checkpoint every n-th block only (1: all of them).
-            compile: torch.compile: none, or blocks (each transformer block).
-            compile_backend: torch.compile backend (inductor generates kernels; aot_eager only traces, for debugging).
-            reshard_after_forward: FSDP frees gathered parameters after each block's forward (less memory, one more all-gather in backward).
-            cpu_offload: FSDP keeps parameters, gradients and optimizer state in CPU memory.
+            sizes: The mesh: dp_replicate, dp_shard, tp, pp, ep (see ``MeshSizes``).
+            pipeline: Under pp: schedule, microbatches, virtual_stages, split (see ``PipelineConfig``).
+            wrapping: What the plan applies besides the layout: activation checkpointing, compile, FSDP's
+                resharding and CPU offload (see ``ParallelConfig``).
             save_distributed_checkpoint: Each rank saves its own shard (a folder); False gathers one file on rank 0.
             process_group_backend: nccl, gloo...; None picks the device's default.
             timeout: Collective timeout.
@@ -99,36 +76,17 @@ class MeshStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.mesh_sizes: dict[str, MeshSize] = {
-            "pp": pp,
-            "dp_replicate": dp_replicate,
-            "dp_shard": dp_shard,
-            "tp": tp,
-            "ep": ep,
-        }
-        # Checked in set_world_ranks, where an error reaches the command line as one line (raised
-        # here, LightningCLI would report only that the strategy argument did not parse).
-        self._pipeline_args = (pp_schedule, pp_microbatches, pp_virtual_stages, pp_split)
-        self.pipeline_config: PipelineConfig | None = None
-        self.plan_config = ParallelConfig(
-            activation_checkpointing=activation_checkpointing,
-            ac_every_n_blocks=ac_every_n_blocks,
-            compile=compile,
-            compile_backend=compile_backend,
-            reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
-        )
+        self.sizes, self.pipeline, self.wrapping = sizes, pipeline, wrapping
         self.shape: MeshShape | None = None
 
     # ---- the mesh ------------------------------------------------------------------------------
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
-        self.pipeline_config = PipelineConfig(*self._pipeline_args)
         # Called when the Trainer is built, once devices and nodes are known: a mesh that does not
         # fit the world fails here, before any process is launched.
         if self.parallel_devices:
-            self.shape = resolve_mesh_shape(self.mesh_sizes, self.world_size, self.num_processes)
+            self.shape = resolve_mesh_shape(dataclasses.asdict(self.sizes), self.world_size, self.num_processes)
 
     def setup_environment(self) -> None:
         self._setup_distributed()
@@ -137,7 +95,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh  # Lightning's convention: module.device_mesh
         self._log(
             f"strategy: {describe(self.shape)} on mesh {self.shape} ({self.world_size} processes, "
-            f"{self._get_process_group_backend()} backend; sizes asked: {describe_sizes(self.mesh_sizes)})"
+            f"{self._get_process_group_backend()} backend; sizes asked: {describe_sizes(dataclasses.asdict(self.sizes))})"
         )
 
     @property
@@ -164,10 +122,10 @@ class MeshStrategy(ModelParallelStrategy):
         if not targets:
             raise ValueError(_no_plan_message(module))
         for model, plan in targets:
-            plan.check(model, self.shape, self.plan_config)
+            plan.check(model, self.shape, self.wrapping)
             if self.shape.pp > 1:
-                self.pipeline_config.check(self.shape.pp, batch_size)
-                check_pipeline(model, self.shape, self.pipeline_config)
+                self.pipeline.check(self.shape.pp, batch_size)
+                check_pipeline(model, self.shape, self.pipeline)
 
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
@@ -190,12 +148,12 @@ class MeshStrategy(ModelParallelStrategy):
         targets = _planned_submodules(module)
         if not targets:
             raise ValueError(_no_plan_message(module))
-        config = dataclasses.replace(self.plan_config, bf16_params=bf16_params)
+        config = self.wrapping.with_bf16_params(bf16_params)
         for model, plan in targets:
             plan.check(model, self.shape, config)
             model_class = type(model).__name__  # before data parallelism renames the class (FSDPRobotTransformer...)
             if self.shape.pp > 1:
-                applied = pipeline_robot(model, self.device_mesh, config, self.pipeline_config, self.root_device)
+                applied = pipeline_robot(model, self.device_mesh, config, self.pipeline, self.root_device)
             else:
                 applied = plan.parallelize(model, self.device_mesh, config)
             self._log(
@@ -258,44 +216,34 @@ def _no_plan_message(module: nn.Module) -> str:
     )
 
 
+# Each preset is MeshStrategy's defaults (FSDP over every process) with these arguments; the
+# fragments in configs/strategy/ say the same in YAML (tests/test_parallel.py holds them to it).
 PRESETS: dict[str, tuple[str, dict]] = {
     # Replicas hold whole tensors, so a DDP checkpoint is one file, loadable without a process group.
     "ddp": (
         "data parallel: full replicas, all-reduced gradients",
-        {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "save_distributed_checkpoint": False},
+        {"sizes": MeshSizes(dp_replicate="auto", dp_shard=1), "save_distributed_checkpoint": False},
     ),
-    "fsdp": (
-        "FSDP2: parameters, gradients and optimizer state sharded over all processes",
-        {"dp_replicate": 1, "dp_shard": "auto", "tp": 1},
-    ),
-    "tp": ("tensor parallel over all processes", {"dp_replicate": 1, "dp_shard": 1, "tp": "auto"}),
+    "fsdp": ("FSDP2: parameters, gradients and optimizer state sharded over all processes", {}),
+    "tp": ("tensor parallel over all processes", {"sizes": MeshSizes(dp_shard=1, tp="auto")}),
     "hsdp": (
         "HSDP: shard within each node, replicate across nodes",
-        {"dp_replicate": "auto", "dp_shard": "node", "tp": 1},
+        {"sizes": MeshSizes(dp_replicate="auto", dp_shard="node")},
     ),
-    "fsdp_tp": (
-        "tensor parallel within each node, FSDP across nodes",
-        {"dp_replicate": 1, "dp_shard": "auto", "tp": "node"},
-    ),
-    "pp": (
-        "pipeline parallel: stages of layers over all processes",
-        {"pp": "auto", "dp_replicate": 1, "dp_shard": 1, "tp": 1},
-    ),
-    "pp_fsdp": (
-        "two pipeline stages, FSDP over the processes of each",
-        {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 1},
-    ),
+    "fsdp_tp": ("tensor parallel within each node, FSDP across nodes", {"sizes": MeshSizes(tp="node")}),
+    "pp": ("pipeline parallel: stages of layers over all processes", {"sizes": MeshSizes(pp="auto", dp_shard=1)}),
+    "pp_fsdp": ("two pipeline stages, FSDP over the processes of each", {"sizes": MeshSizes(pp=2)}),
     "pp_fsdp_tp": (
         "two pipeline stages, tensor parallel over pairs of processes in each, FSDP over the pairs",
-        {"pp": 2, "dp_replicate": 1, "dp_shard": "auto", "tp": 2},
+        {"sizes": MeshSizes(pp=2, tp=2)},
     ),
     "ep": (
         "expert parallel over all processes, other parameters replicated (DDP)",
-        {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "ep": "auto"},
+        {"sizes": MeshSizes(dp_replicate="auto", dp_shard=1, ep="auto")},
     ),
     "ep_fsdp": (
         "FSDP over all processes, experts split within each node and sharded across nodes",
-        {"dp_replicate": 1, "dp_shard": "auto", "tp": 1, "ep": "node"},
+        {"sizes": MeshSizes(ep="node")},
     ),
 }
 

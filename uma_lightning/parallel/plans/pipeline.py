@@ -4,7 +4,7 @@ The model is cut into contiguous stages along its units: the tokenizers and embe
 on the first stage), the backbone's layers, and the final norm with the action head and its loss
 (always on the last). The default cut balances the stages' training FLOPs, from the model's own
 FLOP formulas (``models/flops.py``): the tokenizers count as a unit, because a vision tower can be
-as heavy as several layers. ``pp_split`` names the layers where stages start instead.
+as heavy as several layers. ``pipeline.split`` names the layers where stages start instead.
 
 Each rank keeps the model object and drops what its stages do not hold: those layers, embeddings
 and heads are set to None in place. Parameter names thus stay the unwrapped model's
@@ -140,11 +140,11 @@ def split_robot(model: RobotTransformer, n_stages: int, split: tuple[int, ...] |
     else:
         if len(split) != n_stages - 1:
             raise ValueError(
-                f"pp_split: {n_stages} stages need {n_stages - 1} split point(s) (the layer each stage after the first starts at), got {list(split)}"
+                f"pipeline.split: {n_stages} stages need {n_stages - 1} split point(s) (the layer each stage after the first starts at), got {list(split)}"
             )
         if any(not 0 < point < n_layers for point in split) or list(split) != sorted(set(split)):
             raise ValueError(
-                f"pp_split {list(split)}: split points must be increasing layer indices between 1 and {n_layers - 1}"
+                f"pipeline.split {list(split)}: split points must be increasing layer indices between 1 and {n_layers - 1}"
             )
         starts = (0, *split)
     stage_split = StageSplit(starts, n_layers, ())
@@ -170,7 +170,7 @@ def check_pipeline(model: nn.Module, shape: MeshShape, config: PipelineConfig) -
         # Measured with uma parity: with FSDP, the separate weight-gradient pass gives wrong gradients
         # (the norms of the second stage's first layer). Interleaved1F1B interleaves as well and is right.
         raise ValueError(
-            f"pp_schedule {config.schedule} with data parallelism (dp {shape.dp}) gives wrong gradients here; use Interleaved1F1B, or dp 1"
+            f"pipeline.schedule {config.schedule} with data parallelism (dp {shape.dp}) gives wrong gradients here; use Interleaved1F1B, or dp 1"
         )
     if model.environment_state_head is not None:
         raise ValueError(

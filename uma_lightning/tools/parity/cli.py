@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import typing
 from pathlib import Path
 
 import torch
 
 from uma_lightning.cli_errors import ConfigError
 from uma_lightning.models.moe import moe_layers
+from uma_lightning.parallel.apply import ParallelConfig
+from uma_lightning.parallel.pipeline import PipelineConfig
 from uma_lightning.tools.parity.layouts import LAYOUTS, PRECISIONS, data_parallel_size, needs_experts
 from uma_lightning.tools.parity.precision import compare_precision, print_precision_report
 from uma_lightning.tools.parity.report import print_report
@@ -36,22 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PRECISIONS,
         help="compare this precision with fp32, layer by layer, instead of strategies",
     )
-    parser.add_argument(
-        "--activation-checkpointing", default="none", choices=("none", "full", "ops"), help="in the strategy runs"
-    )
-    parser.add_argument("--ac-every-n-blocks", type=int, default=1)
-    parser.add_argument("--compile", default="none", choices=("none", "blocks"), help="in the strategy runs")
-    parser.add_argument("--compile-backend", default="inductor")
-    parser.add_argument(
-        "--reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="FSDP, in the strategy runs",
-    )
-    parser.add_argument("--cpu-offload", action="store_true", help="FSDP, in the strategy runs")
-    parser.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule, in the pp strategy runs")
-    parser.add_argument("--pp-microbatches", type=int, help="pipeline microbatches (default: one per stage)")
-    parser.add_argument("--pp-virtual-stages", type=int, default=1, help="pipeline stages per rank")
+    for name, section in STRATEGY_SECTIONS.items():
+        add_section_options(parser, name, section)
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
     return parser
@@ -71,30 +61,14 @@ def main(argv: list[str]) -> int:
             )
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+        strategy_args = {name: section_of(args, name, section) for name, section in STRATEGY_SECTIONS.items()}
         module, batches, trainer_args = resolve(args.config, overrides, args.steps)
-        check_batch_splits(len(batches[0]["sample_id"]), strategies, args.pp_microbatches)
+        check_batch_splits(len(batches[0]["sample_id"]), strategies, strategy_args["pipeline"].microbatches)
         check_experts(module, strategies)
     except ConfigError as err:
         print(f"uma parity: error: {err}", file=sys.stderr)
         return 2
 
-    strategy_args = {
-        "activation_checkpointing": args.activation_checkpointing,
-        "ac_every_n_blocks": args.ac_every_n_blocks,
-        "compile": args.compile,
-        "compile_backend": args.compile_backend,
-        "reshard_after_forward": args.reshard_after_forward,
-        "cpu_offload": args.cpu_offload,
-        **(
-            {
-                "pp_schedule": args.pp_schedule,
-                "pp_microbatches": args.pp_microbatches,
-                "pp_virtual_stages": args.pp_virtual_stages,
-            }
-            if any(LAYOUTS[s][1].get("pp", 1) > 1 for s in strategies)
-            else {}
-        ),
-    }
     global_batch = len(batches[0]["sample_id"])
     if args.precision:
         results = {name or "one process": compare_precision(module, batches, trainer_args, args.precision, name and LAYOUTS[name], strategy_args, args.timeout)
@@ -111,9 +85,51 @@ def main(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
+# The strategy runs' MeshStrategy sections besides the sizes (which LAYOUTS fixes), as --SECTION.FIELD options.
+STRATEGY_SECTIONS = {"wrapping": ParallelConfig, "pipeline": PipelineConfig}
+
+
+def add_section_options(parser: argparse.ArgumentParser, name: str, section: type) -> None:
+    """``--NAME.FIELD`` for each setting of the dataclass ``section``, typed from its annotations; left
+    unset unless given, so the dataclass's own defaults apply."""
+    group = parser.add_argument_group(f"{name} ({section.__name__}, in the strategy runs)")
+    hints = typing.get_type_hints(section)
+    for field in dataclasses.fields(section):
+        if not field.init:
+            continue
+        kind = hints[field.name]
+        options: dict = {
+            "dest": f"{name}.{field.name}",
+            "default": argparse.SUPPRESS,
+            "help": f"default {field.default}",
+        }
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
+        else:
+            # Optional[X]: X; a tuple of ints as comma-separated numbers.
+            kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            options["type"] = comma_separated_ints if typing.get_origin(kind) is tuple else kind
+        group.add_argument(f"--{name}.{field.name}", **options)
+
+
+def comma_separated_ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def section_of(args: argparse.Namespace, name: str, section: type):
+    """The ``section`` dataclass from the ``--NAME.FIELD`` options given, or a one-line ConfigError."""
+    given = {key.split(".", 1)[1]: value for key, value in vars(args).items() if key.startswith(f"{name}.")}
+    try:
+        return section(**given)
+    except ValueError as err:
+        raise ConfigError(f"--{err}") from None
+
+
 def check_batch_splits(global_batch: int, strategies: list[str], pp_microbatches: int | None = None) -> None:
     for name in strategies:
-        stages = LAYOUTS[name][1].get("pp", 1)
+        stages = LAYOUTS[name][1].pp
         parts = data_parallel_size(name) * (pp_microbatches or stages if stages > 1 else 1)
         if global_batch % parts:
             raise ConfigError(

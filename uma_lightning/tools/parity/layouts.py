@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision
 
+from uma_lightning.parallel.mesh import MeshSizes
 from uma_lightning.tools.parity.recorded_runs import COMPARE_DTYPE
 
 log = logging.getLogger("uma_lightning")
@@ -91,27 +92,27 @@ TOLERANCES = {
 
 # Processes and mesh per strategy: the 2-D meshes use two ranks in each dimension so both are real.
 LAYOUTS = {
-    "ddp": (2, {"dp_replicate": 2, "dp_shard": 1, "tp": 1}),
-    "fsdp": (2, {"dp_replicate": 1, "dp_shard": 2, "tp": 1}),
-    "tp": (2, {"dp_replicate": 1, "dp_shard": 1, "tp": 2}),
-    "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2, "tp": 1}),
-    "fsdp_tp": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
-    "pp": (2, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}),
-    "pp_fsdp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}),
+    "ddp": (2, MeshSizes(dp_replicate=2, dp_shard=1)),
+    "fsdp": (2, MeshSizes(dp_shard=2)),
+    "tp": (2, MeshSizes(dp_shard=1, tp=2)),
+    "hsdp": (4, MeshSizes(dp_replicate=2, dp_shard=2)),
+    "fsdp_tp": (4, MeshSizes(dp_shard=2, tp=2)),
+    "pp": (2, MeshSizes(pp=2, dp_shard=1)),
+    "pp_fsdp": (4, MeshSizes(pp=2, dp_shard=2)),
     # On four processes the FSDP dimension has one rank: tp and pp are what it checks together.
-    "pp_fsdp_tp": (4, {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2}),
+    "pp_fsdp_tp": (4, MeshSizes(pp=2, dp_shard=1, tp=2)),
     # Experts split over 2 ranks: all of them under ep (the rest DDP); under ep_fsdp each rank's
     # experts are FSDP-sharded over 2 more, as the dense layers are over all 4.
-    "ep": (2, {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "ep": 2}),
-    "ep_fsdp": (4, {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 2}),
+    "ep": (2, MeshSizes(dp_replicate=2, dp_shard=1, ep=2)),
+    "ep_fsdp": (4, MeshSizes(dp_shard=4, ep=2)),
 }
 
 
 def needs_experts(name: str) -> bool:
     """Whether the strategy splits experts (ep above one), which refuses a model without mixture-of-experts layers."""
-    return LAYOUTS[name][1].get("ep", 1) > 1
+    return LAYOUTS[name][1].ep > 1
 
 
 def data_parallel_size(name: str) -> int:
     sizes = LAYOUTS[name][1]
-    return sizes["dp_replicate"] * sizes["dp_shard"]
+    return sizes.dp_replicate * sizes.dp_shard

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from uma_lightning.parallel.mesh import MeshSizes
 from uma_lightning.tools.launch import run_local_group
 from uma_lightning.tools.parity.recorded_runs import train, worker
 
@@ -46,7 +47,7 @@ def compare_precision(
     batches: list[dict],
     trainer_args: dict,
     precision: str,
-    layout: tuple[int, dict] | None,
+    layout: tuple[int, MeshSizes] | None,
     strategy_args: dict,
     timeout: float = 600,
 ) -> dict:

@@ -55,7 +55,7 @@ def worker(runs_file: str) -> None:
         for run in strategies:
             train(
                 job,
-                MeshStrategy(**run["sizes"], **job["strategy_args"]),
+                MeshStrategy(run["sizes"], **job["strategy_args"]),
                 Path(run["out"]),
                 activations=job.get("activations", False),
             )

@@ -31,7 +31,7 @@ def print_report(config: str, results: dict, global_batch: int) -> None:
     ]
     rows = [header]
     for name, r in results.items():
-        mesh = "x".join(str(LAYOUTS[name][1].get(dim, 1)) for dim in MESH_DIMS)
+        mesh = "x".join(str(getattr(LAYOUTS[name][1], dim)) for dim in MESH_DIMS)
         bitwise = ("yes" if r["bitwise_vs_accumulation"] else "no") + (" (required)" if r["bitwise_required"] else "")
         rows.append([
             name, str(LAYOUTS[name][0]), mesh, f"{r['max_loss_diff']:.2e}", f"{r['max_gradient_diff']:.2e}", f"{r['update_diff']:.2e}",

@@ -28,9 +28,8 @@ class Case:
     batches: list[dict]
     strategies: list[str]
     trainer_args: dict = field(default_factory=dict)  # gradient clipping, as the recipe sets it
-    strategy_args: dict = field(
-        default_factory=dict
-    )  # MeshStrategy switches (activation checkpointing, compile...) of the strategy runs
+    # MeshStrategy's sections besides the sizes ({"wrapping": ParallelConfig(...), "pipeline": ...}) in the strategy runs.
+    strategy_args: dict = field(default_factory=dict)
 
 
 def random_network(seed: int) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from uma_lightning.tools.planner.cluster import GIB, Cluster
 from uma_lightning.tools.planner.comm import Collective, seconds, step_collectives
-from uma_lightning.tools.planner.layout import Layout, candidates, illegal_reason
+from uma_lightning.tools.planner.layout import AC_MODES, Layout, candidates, illegal_reason
 from uma_lightning.tools.planner.memory import Precision, activation_bytes, buffer_bytes, largest_state
 from uma_lightning.tools.planner.model import ModelFacts
 
@@ -85,7 +85,7 @@ def estimate(facts: ModelFacts, layout: Layout, cluster: Cluster, settings: Sett
     return result
 
 
-_AC_COST = {"none": 0, "ops": 1, "full": 2}
+_AC_COST = {mode: cost for cost, mode in enumerate(AC_MODES)}
 
 
 def rank(facts: ModelFacts, cluster: Cluster, settings: Settings) -> tuple[list[Estimate], list[Estimate]]:

@@ -22,6 +22,7 @@ from uma_lightning.parallel.mesh import MeshShape
 from uma_lightning.tools.planner.cluster import Cluster
 from uma_lightning.tools.planner.model import ModelFacts
 
+# wrapping.activation_checkpointing's modes, from the least recomputation to the most.
 AC_MODES: tuple[ActivationCheckpointing, ...] = ("none", "ops", "full")
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 VIRTUAL_STAGES = (1, 2)
@@ -47,6 +48,12 @@ class Layout(MeshShape):
         from uma_lightning.parallel.pipeline import PipelineConfig
 
         return PipelineConfig(self.schedule, self.microbatches, self.virtual_stages)
+
+    def sizes(self):
+        """The ``sizes`` section of MeshStrategy that asks for this mesh."""
+        from uma_lightning.parallel.mesh import MeshSizes
+
+        return MeshSizes(**{field.name: getattr(self, field.name) for field in dataclasses.fields(MeshSizes)})
 
     def describe(self) -> str:
         parts = [
@@ -116,9 +123,8 @@ def strategy_refusal(facts: ModelFacts, layout: Layout, gpus_per_node: int, per_
     from uma_lightning.parallel.plans import plan_for
     from uma_lightning.parallel.plans.pipeline import check_pipeline
 
-    sizes = {name: getattr(layout, name) for name in ("pp", "dp_replicate", "dp_shard", "tp", "ep")}
     try:
-        shape = resolve_mesh_shape(sizes, layout.world_size, gpus_per_node)
+        shape = resolve_mesh_shape(dataclasses.asdict(layout.sizes()), layout.world_size, gpus_per_node)
         plan_for(facts.model).check(facts.model, shape, ParallelConfig())
         if layout.pp > 1:
             pipeline = layout.pipeline_config()

@@ -70,7 +70,7 @@ def _reason_kind(reason: str) -> str:
     # The first marker found names the kind: the strategy's own messages (layout.strategy_refusal) start with the option they refuse.
     for marker, kind in (("GiB per GPU", "out of memory"), ("crosses nodes", "tp across nodes"), ("mixture-of-experts", "no tp for experts"),
                          ("ep ", "expert layouts"), ("micro-batches", "micro-batch counts"), ("microbatches", "micro-batch counts"),
-                         ("pp_schedule", "pipeline schedules"), ("pp:", "pipeline splits"), ("does not divide", "shapes tp cannot split"),
+                         ("pipeline.schedule", "pipeline schedules"), ("pp:", "pipeline splits"), ("does not divide", "shapes tp cannot split"),
                          ("global batch", "batch splits")):  # fmt: skip
         if marker in reason:
             return kind
@@ -110,21 +110,17 @@ def collective_lines(e: Estimate, cluster: Cluster) -> list[str]:
 def fragment(e: Estimate, cluster: Cluster, settings: Settings, recipe: str) -> str:
     """A strategy fragment in the style of ``configs/strategy/*.yaml`` that sets ``e.layout`` on this cluster."""
     layout = e.layout
+    # MeshStrategy's sections: every size (the numbers for this cluster), and what the estimate assumed.
     init_args = {
-        "dp_replicate": layout.dp_replicate,
-        "dp_shard": layout.dp_shard,
-        "tp": layout.tp,
-        "activation_checkpointing": layout.ac,
+        "sizes": dataclasses.asdict(layout.sizes()),
+        "wrapping": {"activation_checkpointing": layout.ac},
     }
     if layout.pp > 1:
-        init_args.update(
-            pp=layout.pp,
-            pp_schedule=layout.schedule,
-            pp_microbatches=layout.microbatches,
-            pp_virtual_stages=layout.virtual_stages,
-        )
-    if layout.ep > 1:
-        init_args["ep"] = layout.ep
+        init_args["pipeline"] = {
+            "schedule": layout.schedule,
+            "microbatches": layout.microbatches,
+            "virtual_stages": layout.virtual_stages,
+        }
     accumulate = layout.microbatches if layout.pp == 1 else 1
     per_rank = settings.global_batch // layout.dp // accumulate
     config = {
