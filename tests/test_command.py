@@ -7,12 +7,10 @@ import re
 import shutil
 import subprocess
 
-import forked_cli
 import lightning
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
-from suite import QUICK, RECIPE, run_main
+from suite import run_main
 
 from uma_lightning.cli import TOOLS, TRAINING
 from uma_lightning.parallel.strategy import PRESETS
@@ -169,26 +167,6 @@ def test_zsh_completes_subcommands_keys_and_presets(completion_scripts, tmp_path
 def test_completion_refuses_an_unknown_shell(capsys):
     code, _, err = run_main(["completion", "fish"], capsys)
     assert code == 2 and "invalid choice: 'fish'" in err
-
-
-# ---- a distributed run's output --------------------------------------------------------------------
-
-
-@pytest.mark.slow(seconds=40)  # two processes, one MLflow store
-def test_validation_on_two_processes_logs_without_lightnings_sync_dist_warning(tmp_path):
-    argv = ["fit", "--config", RECIPE, *QUICK, "--trainer.devices", "2", "--trainer.accelerator", "cpu",
-            "--trainer.strategy", "ddp", "--trainer.default_root_dir", str(tmp_path / "run")]  # fmt: skip
-    codes = forked_cli.run_as_ranks(argv, tmp_path / "job.log", tmp_path)
-    log = (tmp_path / "job.log").read_text()
-    assert codes == [0, 0], log[-3000:]
-    # Two validations (QUICK validates every 2 of its 4 steps), and not one warning from them.
-    assert log.count("validation at step") == 2
-    assert "sync_dist=True" not in log and "PossibleUserWarning" not in log, log
-    # Their metrics, reduced over both processes by torchmetrics, are logged all the same.
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
-    (run,) = client.search_runs(client.get_experiment_by_name("pretrain").experiment_id)
-    for name in ("val/action_mse", "val/action_l1", "val/loss"):
-        assert len(client.get_metric_history(run.info.run_id, name)) == 2, name
 
 
 # ---- run names -------------------------------------------------------------------------------------

@@ -846,8 +846,10 @@ def test_precision_check_names_the_layer_that_overflows_in_fp16_and_is_quiet_oth
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "tp", "ddp"])
 def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
+    # One validation batch every 2 steps: per-rank metrics must be reduced without Lightning's warning.
+    validation = ["--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--data.batch_size", "4"]
     argv = [
-        *quick_fit(tmp_path, "--trainer.devices", "2", "--trainer.strategy", strategy, "--model.network.size", json.dumps(TINY)),
+        *quick_fit(tmp_path, "--trainer.devices", "2", "--trainer.strategy", strategy, "--model.network.size", json.dumps(TINY), *validation),
         "--trainer.callbacks+", json.dumps({"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}}),
     ]  # fmt: skip
     codes = forked_cli.run_as_ranks(argv, tmp_path / "job.log", tmp_path, timeout=600)
@@ -865,6 +867,15 @@ def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
     (run,) = client.search_runs(client.get_experiment_by_name("pretrain").experiment_id)
     assert run.data.tags["world_size"] == "2" and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [0, 1, 2, 3]
+    # Two validations without one of Lightning's sync_dist warnings:
+    # their metrics, reduced over both processes by torchmetrics, are logged all the same.
+    assert log.count("validation at step") == 2
+    assert "sync_dist=True" not in log and "PossibleUserWarning" not in log, log
+    # Under tp, predicted action chunks are left out of validation, and the plan's log line says so.
+    validated = ("val/loss",) if strategy == "tp" else ("val/action_mse", "val/action_l1", "val/loss")
+    assert ("validation without predicted action chunks" in log) == (strategy == "tp")
+    for name in validated:
+        assert len(client.get_metric_history(run.info.run_id, name)) == 2, name
     # The final checkpoint: one shard per rank under every strategy, under the unwrapped model's names.
     final = tmp_path / "run" / "checkpoints" / "step-000000004"
     assert sorted(p.name for p in final.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

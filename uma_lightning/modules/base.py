@@ -322,8 +322,10 @@ class StageModule(L.LightningModule):
             batch_size=len(batch["instruction"]),
             sync_dist=True,
         )
-        if pipeline_of(self) is not None:
-            return  # this rank holds only its pipeline stages: predicted chunks need the whole model (said in the plan's log line)
+        if pipeline_of(self) is not None or _splits_sequences(self):
+            # Under pp a rank holds only its stages; under tp sequence parallelism cannot split the one token
+            # a decoding step adds. Predicted chunks are left out (said in the plan's log line).
+            return
         policy = self.policy()
         predicted = policy.denormalize_actions(
             policy.predict_normalized(batch["images"], batch["state"], batch["instruction"])
@@ -388,3 +390,9 @@ def recorded_builder(cls: type) -> Optional[str]:
 
 def _scalars(out: dict) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.ndim == 0}
+
+
+def _splits_sequences(module: L.LightningModule) -> bool:
+    """Whether the module runs tensor (and so sequence) parallel: a tp dimension above 1 in its mesh."""
+    mesh = getattr(module, "_device_mesh", None)
+    return mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1

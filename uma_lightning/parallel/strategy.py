@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from uma_lightning.lightning_compat import optimizers_to_device, release_strategy_name
-from uma_lightning.parallel.apply import ParallelConfig
+from uma_lightning.parallel.apply import ParallelConfig, reshard_data_parallel
 from uma_lightning.parallel.mesh import MeshShape, MeshSizes, build_mesh, describe_sizes, resolve_mesh_shape
 from uma_lightning.parallel.pipeline import PipelineConfig, pipeline_of
 from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
@@ -159,6 +159,13 @@ class MeshStrategy(ModelParallelStrategy):
             self._log(
                 f"parallel plan {plan.name} on {model_class}: {'; '.join(applied) or 'nothing to apply on one process'}"
             )
+
+    def on_validation_end(self) -> None:
+        # Validation runs forward only, and FSDP2 puts gathered parameters back in their shards only in
+        # backward (the root's, and every replicated module's): without this, a checkpoint taken right
+        # after a validation (the final one, at max_steps) failed in FSDP's state-dict hook.
+        super().on_validation_end()
+        reshard_data_parallel(self.lightning_module)
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
         if self.shape.pp == 1:

@@ -271,6 +271,11 @@ def apply_inference_methods(model: nn.Module, tp: bool) -> str:
 
             setattr(model, name, replicating)
         register_fsdp_forward_method(model, name)  # no-op without FSDP or DDP
+    if tp:
+        return (
+            "validation without predicted action chunks (decoding adds one token at a time, which sequence "
+            "parallelism cannot split over the tp ranks): its loss and token accuracy are still validated"
+        )
     return ""
 
 
