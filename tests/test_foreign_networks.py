@@ -202,3 +202,10 @@ def test_foreign_networks_match_one_process_under_every_data_parallel_strategy_a
             assert not result["ok"] and result["parts_ways_at"] == parameter, (network, strategy, result)
     tp_bug = results["denoiser tp bug"]["tp"]
     assert not tp_bug["ok"] and tp_bug["parts_ways_at"] == "model.blocks.0.fc1.weight"
+
+
+def test_plan_says_in_one_line_that_it_cannot_size_a_network_outside_the_robot_family(capsys):
+    args = ["plan", "--config", RECIPE, "--model", "foreign_networks.MixturePretrain", "--gpu", "cpu",
+            "--nodes", "1", "--gpus-per-node", "2"]  # fmt: skip
+    code, _, err = run_main(args, capsys)
+    assert_short_error(code, err, "MixtureOfMLPs (built by MixturePretrain) is not a robot model (RobotBase)")
