@@ -14,9 +14,10 @@ adds the names in ``PRESETS`` (ddp, fsdp, tp, hsdp, fsdp_tp, pp, pp_fsdp, pp_fsd
 Lightning's registry (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``), ours in place of its
 own ddp and fsdp; Lightning's classes stay available by class path.
 
-Under pp the plan's pipeline split (``Plan.pipeline``; the robot transformer's: ``plans/pipeline.py``) cuts the model into stages and the training step runs
-the schedule (``pipeline.py``): forward and backward of every microbatch happen inside the
-module's forward call, and this strategy's ``backward`` then only runs the hooks around it.
+Under pp the plan's pipeline split (``Plan.pipeline``; the robot transformer's: ``plans/pipeline.py``)
+cuts the model into stages and the training step runs the schedule (``pipeline.py``): forward and
+backward of every microbatch happen inside the module's forward call, and this strategy's
+``backward`` then only runs the hooks around it.
 
 Other layouts take explicit sections (``configs/strategy/*.yaml``, which hold what differs from the defaults).
 """
@@ -244,8 +245,9 @@ def laid_out_dims(model: nn.Module) -> set[str]:
 
 def check_laid_out(model: nn.Module, shape: MeshShape, plan_name: str) -> None:
     """One-line ValueError where a plan left a mesh dimension above one with nothing on it (a tp run
-    that trains whole replicas, data-parallel ranks that never average their gradients). Whether
-    the layout computes the right thing is ``uma parity``'s question; this asks only whether there is one."""
+    that trains whole replicas, data-parallel ranks that never average their gradients). The
+    data-parallel dimensions count together: whether the layout is the right one (gradients
+    averaged over the right group, the right dim split) is ``uma parity``'s question."""
     laid_out = laid_out_dims(model)
     data_parallel = {"dp_replicate", "dp_shard", "expert_shard", "expert_replicate"} & laid_out
     missing = [
