@@ -8,7 +8,7 @@ command calls it, and so may a plain Lightning script that wants ``Trainer(strat
 from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape, MeshSizes
 from uma_lightning.parallel.pipeline import PipelineConfig
-from uma_lightning.parallel.plans import HeadPlan, Plan, plan_for, register_head, register_plan
+from uma_lightning.parallel.plans import HeadPlan, PipelineSplit, Plan, plan_for, register_head, register_plan
 from uma_lightning.parallel.plans.robot import replicated
 from uma_lightning.parallel.strategy import MeshStrategy, register_strategies
 
@@ -19,6 +19,7 @@ __all__ = [
     "MeshStrategy",
     "ParallelConfig",
     "PipelineConfig",
+    "PipelineSplit",
     "Plan",
     "plan_for",
     "register_head",

@@ -3,17 +3,21 @@
 The strategy owns a pp x dp_replicate x dp_shard x tp device mesh, with ep inside the data-parallel
 ranks for mixture-of-experts models (``mesh.py``). After the module's
 ``configure_model()`` has built the model, it looks up the parallel plan registered for each of
-the module's submodules (``plans/``) and applies it; a module that parallelizes itself in
-``configure_model()``, as Lightning's ModelParallelStrategy expects, is left as it is.
+the module's submodules (``plans/``) and applies it; a module without one gets the generic plan
+(``plans/generic.py``: data parallelism for any network, tensor parallelism from a layout it
+declares). A module that parallelizes itself in ``configure_model()``, as Lightning's
+ModelParallelStrategy expects, is left as it is. After the plan, every mesh dimension above one
+must hold something (``check_laid_out``): a plan that ignores tp is refused, not run as replicas.
 
 Its settings are three sections (``sizes``, ``pipeline``, ``wrapping``). ``register_strategies()``
 adds the names in ``PRESETS`` (ddp, fsdp, tp, hsdp, fsdp_tp, pp, pp_fsdp, pp_fsdp_tp, ep, ep_fsdp) to
 Lightning's registry (``Trainer(strategy=NAME)``, ``--trainer.strategy NAME``), ours in place of its
 own ddp and fsdp; Lightning's classes stay available by class path.
 
-Under pp the plan (``plans/pipeline.py``) cuts the model into stages and the training step runs
-the schedule (``pipeline.py``): forward and backward of every microbatch happen inside the
-module's forward call, and this strategy's ``backward`` then only runs the hooks around it.
+Under pp the plan's pipeline split (``Plan.pipeline``; the robot transformer's: ``plans/pipeline.py``)
+cuts the model into stages and the training step runs the schedule (``pipeline.py``): forward and
+backward of every microbatch happen inside the module's forward call, and this strategy's
+``backward`` then only runs the hooks around it.
 
 Other layouts take explicit sections (``configs/strategy/*.yaml``, which hold what differs from the defaults).
 """
@@ -35,8 +39,8 @@ from uma_lightning.lightning_compat import optimizers_to_device, release_strateg
 from uma_lightning.parallel.apply import ParallelConfig, reshard_data_parallel
 from uma_lightning.parallel.mesh import MeshShape, MeshSizes, build_mesh, describe_sizes, resolve_mesh_shape
 from uma_lightning.parallel.pipeline import PipelineConfig, pipeline_of
-from uma_lightning.parallel.plans import Plan, plan_for, registered_classes
-from uma_lightning.parallel.plans.pipeline import check_pipeline, pipeline_robot
+from uma_lightning.parallel.plans import Plan, plan_for
+from uma_lightning.parallel.plans.generic import GENERIC_PLAN
 
 log = logging.getLogger("uma_lightning")
 
@@ -118,14 +122,14 @@ class MeshStrategy(ModelParallelStrategy):
         if not targets and callable(getattr(module, "build_model", None)):
             with torch.device("meta"):
                 built = module.build_model()
-            targets = [(built, plan_for(built))] if plan_for(built) else []
+            targets = [(built, plan_for(built) or GENERIC_PLAN)]
         if not targets:
-            raise ValueError(_no_plan_message(module))
+            raise ValueError(f"{type(module).__name__} holds no parameters to lay out on mesh {self.shape}")
         for model, plan in targets:
             plan.check(model, self.shape, self.wrapping)
             if self.shape.pp > 1:
                 self.pipeline.check(self.shape.pp, batch_size)
-                check_pipeline(model, self.shape, self.pipeline)
+                _pipeline_split(model, plan, self.shape).check(model, self.shape, self.pipeline)
 
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
@@ -147,15 +151,17 @@ class MeshStrategy(ModelParallelStrategy):
             return
         targets = _planned_submodules(module)
         if not targets:
-            raise ValueError(_no_plan_message(module))
+            raise ValueError(f"{type(module).__name__} holds no parameters to lay out on mesh {self.shape}")
         config = self.wrapping.with_bf16_params(bf16_params)
         for model, plan in targets:
             plan.check(model, self.shape, config)
             model_class = type(model).__name__  # before data parallelism renames the class (FSDPRobotTransformer...)
             if self.shape.pp > 1:
-                applied = pipeline_robot(model, self.device_mesh, config, self.pipeline, self.root_device)
+                split = _pipeline_split(model, plan, self.shape)
+                applied = split.apply(model, self.device_mesh, config, self.pipeline, self.root_device)
             else:
                 applied = plan.parallelize(model, self.device_mesh, config)
+            check_laid_out(model, self.shape, plan.name)
             self._log(
                 f"parallel plan {plan.name} on {model_class}: {'; '.join(applied) or 'nothing to apply on one process'}"
             )
@@ -203,7 +209,21 @@ def describe(shape: MeshShape) -> str:
 
 
 def _planned_submodules(module: nn.Module) -> list[tuple[nn.Module, Plan]]:
-    return [(child, plan_for(child)) for child in module.children() if plan_for(child) is not None]
+    """The submodules with a registered plan; where none has one, every submodule holding
+    parameters, under the generic plan."""
+    planned = [(child, plan_for(child)) for child in module.children() if plan_for(child) is not None]
+    if planned:
+        return planned
+    return [(child, GENERIC_PLAN) for child in module.children() if next(child.parameters(), None) is not None]
+
+
+def _pipeline_split(model: nn.Module, plan: Plan, shape: MeshShape):
+    if plan.pipeline is None:
+        raise ValueError(
+            f"pp {shape.pp}: the {plan.name} plan of {type(model).__name__} has no pipeline split; register a plan "
+            "with one (uma_lightning.parallel.register_plan(..., pipeline=PipelineSplit(check, apply))), or train it without pp"
+        )
+    return plan.pipeline
 
 
 def _is_parallelized(module: nn.Module) -> bool:
@@ -215,12 +235,40 @@ def _is_parallelized(module: nn.Module) -> bool:
     )
 
 
-def _no_plan_message(module: nn.Module) -> str:
-    children = ", ".join(f"{name}: {type(child).__name__}" for name, child in module.named_children()) or "none"
-    return (
-        f"no parallel plan for any submodule of {type(module).__name__} (submodules: {children}; plans exist for "
-        f"{', '.join(registered_classes())}); register one with uma_lightning.parallel.register_plan"
-    )
+def laid_out_dims(model: nn.Module) -> set[str]:
+    """The mesh dimensions ``model``'s parameters are laid out on: data-parallel dimensions a
+    parameter's mesh has (sharded or replicated), tp and ep where a parameter is split over them,
+    pp where the model runs a pipeline schedule."""
+    from torch.distributed.tensor import DTensor
+
+    dims = {"pp"} if getattr(model, "pipeline", None) is not None else set()
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            for name, placement in zip(param.device_mesh.mesh_dim_names or (), param.placements):
+                if name not in ("tp", "ep") or placement.is_shard():
+                    dims.add(name)
+    return dims
+
+
+def check_laid_out(model: nn.Module, shape: MeshShape, plan_name: str) -> None:
+    """One-line ValueError where a plan left a mesh dimension above one with nothing on it (a tp run
+    that trains whole replicas, data-parallel ranks that never average their gradients). The
+    data-parallel dimensions count together: whether the layout is the right one (gradients
+    averaged over the right group, the right dim split) is ``uma parity``'s question."""
+    laid_out = laid_out_dims(model)
+    data_parallel = {"dp_replicate", "dp_shard", "expert_shard", "expert_replicate"} & laid_out
+    missing = [
+        f"{name} {size}"
+        for name, size in (("pp", shape.pp), ("tp", shape.tp), ("ep", shape.ep))
+        if size > 1 and name not in laid_out
+    ]
+    if shape.dp > 1 and not data_parallel:
+        missing.append(f"dp {shape.dp}")
+    if missing:
+        raise ValueError(
+            f"the {plan_name} plan left {type(model).__name__} unsharded on {', '.join(missing)} of mesh {shape}: "
+            "no parameter is laid out there, so those ranks would train copies; lay it out in the plan's parallelize"
+        )
 
 
 # Each preset is MeshStrategy's defaults (FSDP over every process) with these arguments; the

@@ -9,10 +9,33 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class PipelineSplit:
+    """How a family runs in pipeline stages (``pp`` above one).
+
+    - ``check(model, shape, pipeline)``: a one-line ValueError where the model cannot be cut into the
+      stages ``pipeline`` (a ``PipelineConfig``) asks for on ``shape``;
+    - ``apply(model, mesh, config, pipeline, device)``: cuts the model to this rank's stages, lays
+      them out, makes ``model(...)`` run the schedule (setting ``model.pipeline``); returns what it applied.
+    """
+
+    check: Callable
+    apply: Callable
+
+
+@dataclass(frozen=True)
 class Plan:
+    """The whole parallel contract of a model family.
+
+    - ``parallelize(model, mesh, config)``: tensor layout, activation checkpointing, compile and data
+      parallelism, in place; returns what it applied;
+    - ``check(model, shape, config)``: a one-line ValueError where the model cannot be laid out on ``shape``;
+    - ``pipeline``: its split into pipeline stages, or None where the family has none (pp is then refused).
+    """
+
     name: str
     parallelize: Callable
     check: Callable
+    pipeline: PipelineSplit | None = None
 
 
 def _no_blocks(model: nn.Module) -> list[nn.Module]:
@@ -55,8 +78,14 @@ _PLANS: dict[type, Plan] = {}
 _HEADS: dict[type, list[HeadPlan]] = {}
 
 
-def register_plan(model_class: type, parallelize: Callable, check: Callable, name: str | None = None) -> None:
-    _PLANS[model_class] = Plan(name or model_class.__name__, parallelize, check)
+def register_plan(
+    model_class: type,
+    parallelize: Callable,
+    check: Callable,
+    name: str | None = None,
+    pipeline: PipelineSplit | None = None,
+) -> None:
+    _PLANS[model_class] = Plan(name or model_class.__name__, parallelize, check, pipeline)
 
 
 def register_head(model_class: type, head: HeadPlan) -> None:

@@ -77,7 +77,11 @@ def main(argv: list[str]) -> int:
         ok = all(r["ok"] for r in results.values())
     else:
         case = Case(args.config, module, batches, strategies, trainer_args, strategy_args)
-        results = check_parity([case], args.timeout)[args.config]
+        try:
+            results = check_parity([case], args.timeout)[args.config]
+        except ConfigError as err:
+            print(f"uma parity: error: {err}", file=sys.stderr)
+            return 2
         print_report(args.config, results, global_batch)
         ok = all(r["ok"] for r in results.values())
     if args.report:

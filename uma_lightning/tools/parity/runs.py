@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from uma_lightning.cli_errors import ConfigError
 from uma_lightning.tools.launch import run_local_group
 from uma_lightning.tools.parity.compare import compare
 from uma_lightning.tools.parity.layouts import FLOAT64, LAYOUTS, TOLERANCES, data_parallel_size
@@ -80,7 +83,7 @@ def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str,
                 "trainer_args": {**case.trainer_args, **FLOAT64},
                 "strategy_args": case.strategy_args,
             }
-            whole = train(job, None, work / f"{index}-reference.pt")
+            whole = reference_in_float64(case, job, work / f"{index}-reference.pt")
             # The accumulating references follow the whole-batch run's weights, as the strategies do
             # (one slice: the whole-batch run itself).
             job["trajectory"] = whole["params"]
@@ -120,6 +123,27 @@ def check_parity(cases: list[Case], timeout: float = 600) -> dict[str, dict[str,
                             TOLERANCES[name], whole, accumulated[data_parallel_size(name)], run
                         )
     return results
+
+
+def reference_in_float64(case: Case, job: dict, out: Path) -> dict:
+    """The one-process reference on whole batches; a network that cannot run in float64 (where
+    every run of the check is) is a one-line ConfigError saying where it failed and why."""
+    try:
+        return train(job, None, out)
+    except RuntimeError as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not (re.search(r"(?i)type", message) and re.search(r"(?i)float|double|half", message)):
+            raise
+        frames = [
+            frame
+            for frame in traceback.extract_tb(err.__traceback__)
+            if not re.search(r"[/\\](torch|lightning|uma_lightning)[/\\]", frame.filename)
+        ]
+        where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+        raise ConfigError(
+            f"{case.label}: {type(case.module).__name__} cannot run in float64, which parity trains every run in: "
+            f"{message}{where}; a tensor was cast to another float type (.float(), .half()): cast to the parameters' dtype instead"
+        ) from None
 
 
 # ---- comparison and report -------------------------------------------------------------------------

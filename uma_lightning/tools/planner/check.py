@@ -139,8 +139,7 @@ def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch
     from uma_lightning.models import RobotTransformer
     from uma_lightning.parallel.apply import ParallelConfig
     from uma_lightning.parallel.mesh import build_mesh
-    from uma_lightning.parallel.plans.pipeline import pipeline_robot
-    from uma_lightning.parallel.plans.robot import parallelize_robot
+    from uma_lightning.parallel.plans import plan_for
 
     dist.init_process_group("gloo")
     for name, (cfg, layout) in cases.items():
@@ -148,10 +147,11 @@ def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch
         torch.manual_seed(0)
         model = RobotTransformer(cfg)
         config = ParallelConfig(activation_checkpointing=layout.ac)
+        plan = plan_for(model)
         if layout.pp > 1:
-            pipeline_robot(model, mesh, config, layout.pipeline_config(), torch.device("cpu"))
+            plan.pipeline.apply(model, mesh, config, layout.pipeline_config(), torch.device("cpu"))
         else:
-            parallelize_robot(model, mesh, config)
+            plan.parallelize(model, mesh, config)
         optimizer = torch.optim.AdamW(model.parameters())
         dp_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
         inputs = random_batch(cfg, global_batch // layout.dp, seed=dp_rank)

@@ -121,15 +121,15 @@ def strategy_refusal(facts: ModelFacts, layout: Layout, gpus_per_node: int, per_
     from uma_lightning.parallel.apply import ParallelConfig
     from uma_lightning.parallel.mesh import resolve_mesh_shape
     from uma_lightning.parallel.plans import plan_for
-    from uma_lightning.parallel.plans.pipeline import check_pipeline
 
     try:
         shape = resolve_mesh_shape(dataclasses.asdict(layout.sizes()), layout.world_size, gpus_per_node)
-        plan_for(facts.model).check(facts.model, shape, ParallelConfig())
+        plan = plan_for(facts.model)
+        plan.check(facts.model, shape, ParallelConfig())
         if layout.pp > 1:
             pipeline = layout.pipeline_config()
             pipeline.check(layout.pp, per_rank_batch)
-            check_pipeline(facts.model, shape, pipeline)
+            plan.pipeline.check(facts.model, shape, pipeline)
     except ValueError as err:
         return str(err)
     return None

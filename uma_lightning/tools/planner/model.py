@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from uma_lightning.cli_errors import ConfigError
 from uma_lightning.models.robot import RobotModelConfig
 from uma_lightning.parallel.plans.registry import heads_for
 from uma_lightning.parallel.plans.robot import BLOCK_COLWISE, BLOCK_ROWWISE, robot_blocks
@@ -98,8 +99,17 @@ def _block_forward_flops(cfg: RobotModelConfig) -> int:
 
 def facts_of_stage(stage_module) -> ModelFacts:
     """The facts of a training stage's network (``StageModule``), built on the meta device."""
+    from uma_lightning.models import RobotBase
+    from uma_lightning.parallel.plans.registry import plan_for
+
     with torch.device("meta"):
         model = stage_module.build_model()
+    if not isinstance(model, RobotBase) or plan_for(model) is None:
+        # The memory and FLOP figures come from the robot family's configuration and plan.
+        raise ConfigError(
+            f"{type(model).__name__} (built by {type(stage_module).__name__}) is not a robot model (RobotBase): "
+            "uma plan sizes that family only so far; measure another network with a short uma fit run"
+        )
     cfg = stage_module.model_config
     return facts_of(
         model, cfg, stage_module.flops_per_sample, _block_forward_flops(cfg), stage_module.tokens_per_sample
