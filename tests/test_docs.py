@@ -1,7 +1,9 @@
 """The documentation site: it builds in strict mode, and a broken link fails that build."""
 
+import importlib.util
 import logging
 import shutil
+from dataclasses import dataclass
 
 import pytest
 import yaml
@@ -41,3 +43,56 @@ def test_a_broken_link_fails_the_strict_build(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mkdocs"), pytest.raises(Abort, match="strict mode"):
         build_site(config, tmp_path / "site")
     assert "no-such-page.md" in caplog.text
+
+
+# ---- the reference pages, generated from the code ------------------------------------------------
+
+
+def reference_generator():
+    """docs/gen_reference.py, the mkdocs hook that writes the reference pages."""
+    spec = importlib.util.spec_from_file_location("gen_reference", REPO / "docs" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_config_key_and_callback_argument_has_a_description():
+    generator = reference_generator()
+    keys = [(prefix, key) for prefix, _, _, section in generator.all_keys() for key in section]
+    keys += [(f"callbacks.{key.section}", key) for key in generator.callback_keys()]
+    assert len(keys) > 150  # every section was read, nested dataclass sections included
+    undescribed = [f"{prefix}.{key.name} ({key.section})" for prefix, key in keys if not key.description]
+    assert not undescribed, "describe these settings in the Args: section of their class's docstring: " + ", ".join(
+        undescribed
+    )
+
+
+def test_a_key_without_a_description_is_found():
+    @dataclass
+    class Section:
+        """A section whose second key is not described.
+
+        Args:
+            described: What it is.
+        """
+
+        described: int = 1
+        undescribed: int = 2
+
+    keys = {key.name: key for key in reference_generator().section_keys(Section)}
+    assert keys["described"].description == "What it is." and keys["described"].default == "`1`"
+    assert keys["undescribed"].description == ""
+
+
+def test_the_reference_pages_hold_every_subcommand_key_and_callback():
+    pages = reference_generator().reference_pages()
+    cli, config, callbacks = pages["reference/cli.md"], pages["reference/config.md"], pages["reference/callbacks.md"]
+    for command in ("fit", "validate", "test", "predict", "rl", "plan", "parity", "data info", "ckpt export"):
+        assert f"## `uma {command}`" in cli
+    assert "--trainer.max_steps" in cli and "--emit-config" in cli
+    assert "| `loader.num_workers` | int | `1` | DataLoader worker processes. |" in config
+    assert "| `lr` | float | `0.0003` | Peak learning rate, reached after the warmup. |" in config
+    import uma_lightning.callbacks as shipped
+
+    for name in shipped.__all__:
+        assert (f"## {name}\n" in callbacks) == (name != "TrainingHalted"), name
