@@ -2,12 +2,18 @@
 
 import importlib.util
 import logging
+import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
-from suite import REPO
+from suite import QUICK, REPO
 
 mkdocs_build = pytest.importorskip("mkdocs.commands.build", reason="mkdocs-material is in the dev extra")
 
@@ -96,3 +102,65 @@ def test_the_reference_pages_hold_every_subcommand_key_and_callback():
 
     for name in shipped.__all__:
         assert (f"## {name}\n" in callbacks) == (name != "TrainingHalted"), name
+
+
+# ---- the tutorials, run as written ---------------------------------------------------------------
+
+TESTED_BLOCK = re.compile(r"^<!-- test -->\n```bash\n(.*?)\n```$", re.M | re.S)
+# Appended to every training command of a tutorial: the tiny backbone of the suite on a six-episode
+# dataset, so a tutorial's runs take seconds; 60 steps leave a preempted run time to receive its signal.
+SMALL_TRAINING = [*QUICK, "--trainer.max_steps", "60", "--trainer.val_check_interval", "30"]
+TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
+# uma plan reads the recipe's data for its shapes; the model it plans is the tutorial's.
+SMALL_DATA = ["--data.generation.n_episodes", "6"]
+
+
+def blocks_marked_for_test(page: str) -> list[str]:
+    """The ```bash blocks of ``docs/<page>`` marked ``<!-- test -->``, in order."""
+    return TESTED_BLOCK.findall((REPO / "docs" / page).read_text())
+
+
+def small_uma(bin_dir) -> None:
+    """An ``uma`` first on PATH that runs this interpreter's uma with small training settings."""
+    bin_dir.mkdir()
+    script = bin_dir / "uma"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_TRAINING)};;\n'
+        f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};; esac\n'
+        f'exec {sys.executable} -m uma_lightning.cli "$@"\n'
+    )
+    script.chmod(0o755)
+
+
+def walk_tutorial(page: str, tmp_path) -> str:
+    """Run the tested blocks of a tutorial as one bash script, from a copy of the recipes and
+    configs, with small training settings; returns its output."""
+    blocks = blocks_marked_for_test(page)
+    assert blocks, f"docs/{page} has no block marked <!-- test -->"
+    cwd = tmp_path / "work"
+    shutil.copytree(REPO / "recipes", cwd / "recipes")
+    shutil.copytree(REPO / "configs", cwd / "configs")
+    small_uma(tmp_path / "bin")
+    path = os.pathsep.join([str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]])
+    script = "set -e\n" + "\n".join(blocks) + "\n"
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env={**os.environ, "PATH": path}, capture_output=True, text=True, timeout=600
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"docs/{page} failed (exit {result.returncode}):\n{output[-4000:]}"
+    return output
+
+
+@pytest.mark.slow(seconds=90)
+def test_the_tutorials_run_as_written(tmp_path):
+    first_run = walk_tutorial("tutorials/first-run.md", tmp_path / "first-run")
+    assert "final token accuracy:" in first_run and "step-000000060" in first_run
+    layout = walk_tutorial("tutorials/choose-a-layout.md", tmp_path / "layout")
+    assert "recommended: " in layout and (tmp_path / "layout" / "work" / "layout.yaml").is_file()
+    assert (tmp_path / "layout" / "work" / "layout.png").stat().st_size > 0
+    preempted = walk_tutorial("tutorials/preemption.md", tmp_path / "preemption")
+    assert "exit status 143" in preempted
+    # Stopped after step 10 and before the end (60): the resumed run starts where the signal stopped it.
+    resumed = re.search(r"resumed from \S+/step-0*(\d+): step (\d+)", preempted)
+    assert resumed and resumed[1] == resumed[2] and 10 < int(resumed[1]) < 60, preempted[-3000:]
