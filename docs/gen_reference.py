@@ -1,6 +1,7 @@
 """The reference pages, generated from the code when the site is built (an mkdocs hook), so they
 cannot drift from it: every ``uma`` subcommand's ``--help``, every config section's keys with their
-defaults and descriptions, and every callback's docstring and arguments.
+defaults and descriptions, and every callback's docstring and arguments. The pictures the pages
+show are drawn by the tools themselves, at build time too.
 
 Keys and their descriptions are read as jsonargparse reads them for ``--help``: from the ``Args:``
 section of a class's docstring (a dataclass section) or of its ``__init__`` docstring.
@@ -13,6 +14,8 @@ import inspect
 import io
 import os
 import re
+import tempfile
+from pathlib import Path
 from typing import NamedTuple
 
 # The config sections, in the order of the page: (key prefix, class path, what it is).
@@ -114,7 +117,7 @@ def escape(text: str) -> str:
 
 
 def help_text(argv: list[str]) -> str:
-    """What ``uma ARGV`` prints (``--help``), at a fixed width so the page does not depend on the terminal."""
+    """What ``uma ARGV`` prints (``--help``, say), at a fixed width so a page does not depend on the terminal."""
     from uma_lightning.cli import main
 
     saved = os.environ.get("COLUMNS")
@@ -193,6 +196,26 @@ def callbacks_page() -> str:
     return "\n".join(out)
 
 
+REPO = Path(__file__).resolve().parents[1]
+# Pictures drawn by the tools, shown by the pages: the image's place in the site -> the uma command
+# that draws it (given --plot FILE). Small generated data: the recipe's data only gives the shapes.
+PICTURES = {
+    "tutorials/layout.png": ["plan", "--config", str(REPO / "recipes" / "pretrain.yaml"), "--model.network.size", "7b",
+                             "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h200"],
+}  # fmt: skip
+
+
+def picture(argv: list[str]) -> bytes:
+    """The PNG that ``uma ARGV --plot FILE`` draws, with its dataset generated in a temporary folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        image = Path(folder) / "picture.png"
+        data = ["--data.generation.n_episodes", "6", "--data.generation.cache_dir", folder]
+        output = help_text([*argv, *data, "--plot", str(image)])
+        if not image.is_file():
+            raise RuntimeError(f"uma {' '.join(argv)} drew no picture:\n{output}")
+        return image.read_bytes()
+
+
 def reference_pages() -> dict[str, str]:
     return {
         "reference/cli.md": cli_page(),
@@ -207,4 +230,6 @@ def on_files(files, config):
 
     for path, content in reference_pages().items():
         files.append(File.generated(config, path, content=content))
+    for path, argv in PICTURES.items():
+        files.append(File.generated(config, path, content=picture(argv)))
     return files

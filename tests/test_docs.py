@@ -26,8 +26,10 @@ def build_site(config_file, site_dir) -> None:
 
 
 def copy_of_site_sources(tmp_path):
-    """mkdocs.yml and docs/ copied under ``tmp_path``; returns the copy's mkdocs.yml."""
-    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    """mkdocs.yml, docs/ and the recipes the pages' pictures are drawn from, copied under ``tmp_path``;
+    returns the copy's mkdocs.yml."""
+    for folder in ("docs", "recipes", "configs"):
+        shutil.copytree(REPO / folder, tmp_path / folder)
     shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
     return tmp_path / "mkdocs.yml"
 
@@ -35,6 +37,9 @@ def copy_of_site_sources(tmp_path):
 def test_site_builds_in_strict_mode(tmp_path):
     build_site(REPO / "mkdocs.yml", tmp_path / "site")
     assert (tmp_path / "site" / "index.html").is_file()
+    # The layout tutorial shows the chart uma plan drew during the build.
+    assert (tmp_path / "site" / "tutorials" / "layout.png").read_bytes().startswith(b"\x89PNG")
+    assert 'src="../layout.png"' in (tmp_path / "site" / "tutorials" / "choose-a-layout" / "index.html").read_text()
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path, caplog):
