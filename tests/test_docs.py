@@ -1,6 +1,7 @@
 """The documentation site: it builds in strict mode, and a broken link fails that build."""
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from suite import QUICK, REPO
+from suite import QUICK, REPO, TINY
 
 mkdocs_build = pytest.importorskip("mkdocs.commands.build", reason="mkdocs-material is in the dev extra")
 
@@ -118,6 +119,9 @@ SMALL_TRAINING = [*QUICK, "--trainer.max_steps", "60", "--trainer.val_check_inte
 TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
 # uma plan reads the recipe's data for its shapes; the model it plans is the tutorial's.
 SMALL_DATA = ["--data.generation.n_episodes", "6"]
+# uma parity trains its steps on the suite's tiny model and data.
+SMALL_PARITY = ["--model.network.size", json.dumps(TINY), "--data.generation.n_episodes", "6", "--data.batch_size", "4",
+                "--data.loader.num_workers", "0"]  # fmt: skip
 
 
 def blocks_marked_for_test(page: str) -> list[str]:
@@ -132,7 +136,8 @@ def small_uma(bin_dir) -> None:
     script.write_text(
         "#!/bin/sh\n"
         f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_TRAINING)};;\n'
-        f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};; esac\n'
+        f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};;\n'
+        f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};; esac\n'
         f'exec {sys.executable} -m uma_lightning.cli "$@"\n'
     )
     script.chmod(0o755)
@@ -157,13 +162,16 @@ def walk_tutorial(page: str, tmp_path) -> str:
     return output
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=100)
 def test_the_tutorials_run_as_written(tmp_path):
     first_run = walk_tutorial("tutorials/first-run.md", tmp_path / "first-run")
     assert "final token accuracy:" in first_run and "step-000000060" in first_run
     layout = walk_tutorial("tutorials/choose-a-layout.md", tmp_path / "layout")
     assert "recommended: " in layout and (tmp_path / "layout" / "work" / "layout.yaml").is_file()
     assert (tmp_path / "layout" / "work" / "layout.png").stat().st_size > 0
+    precision = walk_tutorial("tutorials/precision.md", tmp_path / "precision")
+    assert "bf16-mixed against fp32 for recipes/pretrain.yaml (one process): 4 steps" in precision
+    assert re.search(r"^  model\.backbone\.layers\.0\.\S+ +\d\.\d\de-\d\d", precision, re.M), precision[-3000:]
     preempted = walk_tutorial("tutorials/preemption.md", tmp_path / "preemption")
     assert "exit status 143" in preempted
     # Stopped after step 10 and before the end (60): the resumed run starts where the signal stopped it.
