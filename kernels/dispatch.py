@@ -39,7 +39,18 @@ ATTENTION_BACKENDS = ("auto", *flash.PACKAGES, "sdpa", *SDPA_KERNELS, "reference
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """The implementation behind each op the model calls; see ``uma_lightning.kernels`` for the choices."""
+    """The implementation behind each op the model calls; see ``uma_lightning.kernels`` for the choices.
+
+    Args:
+        attention: auto, flash_attn, flash_attn_4, sdpa, sdpa_flash, sdpa_cudnn, sdpa_efficient, sdpa_math
+            or reference; auto picks flash-attn where installed and usable, else sdpa.
+        rms_norm: auto, triton or torch; auto picks triton on a CUDA GPU.
+        swiglu: auto, triton or torch; auto picks triton on a CUDA GPU.
+        rotary: auto, triton or torch; auto picks triton on a CUDA GPU.
+        cross_entropy: The fused linear + cross-entropy: auto, triton or torch; auto picks triton on a CUDA GPU.
+        linear: torch, or float8 (torchao; changes the numerics, so never chosen by auto).
+        experts: Mixture-of-experts layers: auto, grouped (one grouped matmul for all experts) or loop.
+    """
 
     attention: str = "auto"
     rms_norm: str = "auto"

@@ -119,7 +119,7 @@ def _moved_to(group: str, name: str, class_path: str | None) -> str | None:
 def _moved_message(group: str, path: list[str], moved: str) -> str:
     """``path`` (the old key under ``group``, e.g. ["size"] or ["vision", "tokenizer"]) and where it is now."""
     old, new = ".".join([group, *path]), ".".join([moved, *path[1:]])
-    return f"{old!r} is now {new!r}: settings are grouped in sections (see the README's configuration section)"
+    return f"{old!r} is now {new!r}: settings are grouped in sections (see docs/guides/configuration.md)"
 
 
 def problem_lines(message: str) -> list[str]:

@@ -37,20 +37,30 @@ warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` def
 class DatasetSource:
     """One dataset of a mixture: where it is, how often it is drawn, and how it is normalised.
 
-    Each dataset is normalised with its own statistics (its meta/stats.json)."""
+    Each dataset is normalised with its own statistics (its meta/stats.json).
+
+    Args:
+        root: The dataset: a directory or an fsspec URL.
+        weight: Its share of the draws, relative to the other datasets' weights.
+        state_norm: Normalisation of its state; None: the data module's state_norm.
+        action_norm: Normalisation of its actions; None: the data module's action_norm.
+    """
 
     root: str
     weight: float = 1.0
-    state_norm: Optional[NormMode] = None  # None: the data module's state_norm
-    action_norm: Optional[NormMode] = None  # None: the data module's action_norm
+    state_norm: Optional[NormMode] = None
+    action_norm: Optional[NormMode] = None
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """The embedded planar-arm dataset, generated once and cached, used when neither ``root`` nor ``datasets`` is given.
 
-    - ``n_episodes``, ``image_size`` (square side in pixels), ``seed``: what is generated;
-    - ``cache_dir``: where; None uses $UMA_CACHE_DIR or ~/.cache/uma_lightning.
+    Args:
+        n_episodes: Episodes generated.
+        image_size: Square side of the camera frames, in pixels.
+        seed: Seed of the generated scenes.
+        cache_dir: Where; None uses $UMA_CACHE_DIR or ~/.cache/uma_lightning.
     """
 
     n_episodes: int = 200
@@ -63,30 +73,32 @@ class GenerationConfig:
 class LoaderConfig:
     """How samples are read and batches loaded, per process.
 
-    - ``num_workers``: DataLoader worker processes; ``persistent_workers`` keeps them (and their open
-      files and caches) alive between epochs; ``prefetch_factor``: batches each worker loads ahead;
-    - ``multiprocessing_context``: fork, forkserver or spawn for workers; None picks fork unless it is
-      unsafe (remote storage clients run threads; CUDA is initialised), then forkserver;
-    - ``pin_memory``: pin batches in page-locked memory; None pins only when CUDA is available;
-      ``device_prefetch``: copy the next batch to the GPU on a side stream while the current step runs;
-    - ``decode_cache_mb``: bound on decoded frames and episode columns kept per process, in MiB;
-      ``max_open_files``: open parquet and video files kept per process;
-    - ``tolerance_s``: how far a frame's timestamp may be from the requested time, in seconds;
-    - ``plan_batches``: each worker decodes its batch's frames file by file in time order, keeping
-      the frames its next ``plan_batches`` batches show (bounded by ``decode_cache_mb``: 16 batches
-      of 32 samples with 2 steps of 3 cameras at 224x224 keep ~380 MiB; with 8, frames shared by
-      batches further apart were decoded again and the loader decoded 1.3x the frames);
-    - ``image_size``: square side the frames are decoded at (scaled in the decoder's colour
-      conversion), when the model wants smaller images than stored; None: as stored;
-    - ``decoder_threads``: threads per open video; None: from the worker count and frame size;
-    - ``frame_store``: decoded frames written by ``uma data cache``: auto uses the store at its
-      default place when it exists and matches the dataset (a stale one is logged and ignored);
-      off never; a directory must hold a valid store;
-    - ``decoder``: cpu (PyAV), cuda (torchcodec's or PyNvVideoCodec's GPU decoder, 0 workers), or
-      auto: cuda where a GPU decoder and a GPU are present, else cpu; the choice is logged;
-    - ``on_bad_data``: a sample whose files are missing, corrupt or disagree with meta/info.json:
-      error stops with a message naming the episode and file; skip leaves it out of its batch (which
-      gets smaller), counts it and logs it.
+    Args:
+        num_workers: DataLoader worker processes.
+        persistent_workers: Keep the workers (and their open files and caches) alive between epochs.
+        prefetch_factor: Batches each worker loads ahead.
+        multiprocessing_context: fork, forkserver or spawn for workers; None picks fork unless it is
+            unsafe (remote storage clients run threads; CUDA is initialised), then forkserver.
+        pin_memory: Pin batches in page-locked memory; None pins only when CUDA is available.
+        device_prefetch: Copy the next batch to the GPU on a side stream while the current step runs.
+        decode_cache_mb: Bound on decoded frames and episode columns kept per process, in MiB.
+        max_open_files: Open parquet and video files kept per process.
+        tolerance_s: How far a frame's timestamp may be from the requested time, in seconds.
+        on_bad_data: A sample whose files are missing, corrupt or disagree with meta/info.json:
+            error stops with a message naming the episode and file; skip leaves it out of its batch (which
+            gets smaller), counts it and logs it.
+        plan_batches: Each worker decodes its batch's frames file by file in time order, keeping
+            the frames its next plan_batches batches show (bounded by decode_cache_mb: 16 batches
+            of 32 samples with 2 steps of 3 cameras at 224x224 keep ~380 MiB; with 8, frames shared by
+            batches further apart were decoded again and the loader decoded 1.3x the frames).
+        image_size: Square side the frames are decoded at (scaled in the decoder's colour
+            conversion), when the model wants smaller images than stored; None: as stored.
+        decoder_threads: Threads per open video; None: from the worker count and frame size.
+        frame_store: Decoded frames written by ``uma data cache``: auto uses the store at its
+            default place when it exists and matches the dataset (a stale one is logged and ignored);
+            off never; a directory must hold a valid store.
+        decoder: cpu (PyAV), cuda (torchcodec's or PyNvVideoCodec's GPU decoder, 0 workers), or
+            auto: cuda where a GPU decoder and a GPU are present, else cpu; the choice is logged.
     """
 
     num_workers: int = 1
@@ -125,10 +137,12 @@ class LoaderConfig:
 class StorageConfig:
     """Remote datasets (an fsspec URL as ``root``).
 
-    - ``options``: fsspec options (endpoint_url, ...). Not saved in checkpoints; prefer the usual
-      environment variables or credential files for secrets;
-    - ``cache_dir``: local cache of remote files; None uses <cache dir>/shards; ``cache_gb``: its size limit;
-    - ``prefetch_batches``: batches ahead whose remote files each worker downloads in the background.
+    Args:
+        options: fsspec options (endpoint_url, ...). Not saved in checkpoints; prefer the usual
+            environment variables or credential files for secrets.
+        cache_dir: Local cache of remote files; None uses <cache dir>/shards.
+        cache_gb: Size limit of that cache; least recently used files are evicted.
+        prefetch_batches: Batches ahead whose remote files each worker downloads in the background.
     """
 
     options: Optional[dict] = None

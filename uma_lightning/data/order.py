@@ -43,11 +43,12 @@ class SourceLayout:
 class OrderSettings:
     """How the training order is made: the ``order`` section of ``RobotDataModule``.
 
-    - ``seed``: seed of the shuffles and mixture draws;
-    - ``partitions``: parts the order is cut into; workers and ranks read whole parts at a time. Part
-      of the order's definition: keep it to resume with other worker or rank counts;
-    - ``shuffle_buffer``: samples in each partition's shuffle buffer (0 or 1: no sample-level shuffle);
-    - ``samples_per_epoch``: samples in an epoch; None: all samples of all datasets once.
+    Args:
+        seed: Seed of the shuffles and mixture draws.
+        partitions: Parts the order is cut into; workers and ranks read whole parts at a time. Part
+            of the order's definition: keep it to resume with other worker or rank counts.
+        shuffle_buffer: Samples in each partition's shuffle buffer (0 or 1: no sample-level shuffle).
+        samples_per_epoch: Samples in an epoch; None: all samples of all datasets once.
     """
 
     seed: int = 0

@@ -29,10 +29,15 @@ from uma_lightning.models.transformer import KVCache, Transformer, TransformerCo
 @dataclass(frozen=True)
 class ActionExpertConfig:
     """Width of the action expert; its depth, key/value heads and head size are the backbone's,
-    because each expert layer attends to the keys and values of a backbone layer."""
+    because each expert layer attends to the keys and values of a backbone layer.
 
-    dim: Optional[int] = None  # None: the backbone's; a multiple of the backbone's head size
-    ffn_dim: Optional[int] = None  # None: the backbone's
+    Args:
+        dim: Width; None: the backbone's. A multiple of the backbone's head size.
+        ffn_dim: Hidden size of its feed-forwards; None: the backbone's.
+    """
+
+    dim: Optional[int] = None
+    ffn_dim: Optional[int] = None
 
     def transformer_config(self, backbone: TransformerConfig) -> TransformerConfig:
         dim = self.dim or backbone.dim

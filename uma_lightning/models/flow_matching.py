@@ -19,14 +19,21 @@ import torch
 
 @dataclass(frozen=True)
 class FlowMatchingConfig:
-    """Training-time distribution and inference steps of flow matching."""
+    """Training-time distribution and inference steps of flow matching.
+
+    Args:
+        time_alpha: Alpha of the Beta distribution training times t are drawn from.
+        time_beta: Beta of that distribution.
+        min_time: Lower bound of t, away from 0 where x_t is the data itself and the target degenerates.
+        sample_steps: Euler steps from noise to actions at inference.
+        noise_scale: Scale of the starting noise at inference: 1 samples the learned distribution; 0 starts
+            every chunk from the noise's mean, a deterministic policy.
+    """
 
     time_alpha: float = 1.5
     time_beta: float = 1.0
-    min_time: float = 0.001  # keeps t away from 0, where x_t is the data itself and the target degenerates
-    sample_steps: int = 10  # Euler steps from noise to actions at inference
-    # Scale of the starting noise at inference: 1 samples the learned distribution; 0 starts every
-    # chunk from the noise's mean, a deterministic policy that follows the most likely path.
+    min_time: float = 0.001
+    sample_steps: int = 10
     noise_scale: float = 1.0
 
     def __post_init__(self) -> None:

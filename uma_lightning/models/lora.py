@@ -19,7 +19,13 @@ from torch import nn
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters on the linear layers whose names match ``targets`` (glob patterns)."""
+    """LoRA adapters on the linear layers whose names match ``targets`` (glob patterns).
+
+    Args:
+        targets: Glob patterns of linear layers' names, e.g. ``backbone.layers.*.attn.wq``.
+        rank: Rank of each adapter's two factors.
+        alpha: The adapter's output is scaled by alpha / rank.
+    """
 
     targets: list[str] = field(default_factory=list)
     rank: int = 8

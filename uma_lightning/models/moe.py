@@ -54,11 +54,19 @@ BIAS_UPDATES = ("sign", "proportional")
 class MoEConfig:
     """The ``moe:`` section of a backbone size; see the module docstring.
 
-    ``every_n_layers``: layers i with (i + 1) % every_n_layers == 0 are MoE layers (1: all of them);
-    ``expert_dim``: each expert's hidden size (empty: the backbone's ffn_dim);
-    ``bias_update_rate``: step of the balancing bias per optimizer step (0: no bias balancing);
-    ``bias_update``: ``sign`` (the step times sign(mean - load)) or ``proportional`` (times (mean - load) / mean);
-    ``selection_noise``: std of the noise added, in training only, to the biased scores that choose experts (0: none).
+    Args:
+        n_experts: Routed experts per MoE layer.
+        top_k: Experts each token is sent to (token choice).
+        n_shared: Always-on experts, run on every token (one feed-forward n_shared times as wide).
+        every_n_layers: Layers i with (i + 1) % every_n_layers == 0 are MoE layers (1: all of them).
+        expert_dim: Each expert's hidden size (empty: the backbone's ffn_dim).
+        score: Router scores, softmax or sigmoid; the chosen experts' scores, renormalised, weight their outputs.
+        bias_update_rate: Step of the balancing bias per optimizer step (0: no bias balancing).
+        bias_update: sign (the step times sign(mean - load)) or proportional (times (mean - load) / mean).
+        selection_noise: Std of the noise added, in training only, to the biased scores that choose experts (0: none).
+        aux_loss_weight: Weight of a sequence-level balance loss added to the training loss (0: none).
+        capacity_factor: At most ceil(factor x tokens x top_k / n_experts) tokens per expert, the rest
+            dropped and counted; empty: dropless.
     """
 
     n_experts: int = 8

@@ -35,17 +35,16 @@ from uma_lightning.models.tokenizers import VisionConfig
 class NetworkConfig:
     """What the network is, in every stage (a later stage starts from an earlier one's weights, so keep it the same).
 
-    - ``size``: backbone size: a preset name (tiny, small, 1b, 7b), a YAML file, or a dict of dimensions
-      (``{"name": "small", "n_layers": 6}`` starts from a preset);
-    - ``vision``: how camera frames become tokens: ``tokenizer`` patches (``patch_size``) or keypoints
-      (``n_keypoints``, ``channels``, ``film``); see ``VisionConfig``;
-    - ``max_text_len``: instructions are cut or padded to this many UTF-8 bytes;
-    - ``kernels``: implementation of each op. attention: auto, flash_attn, flash_attn_4, sdpa, sdpa_flash,
-      sdpa_cudnn, sdpa_efficient, sdpa_math or reference; rms_norm, swiglu, rotary, cross_entropy: auto,
-      triton or torch; linear: torch or float8 (torchao); experts (mixture-of-experts layers): auto, grouped or loop;
-    - ``environment_state_weight``: weight of an auxiliary loss, the mean squared error of a linear head on
-      the last observation token predicting the data's (normalised) environment state, e.g. where the
-      named target is. 0 builds no head. Needs data that records one.
+    Args:
+        size: Backbone size: a preset name (tiny, small, 1b, 7b), a YAML file, or a dict of dimensions
+            (``{"name": "small", "n_layers": 6}`` starts from a preset).
+        vision: How camera frames become tokens: ``tokenizer`` patches (``patch_size``) or keypoints
+            (``n_keypoints``, ``channels``, ``film``); see ``VisionConfig``.
+        max_text_len: Instructions are cut or padded to this many UTF-8 bytes.
+        kernels: Implementation of each op; see ``KernelConfig``.
+        environment_state_weight: Weight of an auxiliary loss, the mean squared error of a linear head on
+            the last observation token predicting the data's (normalised) environment state, e.g. where the
+            named target is. 0 builds no head. Needs data that records one.
     """
 
     size: ModelSize = "tiny"

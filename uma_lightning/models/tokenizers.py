@@ -27,13 +27,20 @@ class VisionConfig:
       in a few hundred steps (``benchmarks/vision_probe.py``). With ``film``, the instruction scales
       and shifts the net's features before the keypoint maps (FiLM, as RT-1 conditions its image
       encoder), so a keypoint can follow the object the instruction names.
+
+    Args:
+        tokenizer: patches or keypoints.
+        patch_size: patches: side of each square patch, in pixels.
+        n_keypoints: keypoints: feature maps, one token each.
+        channels: keypoints: width of the conv net's first layers (its third has twice as many).
+        film: keypoints: condition the net's features on the instruction (FiLM).
     """
 
     tokenizer: str = "patches"
     patch_size: int = 8
     n_keypoints: int = 64
-    channels: int = 32  # keypoints: width of the conv net's first layers (its third has twice as many)
-    film: bool = False  # keypoints: condition the features on the instruction
+    channels: int = 32
+    film: bool = False
 
     def __post_init__(self):
         if self.tokenizer not in ("patches", "keypoints"):

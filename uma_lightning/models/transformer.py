@@ -25,7 +25,16 @@ from uma_lightning.models.moe import GroupedExperts, MoEConfig, MoEFeedForward
 class TransformerConfig:
     """Backbone dimensions; the size presets in ``configs/model/`` fill these in.
 
-    ``moe``: a mixture-of-experts feed-forward in some layers (see ``moe.py``); empty: dense everywhere.
+    Args:
+        dim: Width of the residual stream.
+        n_layers: Transformer blocks.
+        n_heads: Attention query heads.
+        n_kv_heads: Key/value heads (fewer than n_heads: grouped-query attention).
+        ffn_dim: Hidden size of each SwiGLU feed-forward.
+        norm_eps: Epsilon of the RMS norms.
+        rope_theta: Base of the rotary position embedding's frequencies.
+        name: The preset's name, shown in logs and run names.
+        moe: A mixture-of-experts feed-forward in some layers (see ``MoEConfig``); empty: dense everywhere.
     """
 
     dim: int

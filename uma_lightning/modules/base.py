@@ -71,6 +71,14 @@ class OptimizerConfig:
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``, stepped per optimizer step.
 
     Every stage starts a fresh schedule, so a stage that starts from a checkpoint warms up again.
+
+    Args:
+        lr: Peak learning rate, reached after the warmup.
+        weight_decay: AdamW's decoupled weight decay.
+        betas: AdamW's moment coefficients.
+        eps: AdamW's epsilon.
+        warmup_steps: Optimizer steps of linear warmup from 0.
+        min_lr_ratio: The cosine decays to this fraction of lr at the last step.
     """
 
     lr: float = 3e-4

@@ -1,0 +1,179 @@
+"""The documentation site: it builds in strict mode, and a broken link fails that build."""
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from suite import QUICK, REPO, TINY
+
+mkdocs_build = pytest.importorskip("mkdocs.commands.build", reason="mkdocs-material is in the dev extra")
+
+
+def build_site(config_file, site_dir) -> None:
+    """``mkdocs build --strict`` of ``config_file`` into ``site_dir``, in this process."""
+    from mkdocs.config import load_config
+
+    mkdocs_build.build(load_config(str(config_file), strict=True, site_dir=str(site_dir)))
+
+
+def copy_of_site_sources(tmp_path):
+    """mkdocs.yml, docs/ and the recipes the pages' pictures are drawn from, copied under ``tmp_path``;
+    returns the copy's mkdocs.yml."""
+    for folder in ("docs", "recipes", "configs"):
+        shutil.copytree(REPO / folder, tmp_path / folder)
+    shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    return tmp_path / "mkdocs.yml"
+
+
+def test_site_builds_in_strict_mode(tmp_path):
+    build_site(REPO / "mkdocs.yml", tmp_path / "site")
+    assert (tmp_path / "site" / "index.html").is_file()
+    # The layout tutorial shows the chart uma plan drew during the build.
+    assert (tmp_path / "site" / "tutorials" / "layout.png").read_bytes().startswith(b"\x89PNG")
+    assert 'src="../layout.png"' in (tmp_path / "site" / "tutorials" / "choose-a-layout" / "index.html").read_text()
+
+
+def test_a_broken_link_fails_the_strict_build(tmp_path, caplog):
+    config = copy_of_site_sources(tmp_path)
+    # Added to the navigation, so only its link is wrong.
+    (tmp_path / "docs" / "broken.md").write_text("# Broken\n\nSee [the missing page](no-such-page.md).\n")
+    settings = yaml.safe_load(config.read_text())
+    settings["nav"].append({"Broken": "broken.md"})
+    config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    from mkdocs.exceptions import Abort
+
+    with caplog.at_level(logging.WARNING, logger="mkdocs"), pytest.raises(Abort, match="strict mode"):
+        build_site(config, tmp_path / "site")
+    assert "no-such-page.md" in caplog.text
+
+
+# ---- the reference pages, generated from the code ------------------------------------------------
+
+
+def reference_generator():
+    """docs/gen_reference.py, the mkdocs hook that writes the reference pages."""
+    spec = importlib.util.spec_from_file_location("gen_reference", REPO / "docs" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_config_key_and_callback_argument_has_a_description():
+    generator = reference_generator()
+    keys = [(prefix, key) for prefix, _, _, section in generator.all_keys() for key in section]
+    keys += [(f"callbacks.{key.section}", key) for key in generator.callback_keys()]
+    assert len(keys) > 150  # every section was read, nested dataclass sections included
+    undescribed = [f"{prefix}.{key.name} ({key.section})" for prefix, key in keys if not key.description]
+    assert not undescribed, "describe these settings in the Args: section of their class's docstring: " + ", ".join(
+        undescribed
+    )
+
+
+def test_a_key_without_a_description_is_found():
+    @dataclass
+    class Section:
+        """A section whose second key is not described.
+
+        Args:
+            described: What it is.
+        """
+
+        described: int = 1
+        undescribed: int = 2
+
+    keys = {key.name: key for key in reference_generator().section_keys(Section)}
+    assert keys["described"].description == "What it is." and keys["described"].default == "`1`"
+    assert keys["undescribed"].description == ""
+
+
+def test_the_reference_pages_hold_every_subcommand_key_and_callback():
+    pages = reference_generator().reference_pages()
+    cli, config, callbacks = pages["reference/cli.md"], pages["reference/config.md"], pages["reference/callbacks.md"]
+    for command in ("fit", "validate", "test", "predict", "rl", "plan", "parity", "data info", "ckpt export"):
+        assert f"## `uma {command}`" in cli
+    assert "--trainer.max_steps" in cli and "--emit-config" in cli
+    assert "| `loader.num_workers` | int | `1` | DataLoader worker processes. |" in config
+    assert "| `lr` | float | `0.0003` | Peak learning rate, reached after the warmup. |" in config
+    import uma_lightning.callbacks as shipped
+
+    for name in shipped.__all__:
+        assert (f"## {name}\n" in callbacks) == (name != "TrainingHalted"), name
+
+
+# ---- the tutorials, run as written ---------------------------------------------------------------
+
+TESTED_BLOCK = re.compile(r"^<!-- test -->\n```bash\n(.*?)\n```$", re.M | re.S)
+# Appended to every training command of a tutorial: the tiny backbone of the suite on a six-episode
+# dataset, so a tutorial's runs take seconds; 60 steps leave a preempted run time to receive its signal.
+SMALL_TRAINING = [*QUICK, "--trainer.max_steps", "60", "--trainer.val_check_interval", "30"]
+TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
+# uma plan reads the recipe's data for its shapes; the model it plans is the tutorial's.
+SMALL_DATA = ["--data.generation.n_episodes", "6"]
+# uma parity trains its steps on the suite's tiny model and data.
+SMALL_PARITY = ["--model.network.size", json.dumps(TINY), "--data.generation.n_episodes", "6", "--data.batch_size", "4",
+                "--data.loader.num_workers", "0"]  # fmt: skip
+
+
+def blocks_marked_for_test(page: str) -> list[str]:
+    """The ```bash blocks of ``docs/<page>`` marked ``<!-- test -->``, in order."""
+    return TESTED_BLOCK.findall((REPO / "docs" / page).read_text())
+
+
+def small_uma(bin_dir) -> None:
+    """An ``uma`` first on PATH that runs this interpreter's uma with small training settings."""
+    bin_dir.mkdir()
+    script = bin_dir / "uma"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_TRAINING)};;\n'
+        f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};;\n'
+        f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};; esac\n'
+        f'exec {sys.executable} -m uma_lightning.cli "$@"\n'
+    )
+    script.chmod(0o755)
+
+
+def walk_tutorial(page: str, tmp_path) -> str:
+    """Run the tested blocks of a tutorial as one bash script, from a copy of the recipes and
+    configs, with small training settings; returns its output."""
+    blocks = blocks_marked_for_test(page)
+    assert blocks, f"docs/{page} has no block marked <!-- test -->"
+    cwd = tmp_path / "work"
+    shutil.copytree(REPO / "recipes", cwd / "recipes")
+    shutil.copytree(REPO / "configs", cwd / "configs")
+    small_uma(tmp_path / "bin")
+    path = os.pathsep.join([str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]])
+    script = "set -e\n" + "\n".join(blocks) + "\n"
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env={**os.environ, "PATH": path}, capture_output=True, text=True, timeout=600
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"docs/{page} failed (exit {result.returncode}):\n{output[-4000:]}"
+    return output
+
+
+@pytest.mark.slow(seconds=100)
+def test_the_tutorials_run_as_written(tmp_path):
+    first_run = walk_tutorial("tutorials/first-run.md", tmp_path / "first-run")
+    assert "final token accuracy:" in first_run and "step-000000060" in first_run
+    layout = walk_tutorial("tutorials/choose-a-layout.md", tmp_path / "layout")
+    assert "recommended: " in layout and (tmp_path / "layout" / "work" / "layout.yaml").is_file()
+    assert (tmp_path / "layout" / "work" / "layout.png").stat().st_size > 0
+    precision = walk_tutorial("tutorials/precision.md", tmp_path / "precision")
+    assert "bf16-mixed against fp32 for recipes/pretrain.yaml (one process): 4 steps" in precision
+    assert re.search(r"^  model\.backbone\.layers\.0\.\S+ +\d\.\d\de-\d\d", precision, re.M), precision[-3000:]
+    preempted = walk_tutorial("tutorials/preemption.md", tmp_path / "preemption")
+    assert "exit status 143" in preempted
+    # Stopped after step 10 and before the end (60): the resumed run starts where the signal stopped it.
+    resumed = re.search(r"resumed from \S+/step-0*(\d+): step (\d+)", preempted)
+    assert resumed and resumed[1] == resumed[2] and 10 < int(resumed[1]) < 60, preempted[-3000:]
