@@ -102,6 +102,12 @@ def test_fit_registers_a_policy_model_that_acts_as_policy_does(server, registere
     assert saved.keys() == source.weights.keys()
     assert all(saved[key].equal(source.weights[key]) for key in saved)
 
+    # Exported again from its checkpoint, the policy goes into the run that saved it, not a new one.
+    assert ckpt(["export", str(checkpoints), "--format", "mlflow", "--tracking-uri", server]) == 0
+    models = client.search_logged_models([run.info.experiment_id])
+    assert len(models) == 2 and {m.source_run_id for m in models} == {run_id}
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
 
 @pytest.mark.slow(seconds=60)  # the session's pretrain run, a server, `mlflow models predict` in a new process
 def test_an_exported_checkpoint_is_predicted_by_the_mlflow_cli_as_policy_does(server, pretrained, tmp_path, capsys):
