@@ -132,7 +132,14 @@ def test_an_exported_checkpoint_is_predicted_by_the_mlflow_cli_as_policy_does(se
         check=True, env={**os.environ, "MLFLOW_TRACKING_URI": server}, capture_output=True,
     )  # fmt: skip
     predicted = np.asarray(json.loads((tmp_path / "output.json").read_text())["predictions"], dtype=np.float32)
-    assert np.array_equal(predicted, policy(observation).numpy())
+    expected = policy(observation).numpy()
+    assert np.array_equal(predicted, expected)
+
+    # The recipe's own run, with the default settings, logged the same policy into its embedded store.
+    store = MlflowClient(pretrained.store)
+    (run,) = store.search_runs([store.get_experiment_by_name("pretrain").experiment_id])
+    mlflow.set_tracking_uri(pretrained.store)
+    assert np.array_equal(predicted_by(f"runs:/{run.info.run_id}/model", observation), expected)
 
     # The reference breaks when the checkpoint moves, naming where it looked.
     checkpoint.rename(tmp_path / "moved")
