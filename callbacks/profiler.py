@@ -3,21 +3,27 @@
 Adding this callback is the one line that turns profiling on (``configs/trainer/profile.yaml``, or
 ``--trainer.callbacks+=uma_lightning.callbacks.ProfilerTraces`` on the command line). After
 ``skip_first`` steps, each cycle waits ``wait`` steps, warms up for ``warmup`` and records
-``active``; ``repeat`` cycles (0: until training ends). Each recorded window writes, into
-``<run dir>/profiler/``:
+``active``; ``repeat`` cycles (0: until training ends). Each rank's recorded window of training
+steps FIRST to LAST gets a folder of its own, ``<run dir>/profiler/rank<R>-steps<FIRST>-<LAST>/``, with:
 
-- ``trace_rank<R>_step<S>.json``: a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing);
-- ``key_averages_rank<R>_step<S>.txt``: the operators sorted by their own time;
-- on a GPU, for the first window, ``memory_snapshot_rank<R>_step<S>.pickle``: every CUDA allocation
-  with its stack (drag it onto https://pytorch.org/memory_viz).
+- ``<host>_<pid>.<ms>.pt.trace.json``: a Chrome trace, named as ``torch.profiler.tensorboard_trace_handler``
+  names them (worker ``<host>_<pid>``, then the time in milliseconds), which is the file TensorBoard's
+  profiler plugin (torch-tb-profiler) looks for, one run per folder: ``tensorboard --logdir <run dir>/profiler``.
+  It opens as it is in https://ui.perfetto.dev or chrome://tracing;
+- ``key_averages.txt``: the operators sorted by their own time;
+- on a GPU, for the first window, ``memory_snapshot.pickle``: every CUDA allocation with its stack
+  (drag it onto https://pytorch.org/memory_viz).
 
-Global rank zero uploads its files as MLflow artifacts under ``profiler/``; the other ranks' files
+Global rank zero uploads its folders as MLflow artifacts under ``profiler/``; the other ranks' folders
 stay in the run directory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -74,6 +80,7 @@ class ProfilerTraces(Callback):
         self._trainer: Optional[Trainer] = None
         self._out_dir: Optional[Path] = None
         self._recording_memory = False
+        self._first_recorded_step: Optional[int] = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._trainer = trainer
@@ -90,6 +97,15 @@ class ProfilerTraces(Callback):
             log.info(
                 "profiler: %s, traces in %s", ", ".join(f"{k} {v}" for k, v in self.schedule.items()), self._out_dir
             )
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        recording = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+        if (
+            self._profiler is not None
+            and self._first_recorded_step is None
+            and self._profiler.current_action in recording
+        ):
+            self._first_recorded_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if self._profiler is None:
@@ -114,24 +130,26 @@ class ProfilerTraces(Callback):
 
     def _save(self, prof: profile) -> None:
         trainer = self._trainer
-        name = f"rank{trainer.global_rank}_step{trainer.global_step}"
-        trace = self._out_dir / f"trace_{name}.json"
+        # Called when the window's last step has ended (or training has), so global_step is one past it.
+        last = trainer.global_step - 1
+        first = last if self._first_recorded_step is None else self._first_recorded_step
+        self._first_recorded_step = None
+        folder = self._out_dir / f"rank{trainer.global_rank}-steps{first}-{last}"
+        folder.mkdir(parents=True, exist_ok=True)
+        trace = folder / f"{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json"
         prof.export_chrome_trace(str(trace))
         on_cuda = ProfilerActivity.CUDA in prof.activities
         table = prof.key_averages().table(
             sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=self.table_rows
         )
-        files = [trace, self._out_dir / f"key_averages_{name}.txt"]
-        files[1].write_text(table + "\n")
+        (folder / "key_averages.txt").write_text(table + "\n")
         if self._recording_memory:
-            files.append(self._out_dir / f"memory_snapshot_{name}.pickle")
-            torch.cuda.memory._dump_snapshot(str(files[-1]))
+            torch.cuda.memory._dump_snapshot(str(folder / "memory_snapshot.pickle"))
             self._stop_memory_history()
             self.memory_snapshot = False
-        for path in files:
-            log_artifact(trainer, path, "profiler")
+        log_artifact(trainer, folder, f"profiler/{folder.name}")
         if trainer.is_global_zero:
-            log.info("profiler: wrote %s", ", ".join(p.name for p in files))
+            log.info("profiler: wrote %s (%s)", folder, ", ".join(sorted(p.name for p in folder.iterdir())))
 
     def _stop_memory_history(self) -> None:
         if self._recording_memory:

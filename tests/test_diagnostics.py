@@ -5,6 +5,7 @@ import csv
 import gc
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -299,22 +300,62 @@ def test_memory_is_logged_every_step(run):
 # ---- profiler -----------------------------------------------------------------------------------
 
 
+# What TensorBoard's profiler plugin (torch-tb-profiler) counts as a trace: a worker name, optionally
+# a span (the milliseconds torch's trace handler appends), ".pt.trace.json", optionally gzipped. A
+# folder holding one is a run, named by its path under the log directory.
+PLUGIN_TRACE = re.compile(r"^(?P<worker>.*?)(?:\.(?P<span>\d+))?\.pt\.trace\.json(?:\.gz)?$")
+
+
+def plugin_runs(logdir: Path) -> dict[str, list[tuple[str, str, Path]]]:
+    """The runs the plugin finds under ``logdir``: {run name: [(worker, span, trace file)]}."""
+    runs = {}
+    for folder, _, files in os.walk(logdir):
+        traces = [(m["worker"], m["span"], Path(folder) / name) for name in files if (m := PLUGIN_TRACE.match(name))]
+        if traces:
+            runs[os.path.relpath(folder, logdir)] = sorted(traces)
+    return runs
+
+
 @pytest.mark.alone
-def test_profiler_trace_is_valid_chrome_json_and_an_mlflow_artifact(run):
-    # skip 2 steps, warm up 1, record 1: one trace, written when step 4 ends.
-    assert artifact_names(run, "profiler") == ["key_averages_rank0_step4.txt", "trace_rank0_step4.json"]
-    downloaded = Path(run.client.download_artifacts(run.id, "profiler/trace_rank0_step4.json", str(run.tmp)))
-    assert downloaded.read_bytes() == (run.dir / "profiler" / "trace_rank0_step4.json").read_bytes()
-    trace = json.loads(downloaded.read_text())
+def test_profiler_traces_are_laid_out_for_tensorboard_and_are_mlflow_artifacts(run):
+    # skip 2 steps, warm up 1, record 1: step 3, in one run folder of rank 0.
+    logdir = run.dir / "profiler"
+    runs = plugin_runs(logdir)
+    assert list(runs) == ["rank0-steps3-3"]
+    ((worker, span, trace_path),) = runs["rank0-steps3-3"]
+    # The worker is "<node>_<process>", which the plugin splits for its distributed view.
+    assert worker == f"{socket.gethostname()}_{os.getpid()}" and re.fullmatch(r"(.*)_(\d+)", worker)
+    assert abs(int(span) / 1000 - time.time()) < 3600  # milliseconds since the epoch
+    # The JSON the plugin parses: traceEvents with a ts on each event it keeps, the step annotations it
+    # splits the steps by; deviceProperties only on a GPU.
+    trace = json.loads(trace_path.read_text())
     events = trace["traceEvents"]
+    assert isinstance(trace.get("deviceProperties", []), list)
     assert all("ph" in event and "name" in event for event in events)
     complete = [e for e in events if e["ph"] == "X"]
     assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in complete)
+    steps = [e for e in complete if e["name"].startswith("ProfilerStep#")]
+    assert [e["name"] for e in steps] == ["ProfilerStep#3"] and steps[0]["cat"] == "user_annotation"
     names = {e["name"] for e in complete}
-    assert "ProfilerStep#3" in names
     assert "aten::mm" in names or "aten::addmm" in names  # the model's matmuls were recorded
-    table = (run.dir / "profiler" / "key_averages_rank0_step4.txt").read_text()
+    table = (trace_path.parent / "key_averages.txt").read_text()
     assert "Self CPU" in table and "aten::" in table
+    # The same folder, byte for byte, among the MLflow artifacts.
+    assert artifact_names(run, "profiler") == ["rank0-steps3-3"]
+    assert artifact_names(run, "profiler/rank0-steps3-3") == sorted(["key_averages.txt", trace_path.name])
+    artifact = f"profiler/rank0-steps3-3/{trace_path.name}"
+    assert Path(run.client.download_artifacts(run.id, artifact, str(run.tmp))).read_bytes() == trace_path.read_bytes()
+
+
+def test_a_file_the_tensorboard_plugin_would_skip_is_not_counted_as_a_trace(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "trace_rank0_step4.json").write_text("{}")  # the old name: no run
+    (tmp_path / "a" / "host_1.pt.trace.json.partial").write_text("{}")
+    assert plugin_runs(tmp_path) == {}
+    (tmp_path / "a" / "host_1.1700000000000.pt.trace.json.gz").write_bytes(b"")
+    assert plugin_runs(tmp_path) == {
+        "a": [("host_1", "1700000000000", tmp_path / "a" / "host_1.1700000000000.pt.trace.json.gz")]
+    }
 
 
 # ---- provenance ---------------------------------------------------------------------------------

@@ -12,10 +12,13 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from uma_lightning.checkpoint.codec import decode
@@ -54,14 +57,17 @@ class KeyMapping:
 
 def read_checkpoint(path: str | Path, prefer_ema: bool = True) -> CheckpointWeights:
     """Hyperparameters and model weights of a checkpoint: a sharded checkpoint directory, a run's
-    checkpoints directory (its newest valid checkpoint), or a Lightning checkpoint file, read with
-    ``weights_only=True``. Nothing is unpickled but tensors and plain containers. The EMA weights
-    are taken when the checkpoint has them and ``prefer_ema``."""
+    checkpoints directory (its newest valid checkpoint), a Lightning checkpoint file, read with
+    ``weights_only=True``, or a weights file from ``save_weights_file`` (``uma ckpt export``). Nothing
+    is unpickled but tensors and plain containers. The EMA weights are taken when the checkpoint has
+    them and ``prefer_ema`` (a weights file holds one set)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.is_dir():
         return _read_sharded(path, prefer_ema)
+    if path.suffix == ".safetensors":
+        return _read_weights_file(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # a truncated or foreign file: name it, and say what was expected
@@ -94,16 +100,55 @@ def _read_sharded(path: Path, prefer_ema: bool) -> CheckpointWeights:
     except CheckpointError as err:
         raise ValueError(f"{err}; give a checkpoint directory, a run's checkpoints directory or a .ckpt file") from None
     hparams = decode(trainer_state.get("hyper_parameters"), {}) or {}
-    # What the module's (and callbacks') on_save_checkpoint added: "hooks", or "module" in older checkpoints.
-    extras = trainer_state.get("hooks") or trainer_state.get("module") or {}
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
+    origin = network_origin(trainer_state)
     return CheckpointWeights(
         str(directory),
         dict(hparams),
         weights,
         prefix.endswith(EMA_PREFIX),
-        extras.get("module_class"),
-        extras.get("network_builder"),
+        origin["module_class"],
+        origin["network_builder"],
+    )
+
+
+def network_origin(trainer_state: dict) -> dict[str, str | None]:
+    """``module_class`` and ``network_builder`` of a sharded checkpoint's trainer state, from what the
+    module's (and callbacks') on_save_checkpoint added: "hooks", or "module" in older checkpoints."""
+    extras = trainer_state.get("hooks") or trainer_state.get("module") or {}
+    return {"module_class": extras.get("module_class"), "network_builder": extras.get("network_builder")}
+
+
+def save_weights_file(
+    output: Path, weights: dict[str, torch.Tensor], hparams: dict, metadata: dict[str, str | None]
+) -> None:
+    """Write ``weights`` as one safetensors file, atomically, with the hyperparameters (as JSON) and
+    ``metadata`` (``module_class`` and ``network_builder`` make it a checkpoint ``read_checkpoint``
+    and ``Policy.from_checkpoint`` read; None values are left out)."""
+    header = {key: value for key, value in metadata.items() if value is not None}
+    header["hyper_parameters"] = json.dumps(hparams)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".partial")
+    save_file({key: value.contiguous() for key, value in weights.items()}, str(partial), metadata=header)
+    os.replace(partial, output)
+
+
+def _read_weights_file(path: Path) -> CheckpointWeights:
+    try:
+        with safe_open(str(path), "pt") as file:
+            metadata = file.metadata() or {}
+        weights = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+    if "hyper_parameters" not in metadata:
+        raise ValueError(f"{path}: no hyper_parameters in its metadata; not a weights file from `uma ckpt export`")
+    return CheckpointWeights(
+        str(path),
+        json.loads(metadata["hyper_parameters"]) or {},
+        weights,
+        metadata.get("ema") == "true",
+        metadata.get("module_class"),
+        metadata.get("network_builder"),
     )
 
 

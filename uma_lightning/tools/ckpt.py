@@ -2,6 +2,9 @@
 
     uma ckpt inspect PATH [--all]                 step, size, manifest status, tensor shapes
     uma ckpt export PATH --to model.safetensors   consolidated weights of the network, for inference
+    uma ckpt export PATH --format mlflow [--register NAME]
+                                                  the policy as an MLflow Model (servable), in the run
+                                                  that trained it or a new one
 
 PATH is one checkpoint directory (``.../checkpoints/step-000000100``) or a run's checkpoints
 directory, which means its newest valid checkpoint. Nothing is unpickled (see ``storage.py``).
@@ -10,20 +13,18 @@ directory, which means its newest valid checkpoint. Nothing is unpickled (see ``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from uma_lightning.checkpoint.codec import decode
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
 from uma_lightning.checkpoint.resume import unusable_because
 from uma_lightning.checkpoint.storage import tensor_metadata
-from uma_lightning.checkpoint.weights import MODEL, TRAINER, read_state, read_weights
+from uma_lightning.checkpoint.weights import MODEL, TRAINER, network_origin, read_state, read_weights, save_weights_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,27 +33,52 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="step, size, manifest status and tensor shapes")
     inspect.add_argument("path", type=Path, help="a checkpoint directory, or a run's checkpoints directory")
     inspect.add_argument("--all", action="store_true", help="list optimizer, trainer and RNG tensors too")
-    export = commands.add_parser("export", help="consolidated weights as one safetensors file")
+    export = commands.add_parser("export", help="the network's weights as one file, or the policy as an MLflow Model")
     export.add_argument(
         "path", type=Path, help="a checkpoint directory, or a run's checkpoints directory (newest valid)"
     )
-    export.add_argument("--to", type=Path, required=True, help="output .safetensors file")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "mlflow"),
+        default="safetensors",
+        help="safetensors: weights to --to; mlflow: the policy as the MLflow Model 'model' of a run (default: safetensors)",
+    )
+    export.add_argument("--to", type=Path, help="output .safetensors file (--format safetensors)")
     export.add_argument(
         "--module",
         default="model",
         help="attribute path of the network inside the LightningModule (default: model); '' exports everything",
     )
+    export.add_argument(
+        "--tracking-uri",
+        help="MLflow server or store (default: $MLFLOW_TRACKING_URI, else the embedded store in ./mlruns)",
+    )
+    export.add_argument(
+        "--run-id",
+        help="run to log the model into (default: the run that saved the checkpoint, when the store has it; else a new run)",
+    )
+    export.add_argument("--experiment", default="uma", help="experiment of a new run (default: uma)")
+    export.add_argument("--register", metavar="NAME", help="register the model under NAME in the Model Registry")
+    export.add_argument(
+        "--weights",
+        choices=("artifact", "reference"),
+        default="artifact",
+        help="artifact: copy the weights into the model; reference: the model reads the checkpoint where it is",
+    )
     return parser
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "export" and args.format == "safetensors" and args.to is None:
+        parser.error("export --format safetensors needs --to FILE")
     try:
-        return (
-            inspect_checkpoints(args.path, args.all)
-            if args.command == "inspect"
-            else export_weights(args.path, args.to, args.module)
-        )
+        if args.command == "inspect":
+            return inspect_checkpoints(args.path, args.all)
+        if args.format == "mlflow":
+            return export_mlflow_model(args)
+        return export_weights(args.path, args.to, args.module)
     except CheckpointError as err:
         print(f"uma ckpt: error: {err}", file=sys.stderr)
         return 1
@@ -104,23 +130,69 @@ def inspect_checkpoints(path: Path, show_all: bool = False) -> int:
 
 
 def export_weights(path: Path, output: Path, module: str = "model") -> int:
-    """Write the network's weights, unsharded and under plain names, to a safetensors file."""
+    """Write the network's weights, unsharded and under plain names, to a safetensors file. The
+    network's own weights (``module`` "model") name their module class and network builder too, so
+    ``Policy.from_checkpoint`` rebuilds the policy from the file alone."""
     prefix = f"{MODEL}/{module}." if module else f"{MODEL}/"
     directory, _, tensors = read_weights(path, (prefix,), show_progress=True)
     manifest = read_manifest(directory)
-    hyperparameters = decode(read_state(directory)[TRAINER].get("hyper_parameters"), {})
-    metadata = {
-        "step": str(manifest["step"]),
-        "source": str(directory),
-        "hyper_parameters": json.dumps(hyperparameters),
-    }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(output.name + ".partial")
-    save_file(
-        {key.removeprefix(prefix): value.contiguous() for key, value in tensors.items()},
-        str(partial),
-        metadata=metadata,
+    trainer_state = read_state(directory)[TRAINER]
+    hyperparameters = decode(trainer_state.get("hyper_parameters"), {})
+    metadata = {"step": str(manifest["step"]), "source": str(directory), "ema": "false"}
+    if module == "model":
+        metadata.update(network_origin(trainer_state))
+    save_weights_file(
+        output, {key.removeprefix(prefix): value for key, value in tensors.items()}, hyperparameters, metadata
     )
-    os.replace(partial, output)
     print(f"exported {len(tensors)} tensors of step {manifest['step']} from {directory} to {output}")
     return 0
+
+
+def export_mlflow_model(args: argparse.Namespace) -> int:
+    """Log the policy of ``args.path`` as an MLflow Model into ``args.run_id``, the run that saved the
+    checkpoint, or a new run; exit status 2 with one line when the checkpoint or the store refuses."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from uma_lightning.checkpoint.weights import read_checkpoint
+    from uma_lightning.tracking.mlflow_logger import local_store_uri
+    from uma_lightning.tracking.policy_model import MODEL_NAME, log_policy_model
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri("mlruns")
+    new_run = None
+    try:
+        source = read_checkpoint(args.path)  # before the store is touched
+        client = MlflowClient(uri)
+        run_id = args.run_id or _training_run(client, Path(source.path))
+        if run_id is None:
+            experiment = client.get_experiment_by_name(args.experiment)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(args.experiment)
+            run_id = new_run = client.create_run(experiment_id, run_name=f"export {source.path}").info.run_id
+        else:
+            client.get_run(run_id)  # a wrong id fails here, by name
+        info = log_policy_model(uri, run_id, source, args.weights, args.register)
+    except (MlflowException, ValueError, FileNotFoundError) as err:
+        if new_run:
+            client.set_terminated(new_run, "FAILED")
+        print(f"uma ckpt: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if new_run:
+        client.set_terminated(new_run)
+    print(f"logged the policy of {args.path} as runs:/{run_id}/{MODEL_NAME} ({info.model_uri}) in {uri}")
+    if args.register:
+        print(f"registered as models:/{args.register}/{info.registered_model_version}")
+    return 0
+
+
+def _training_run(client, path: Path) -> str | None:
+    """The MLflow run that saved the checkpoint ``path`` (a directory with a manifest), when this store has it."""
+    from mlflow.exceptions import MlflowException
+
+    run_id = read_manifest(path).get("mlflow_run_id") if (path / "manifest.json").exists() else None
+    if not run_id:
+        return None
+    try:
+        client.get_run(run_id)
+    except MlflowException:
+        return None
+    return run_id

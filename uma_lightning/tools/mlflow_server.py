@@ -1,5 +1,5 @@
 """A local ``mlflow server`` that receives training runs, started and waited for (the tests' server
-and the MLflow UI benchmark's)."""
+and the MLflow UI benchmark's), and the wait for any such server to answer."""
 
 from __future__ import annotations
 
@@ -42,16 +42,23 @@ def start_mlflow_server(
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
     url = f"http://127.0.0.1:{port}"
+    wait_until_answering(server, f"{url}/health", log_path, "mlflow server", timeout_s)
+    return server, url
+
+
+def wait_until_answering(process: subprocess.Popen, url: str, log_path: Path, name: str, timeout_s: float) -> None:
+    """Return once ``url`` answers; if ``process`` exits or ``timeout_s`` passes first, kill it and
+    raise RuntimeError with the end of its log."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return server, url
+            urllib.request.urlopen(url, timeout=2)
+            return
         except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                server.wait()
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait()
                 raise RuntimeError(
-                    f"mlflow server did not start; the end of {log_path}:\n{log_path.read_text()[-3000:]}"
+                    f"{name} did not start; the end of {log_path}:\n{log_path.read_text()[-3000:]}"
                 ) from None
             time.sleep(0.5)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import mlflow
 from lightning.pytorch import Trainer
@@ -50,6 +50,9 @@ class MLflowLogger(LightningMLFlowLogger):
         tags: Optional[dict[str, str]] = None,
         synchronous: bool = False,
         run_id: Optional[str] = None,
+        log_policy: bool = True,
+        register_model: Optional[str] = None,
+        policy_weights: Literal["artifact", "reference"] = "artifact",
     ):
         """
         Args:
@@ -61,7 +64,16 @@ class MLflowLogger(LightningMLFlowLogger):
             tags: Extra run tags.
             synchronous: Block on every logging call. Off by default so logging never stalls a step.
             run_id: Continue this existing run instead of starting a new one.
+            log_policy: When ``uma fit`` ends, log the policy of its newest sharded checkpoint as the
+                run's MLflow Model ``model`` (``runs:/<run id>/model``; see ``policy_model.py``).
+            register_model: Also register that model in the Model Registry under this name (whatever
+                ``log_policy`` says), as a new version tagged with the run's ``final/`` metrics
+                (``models:/NAME/VERSION``).
+            policy_weights: ``artifact``: the model holds a copy of the weights; ``reference``: it
+                reads the checkpoint where it is (no copy, but it breaks if the checkpoint moves).
         """
+        if policy_weights not in ("artifact", "reference"):
+            raise ValueError(f"policy_weights must be 'artifact' or 'reference', got {policy_weights!r}")
         # MLflow's async writer otherwise commits every logging call on its own, several per step, and
         # its thread takes CPU and the GIL from training; merging what arrives within a few seconds
         # into one write removes most of that. A value set in the environment is kept (0: no merging).
@@ -87,6 +99,9 @@ class MLflowLogger(LightningMLFlowLogger):
                 run_id=run_id,
                 synchronous=synchronous,
             )
+        self.log_policy = log_policy or bool(register_model)
+        self.register_model = register_model
+        self.policy_weights = policy_weights
         self._continued = False
         self._params_from_config = False
         self._flush_after_next_metrics = False
@@ -182,6 +197,10 @@ class MLflowLogger(LightningMLFlowLogger):
     def _finalize(self, status: str) -> None:
         self._flush()  # before the run is marked finished
         super().finalize(status)
+
+    def flush(self) -> None:
+        """Write out every metric still waiting in MLflow's async queue."""
+        self._flush()
 
     def _flush(self) -> None:
         if mlflow_run_opened(self):

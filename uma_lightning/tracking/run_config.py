@@ -12,9 +12,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from mlflow.entities import RunTag
 
+from uma_lightning.checkpoint.directory import committed
+from uma_lightning.checkpoint.weights import read_checkpoint
 from uma_lightning.lightning_compat import mlflow_experiment_name, mlflow_tracking_uri
 from uma_lightning.tracking.datasets import dataset_inputs
 from uma_lightning.tracking.mlflow_logger import MLflowLogger, find_mlflow_logger
+from uma_lightning.tracking.policy_model import log_policy_model
 from uma_lightning.tracking.provenance import rank_facts, run_tags, write_provenance
 from uma_lightning.tracking.step_metrics import log_step_metrics
 
@@ -45,7 +48,7 @@ class RecordRunConfig(SaveConfigCallback):
     chosen environment variables, world layout) and, with an MLflow logger, logs the config as an
     artifact and as flattened params, the datasets as dataset inputs, the provenance files as
     artifacts, tags for commit, versions, hardware and world size, and at the end the headline
-    metrics. Files are written by global rank zero."""
+    metrics and the trained policy as an MLflow Model. Files are written by global rank zero."""
 
     def __init__(self, *args, recipe: Optional[str] = None, **kwargs):
         super().__init__(*args, save_to_log_dir=False, **kwargs)
@@ -110,8 +113,37 @@ class RecordRunConfig(SaveConfigCallback):
             headline = headline_metrics(trainer.callback_metrics, getattr(pl_module, "key_metric", None))
             if headline:
                 log_step_metrics(trainer, headline)
+            if isinstance(logger, MLflowLogger) and logger.log_policy:
+                log_final_policy(trainer, logger)
             uri = mlflow_tracking_uri(logger)
             how = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else f"open {uri}"
             log.info(
                 "MLflow run %s in experiment %r; to browse runs: %s", logger.run_id, mlflow_experiment_name(logger), how
             )
+
+
+def log_final_policy(trainer: Trainer, logger: MLflowLogger) -> None:
+    """The policy of the fit's newest sharded checkpoint as the run's MLflow Model (``policy_model.py``),
+    registered when the logger says so. Lightning's .ckpt files (an RL learner's) hold no robot policy.
+    A failure does not undo the training: it is logged with the command that logs the model later."""
+    checkpoint_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
+    if not checkpoint_dir or not committed(checkpoint_dir):
+        return
+    logger.flush()  # the headline metrics just logged go with the model
+    uri = mlflow_tracking_uri(logger)
+    try:
+        log_policy_model(
+            uri, logger.run_id, read_checkpoint(checkpoint_dir), logger.policy_weights, logger.register_model
+        )
+    except Exception as err:
+        register = f" --register {logger.register_model}" if logger.register_model else ""
+        log.error(
+            "could not log the policy as an MLflow Model (%s: %s); to log it: "
+            "uma ckpt export %s --format mlflow --tracking-uri %s --run-id %s%s",
+            type(err).__name__,
+            err,
+            checkpoint_dir,
+            uri,
+            logger.run_id,
+            register,
+        )
