@@ -24,15 +24,16 @@ Compile = Literal["none", "blocks"]
 class ParallelConfig:
     """What a plan applies besides the mesh layout (the ``wrapping`` section of ``MeshStrategy``).
 
-    - ``activation_checkpointing``: none, full (recompute whole blocks) or ops (keep matmul outputs,
-      recompute the rest); ``ac_every_n_blocks``: checkpoint every n-th block only (1: all of them);
-    - ``compile``: torch.compile none, or blocks (each transformer block); ``compile_backend``: inductor
-      generates kernels, aot_eager only traces (for debugging);
-    - ``reshard_after_forward``: FSDP frees gathered parameters after each block's forward (less memory,
-      one more all-gather in backward); ``cpu_offload``: FSDP keeps parameters, gradients and optimizer
-      state in CPU memory.
-
     ``bf16_params`` is no setting: the strategy sets it from the trainer's precision (``with_bf16_params``).
+
+    Args:
+        activation_checkpointing: none, full (recompute whole blocks) or ops (keep matmul outputs, recompute the rest).
+        ac_every_n_blocks: Checkpoint every n-th block only (1: all of them).
+        compile: torch.compile none, or blocks (each transformer block).
+        compile_backend: inductor generates kernels; aot_eager only traces (for debugging).
+        reshard_after_forward: FSDP frees gathered parameters after each block's forward (less memory,
+            one more all-gather in backward).
+        cpu_offload: FSDP keeps parameters, gradients and optimizer state in CPU memory.
     """
 
     activation_checkpointing: ActivationCheckpointing = "none"

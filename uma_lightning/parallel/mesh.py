@@ -46,12 +46,13 @@ class MeshSizes:
     """The mesh a strategy asks for; each size a number, "auto" (what the other sizes leave) or "node"
     (the processes of one node). The defaults shard over every process (FSDP).
 
-    - ``dp_replicate``: data-parallel replica groups (DDP, or the replicate half of HSDP);
-    - ``dp_shard``: ranks that shard parameters, gradients and optimizer state within a replica group;
-    - ``tp``: tensor-parallel ranks, which split every layer and see the same batch;
-    - ``pp``: pipeline stages (ranks), each holding a contiguous part of the layers and seeing the same batch;
-    - ``ep``: expert-parallel ranks, which split every mixture-of-experts layer's experts: data-parallel
-      ranks ("auto": all of them).
+    Args:
+        dp_replicate: Data-parallel replica groups (DDP, or the replicate half of HSDP).
+        dp_shard: Ranks that shard parameters, gradients and optimizer state within a replica group.
+        tp: Tensor-parallel ranks, which split every layer and see the same batch.
+        pp: Pipeline stages (ranks), each holding a contiguous part of the layers and seeing the same batch.
+        ep: Expert-parallel ranks, which split every mixture-of-experts layer's experts: data-parallel
+            ranks ("auto": all of them).
     """
 
     dp_replicate: MeshSize = 1

@@ -46,10 +46,11 @@ ZERO_BUBBLE = (
 class PipelineConfig:
     """How the pipeline runs, under pp above one (the ``pipeline`` section of ``MeshStrategy``).
 
-    - ``schedule``: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (see above);
-    - ``microbatches``: microbatches each batch is cut into; None: one per pipeline rank, the fewest a schedule takes;
-    - ``virtual_stages``: stages per pipeline rank (the interleaved schedules take 2 or more, ZBVZeroBubble 2);
-    - ``split``: the backbone layer each stage after the first starts at; None balances the stages' FLOPs.
+    Args:
+        schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (see above).
+        microbatches: Microbatches each batch is cut into; None: one per pipeline rank, the fewest a schedule takes.
+        virtual_stages: Stages per pipeline rank (the interleaved schedules take 2 or more, ZBVZeroBubble 2).
+        split: The backbone layer each stage after the first starts at; None balances the stages' FLOPs.
     """
 
     schedule: Schedule = "1F1B"
