@@ -209,13 +209,17 @@ def _replica_group(trainer: Trainer, pl_module: LightningModule) -> tuple[Option
     if trainer.world_size == 1:
         return None, "one process, no replicas"
     mesh = getattr(pl_module, "device_mesh", None)
-    if mesh is not None and "dp_replicate" in (mesh.mesh_dim_names or ()):
-        if mesh["dp_replicate"].size() == 1:
+    if mesh is not None:
+        try:
+            replicas = mesh["dp_replicate"]  # a dimension of the mesh, or flattened from two (under ep)
+        except KeyError:
+            return None, f"the device mesh {mesh.mesh_dim_names} has no dp_replicate dimension"
+        if replicas.size() == 1:
             return None, (
                 "dp_replicate is 1: FSDP shards, tensor-parallel slices and pipeline stages each exist once, "
                 "so no weight has a second copy (HSDP's dp_replicate replicas would be compared)"
             )
-        return mesh["dp_replicate"].get_group(), ""
+        return replicas.get_group(), ""
     if isinstance(trainer.strategy, DDPStrategy):
         return dist.group.WORLD, ""
     return None, f"{type(trainer.strategy).__name__} keeps no replicas this callback knows of"
