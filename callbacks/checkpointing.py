@@ -23,9 +23,11 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from uma_lightning.checkpoint import (
     CheckpointWriter,
+    RunFinished,
     check_resumable,
     choose_checkpoint,
     continue_tracked_run,
+    finish_tracked_run,
     remove_staging_leftovers,
     rng,
     run_identity,
@@ -84,7 +86,11 @@ class ShardedCheckpoint(Checkpoint):
         """Refuse to resume another run's checkpoints (CheckpointError), or a run that already reached
         ``max_steps`` (RunFinished). Before anything is written, so the CLI calls it before fitting starts."""
         if self.resume and self.dirpath is not None:
-            check_resumable(Path(self.dirpath), run_identity(module, datamodule), trainer.max_steps)
+            try:
+                check_resumable(Path(self.dirpath), run_identity(module, datamodule), trainer.max_steps)
+            except RunFinished:
+                finish_tracked_run(trainer.loggers, Path(self.dirpath))  # if a kill kept it from finishing
+                raise
 
     def continue_tracked_run(self, trainer: Trainer) -> None:
         """Point the MLflow logger at the run of the checkpoint that will be resumed. Must happen before

@@ -67,7 +67,8 @@ def test_another_network_in_a_finished_runs_folder_is_refused_before_touching_it
     code, _, err = run_main(pretrained.argv, capsys)
     assert code == 0 and err.strip() == (
         f"uma: {(finished_run / checkpoints).resolve()}: this run already reached max_steps {pretrained.steps} "
-        f"(step-{pretrained.steps:09d}); nothing was changed. To train it further, raise --trainer.max_steps"
+        f"(step-{pretrained.steps:09d}): nothing to train, its checkpoints are left as they are. To train it "
+        "further, raise --trainer.max_steps"
     )
     assert folder_state(finished_run) == before
 

@@ -16,6 +16,7 @@ _EXPORTS = {
     "choose_checkpoint": "resume",
     "committed": "directory",
     "continue_tracked_run": "resume",
+    "finish_tracked_run": "resume",
     "read_manifest": "manifest",
     "remove_staging_leftovers": "directory",
     "run_identity": "identity",

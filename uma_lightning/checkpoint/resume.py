@@ -89,9 +89,22 @@ def check_resumable(root: Path, identity: dict, max_steps: Optional[int] = None)
         )
     if max_steps is not None and max_steps >= 0 and step >= max_steps and not verify(path, names=[]):
         raise RunFinished(
-            f"{root}: this run already reached max_steps {max_steps} ({path.name}); nothing was changed. "
-            f"To train it further, raise --trainer.max_steps"
+            f"{root}: this run already reached max_steps {max_steps} ({path.name}): nothing to train, its "
+            f"checkpoints are left as they are. To train it further, raise --trainer.max_steps"
         )
+
+
+def finish_tracked_run(loggers, root: Path) -> None:
+    """Mark the MLflow run of the newest checkpoint under ``root`` FINISHED, for a run that reached its
+    ``max_steps`` but was killed before it could say so."""
+    from uma_lightning.tracking.mlflow_logger import MLflowLogger
+
+    newest = newest_readable(root)
+    run_id = newest[2].get("mlflow_run_id") if newest else None
+    if run_id:
+        for logger in loggers:
+            if isinstance(logger, MLflowLogger):
+                logger.finish_run(run_id)
 
 
 def continue_tracked_run(loggers, root: Path) -> Optional[str]:

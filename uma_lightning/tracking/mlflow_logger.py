@@ -123,6 +123,19 @@ class MLflowLogger(LightningMLFlowLogger):
         log.info("continuing MLflow run %s", run_id)
 
     @rank_zero_only
+    def finish_run(self, run_id: str) -> None:
+        """Mark the existing run ``run_id`` FINISHED, unless it is; nothing else about it changes."""
+        client = mlflow_client(self)
+        try:
+            status = client.get_run(run_id).info.status
+        except MlflowException as err:
+            log.warning("cannot mark MLflow run %s FINISHED (%s)", run_id, err)
+            return
+        if status != "FINISHED":
+            client.set_terminated(run_id, "FINISHED")
+            log.info("MLflow run %s marked FINISHED (it was %s): its last checkpoint reached max_steps", run_id, status)
+
+    @rank_zero_only
     def log_tags(self, tags: dict[str, str]) -> None:
         """Set the run's tags. A continued run keeps the tags it has (its ``command``, ``host``, ...): the
         values of this resumption that differ go under ``resumed.<tag>``."""
