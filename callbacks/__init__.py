@@ -10,6 +10,7 @@ from uma_lightning.callbacks.predictions import PredictionWriter
 from uma_lightning.callbacks.preemption import Preemption
 from uma_lightning.callbacks.profiler import ProfilerTraces
 from uma_lightning.callbacks.progress import ProgressLog
+from uma_lightning.callbacks.replica_checksum import ReplicaChecksum
 from uma_lightning.callbacks.rl_progress import RolloutProgressLog
 from uma_lightning.callbacks.step_time import StepTimeBreakdown
 from uma_lightning.callbacks.throughput import ThroughputLogger
@@ -26,6 +27,7 @@ __all__ = [
     "Preemption",
     "ProfilerTraces",
     "ProgressLog",
+    "ReplicaChecksum",
     "RolloutProgressLog",
     "ShardedCheckpoint",
     "StepTimeBreakdown",

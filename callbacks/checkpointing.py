@@ -23,10 +23,14 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from uma_lightning.checkpoint import (
     CheckpointWriter,
+    RunFinished,
+    check_resumable,
     choose_checkpoint,
     continue_tracked_run,
+    finish_tracked_run,
     remove_staging_leftovers,
     rng,
+    run_identity,
 )
 from uma_lightning.checkpoint.state import TRAINER, apply_trainer_state, collect, load
 from uma_lightning.ranks import random_stream_rank
@@ -76,6 +80,17 @@ class ShardedCheckpoint(Checkpoint):
         self._last_saved_step: Optional[int] = None
         self._step_seen: Optional[int] = None
         self._commit_gate: Optional[threading.Event] = None
+        self._identity: Optional[dict] = None
+
+    def check_resumable(self, trainer: Trainer, module: LightningModule, datamodule) -> None:
+        """Refuse to resume another run's checkpoints (CheckpointError), or a run that already reached
+        ``max_steps`` (RunFinished). Before anything is written, so the CLI calls it before fitting starts."""
+        if self.resume and self.dirpath is not None:
+            try:
+                check_resumable(Path(self.dirpath), run_identity(module, datamodule), trainer.max_steps)
+            except RunFinished:
+                finish_tracked_run(trainer.loggers, Path(self.dirpath))  # if a kill kept it from finishing
+                raise
 
     def continue_tracked_run(self, trainer: Trainer) -> None:
         """Point the MLflow logger at the run of the checkpoint that will be resumed. Must happen before
@@ -89,6 +104,9 @@ class ShardedCheckpoint(Checkpoint):
         if self.dirpath is None:
             self.dirpath = str(Path(trainer.default_root_dir).resolve() / "checkpoints")
         root = Path(self.dirpath)
+        self._identity = run_identity(pl_module, trainer.datamodule)
+        if self.resume:  # what `uma fit` checked already; a plain Lightning script is checked here
+            check_resumable(root, self._identity)
         if trainer.world_size > 1:
             # The background writer's own group: its collectives never meet the training thread's.
             self._group = dist.new_group(backend="gloo")
@@ -211,6 +229,7 @@ class ShardedCheckpoint(Checkpoint):
                 "epoch": trainer.current_epoch,
                 "world_size": trainer.world_size,
                 "mlflow_run_id": state[TRAINER]["mlflow_run_id"],
+                "run": self._identity,  # which runs may resume it
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "torch": torch.__version__,
             }

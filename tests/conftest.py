@@ -144,14 +144,14 @@ def pretrained(tmp_path_factory) -> SimpleNamespace:
 
     cwd = run_folder(tmp_path_factory) / "pretrained"
     log, status = cwd / "pretrain.log", cwd / "exit-status"
+    argv = ["fit", "--config", recipe("pretrain"), *STAGE_DATA, "--data.batch_size", "16",
+            "--trainer.max_steps", str(PRETRAIN_STEPS), "--trainer.val_check_interval", str(PRETRAIN_STEPS)]  # fmt: skip
     with locked(cwd.with_name("pretrained.lock")):
         if not status.exists():
             cwd.mkdir(exist_ok=True)
-            argv = ["fit", "--config", recipe("pretrain"), *STAGE_DATA, "--data.batch_size", "16",
-                    "--trainer.max_steps", str(PRETRAIN_STEPS), "--trainer.val_check_interval", str(PRETRAIN_STEPS)]  # fmt: skip
             status.write_text(str(forked_cli.run(argv, log, cwd, timeout=900)))
     return SimpleNamespace(
-        code=int(status.read_text()), log=log.read_text(), cwd=cwd, steps=PRETRAIN_STEPS,
+        code=int(status.read_text()), log=log.read_text(), cwd=cwd, steps=PRETRAIN_STEPS, argv=argv,
         checkpoints=cwd / "runs" / "pretrain" / "checkpoints", store=f"sqlite:///{cwd / 'mlruns' / 'mlflow.db'}",
     )  # fmt: skip
 

@@ -2,7 +2,8 @@
 
 ``FaultyPretrain`` is the real PretrainModule that, at chosen steps, poisons its batch with NaN,
 multiplies its loss, hangs on one rank or leaks memory. ``Probe`` records, for the test to read,
-the weights around chosen steps and the sample ids each batch arrived with.
+the weights around chosen steps and the sample ids each batch arrived with. ``PerturbWeight`` makes
+one rank's copy of a weight drift from the other replicas'.
 """
 
 import json
@@ -138,3 +139,20 @@ class HoldUntilSignalled(Callback):
                 time.sleep(0.05)  # polled: the handler that sets the event runs on this thread
             if not self._signalled.is_set():
                 print(f"HoldUntilSignalled: no signal within {self.timeout_s:.0f} s of step {self.at_step}", flush=True)
+
+
+class PerturbWeight(Callback):
+    """Adds ``delta`` to the first element of ``parameter`` on ``rank`` after the optimizer step of
+    ``step`` (once: not again after a rollback): a replica that silently drifted from the others."""
+
+    def __init__(self, step: int, rank: int, parameter: str, delta: float = 1e-3):
+        self.step, self.rank, self.parameter, self.delta = step, rank, parameter, delta
+        self.done = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and not self.done:
+            self.done = True
+            weight = dict(pl_module.named_parameters())[self.parameter]
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            with torch.no_grad():
+                local.view(-1)[0] += self.delta

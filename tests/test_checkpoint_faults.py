@@ -184,9 +184,8 @@ def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result
     checkpoints_before = file_stamps(checkpoints)
     rerun_log = tmp_path / "rerun.log"
     assert forked_cli.run(command, rerun_log, tmp_path, timeout=300) == 0, rerun_log.read_text()[-3000:]
-    assert (
-        f"trained 0 steps: the run is already at step {MAX_STEPS} (trainer.max_steps {MAX_STEPS})"
-        in rerun_log.read_text()
+    assert f"this run already reached max_steps {MAX_STEPS} (step-{MAX_STEPS:09d}): nothing to train" in (
+        rerun_log.read_text()
     )
     assert file_stamps(checkpoints) == checkpoints_before
     assert client.get_run(run.info.run_id).info.status == "FINISHED"

@@ -41,7 +41,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from uma_lightning.callbacks import TrainingHalted
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
 from uma_lightning.callbacks.preemption import Preempted
-from uma_lightning.checkpoint import CheckpointError
+from uma_lightning.checkpoint import CheckpointError, RunFinished
 from uma_lightning.cli_errors import (
     ConfigError,
     class_candidates,
@@ -219,7 +219,9 @@ class UmaCLI(LightningCLI):
             if callback.dirpath is None:
                 callback.dirpath = str(run_dir / "checkpoints")
             if isinstance(callback, ShardedCheckpoint):
-                # Before RecordRunConfig's setup hook opens a new MLflow run.
+                # Before anything is written: RecordRunConfig's setup hook writes config.yaml and opens
+                # a new MLflow run, or continues the checkpoints' run.
+                callback.check_resumable(self.trainer, self.model, self.datamodule)
                 callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
 
@@ -428,6 +430,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except BAD_DATA_ERRORS as err:  # a file found unreadable mid-run, by a loader worker or this process
         print(f"uma: error: {bad_data_message(err)}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RunFinished as finished:  # nothing to do is not an error
+        print(f"uma: {finished}", file=sys.stderr)
+        raise SystemExit(0) from None
     except TrainingHalted as err:
         print(f"uma: training halted: {err}", file=sys.stderr)
         raise SystemExit(3) from None

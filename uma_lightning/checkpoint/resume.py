@@ -10,6 +10,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from uma_lightning.checkpoint.directory import committed
+from uma_lightning.checkpoint.identity import LISTED, identity_differences
 from uma_lightning.checkpoint.manifest import CheckpointError, read_manifest, verify
 from uma_lightning.checkpoint.storage import tensor_metadata
 
@@ -55,22 +56,71 @@ def choose_checkpoint(
     return None
 
 
+class RunFinished(Exception):
+    """The run whose checkpoints are in the folder already reached its ``max_steps``: there is nothing to do."""
+
+
+def newest_readable(root: Path) -> Optional[tuple[int, Path, dict]]:
+    """``(step, path, manifest)`` of the newest committed checkpoint under ``root`` whose manifest reads
+    (its files unchecked); None when there is none."""
+    for step, path in reversed(committed(root)):
+        try:
+            return step, path, read_manifest(path)
+        except CheckpointError:
+            continue
+    return None
+
+
+def check_resumable(root: Path, identity: dict, max_steps: Optional[int] = None) -> None:
+    """Refuse, before anything is written, to resume the checkpoints under ``root`` when they are another
+    run's (CheckpointError naming what differs), or when they already reached ``max_steps``
+    (RunFinished). Reads the newest checkpoint's manifest only, and the sizes of its files: cheap on
+    every rank, before the processes are joined."""
+    newest = newest_readable(root)
+    if newest is None:
+        return
+    step, path, manifest = newest
+    saved = manifest.get("run")
+    differences = identity_differences(saved, identity) if saved else []
+    if differences:
+        more = f"; and {len(differences) - LISTED} more" if len(differences) > LISTED else ""
+        raise CheckpointError(
+            f"{root} holds the checkpoints of another run (newest {path.name}), which this one would not resume: "
+            f"{'; '.join(differences[:LISTED])}{more}. To start fresh, pass another --trainer.default_root_dir "
+            f"or move {root} away; to start from its weights, add --model.init_from {path} as well"
+        )
+    if max_steps is not None and max_steps >= 0 and step >= max_steps and not verify(path, names=[]):
+        raise RunFinished(
+            f"{root}: this run already reached max_steps {max_steps} ({path.name}): nothing to train, its "
+            f"checkpoints are left as they are. To train it further, raise --trainer.max_steps"
+        )
+
+
+def finish_tracked_run(loggers, root: Path) -> None:
+    """Mark the MLflow run of the newest checkpoint under ``root`` FINISHED, for a run that reached its
+    ``max_steps`` but was killed before it could say so."""
+    from uma_lightning.tracking.mlflow_logger import MLflowLogger
+
+    newest = newest_readable(root)
+    run_id = newest[2].get("mlflow_run_id") if newest else None
+    if run_id:
+        for logger in loggers:
+            if isinstance(logger, MLflowLogger):
+                logger.finish_run(run_id)
+
+
 def continue_tracked_run(loggers, root: Path) -> Optional[str]:
     """Make MLflow loggers log into the run recorded by the newest checkpoint under ``root``, so that a
     resumed job continues one run, and its step axis, instead of opening a new run."""
     from uma_lightning.tracking.mlflow_logger import MLflowLogger  # here: reading checkpoints needs no Lightning
 
-    for _, path in reversed(committed(root)):
-        try:
-            run_id = read_manifest(path).get("mlflow_run_id")
-        except CheckpointError:
-            continue
-        if run_id:
-            for logger in loggers:
-                if isinstance(logger, MLflowLogger):
-                    logger.continue_run(run_id)
-        return run_id
-    return None
+    newest = newest_readable(root)
+    run_id = newest[2].get("mlflow_run_id") if newest else None
+    if run_id:
+        for logger in loggers:
+            if isinstance(logger, MLflowLogger):
+                logger.continue_run(run_id)
+    return run_id
 
 
 def unusable_because(path: Path, rank: int = 0, world: int = 1, show_progress: bool = False) -> list[str]:

@@ -18,6 +18,7 @@ import mlflow
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
+from mlflow.entities import RunTag
 from mlflow.exceptions import MlflowException
 
 from uma_lightning.cache_dir import default_cache_dir
@@ -103,6 +104,8 @@ class MLflowLogger(LightningMLFlowLogger):
         self.register_model = register_model
         self.policy_weights = policy_weights
         self._continued = False
+        self._status_before: Optional[str] = None  # of the continued run
+        self._metrics_logged = False
         self._params_from_config = False
         self._flush_after_next_metrics = False
 
@@ -124,14 +127,40 @@ class MLflowLogger(LightningMLFlowLogger):
             return
         client = mlflow_client(self)
         try:
-            client.get_run(run_id)
+            run = client.get_run(run_id)
         except MlflowException as err:
             log.warning("cannot continue MLflow run %s (%s); a new run is opened", run_id, err)
             return
         continue_mlflow_run(self, run_id)
         self._continued = True
+        self._status_before = run.info.status
         client.update_run(run_id, status="RUNNING")
         log.info("continuing MLflow run %s", run_id)
+
+    @rank_zero_only
+    def finish_run(self, run_id: str) -> None:
+        """Mark the existing run ``run_id`` FINISHED, unless it is; nothing else about it changes."""
+        client = mlflow_client(self)
+        try:
+            status = client.get_run(run_id).info.status
+        except MlflowException as err:
+            log.warning("cannot mark MLflow run %s FINISHED (%s)", run_id, err)
+            return
+        if status != "FINISHED":
+            client.set_terminated(run_id, "FINISHED")
+            log.info("MLflow run %s marked FINISHED (it was %s): its last checkpoint reached max_steps", run_id, status)
+
+    @rank_zero_only
+    def log_tags(self, tags: dict[str, str]) -> None:
+        """Set the run's tags. A continued run keeps the tags it has (its ``command``, ``host``, ...): the
+        values of this resumption that differ go under ``resumed.<tag>``."""
+        if self._continued:
+            existing = self.experiment.get_run(self.run_id).data.tags
+            tags = {
+                (f"resumed.{key}" if key in existing and existing[key] != value else key): value
+                for key, value in tags.items()
+            }
+        self.experiment.log_batch(self.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
 
     @rank_zero_only
     def log_hyperparams(self, params) -> None:
@@ -172,6 +201,15 @@ class MLflowLogger(LightningMLFlowLogger):
         # that fails now must neither hide why the run stopped nor keep the trainer from tearing down.
         if isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):
             status = "KILLED"
+        if self._continued and not self._metrics_logged and self._status_before in ("FINISHED", "KILLED", "FAILED"):
+            # Stopped before it trained a step (a checkpoint that would not load, say): the run it
+            # continued ends as it had ended, not failed by this command.
+            log.warning(
+                "MLflow run %s keeps its status %s: this command stopped before training",
+                self.run_id,
+                self._status_before,
+            )
+            status = self._status_before
         try:
             self._finalize(status)
         except Exception as err:
@@ -189,6 +227,7 @@ class MLflowLogger(LightningMLFlowLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        self._metrics_logged = True
         super().log_metrics(metrics, step)
         if self._flush_after_next_metrics:
             self._flush_after_next_metrics = False

@@ -87,7 +87,10 @@ class RecordRunConfig(SaveConfigCallback):
             tags["recipe"] = self.recipe
         if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
             tags["checkpoint_dir"] = str(trainer.checkpoint_callback.dirpath)
-        logger.experiment.log_batch(logger.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
+        if isinstance(logger, MLflowLogger):
+            logger.log_tags(tags)
+        else:
+            logger.experiment.log_batch(logger.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
         datamodule = getattr(trainer, "datamodule", None)
         inputs = dataset_inputs(datamodule) if datamodule is not None else []
         if inputs:
