@@ -10,6 +10,8 @@ from uma_lightning.modules import PretrainModule
 from uma_lightning.parallel import register_plan
 from uma_lightning.parallel.pipeline import pipeline_of
 from uma_lightning.parallel.plans.experts import local_experts_forward
+from uma_lightning.parallel.plans.pipeline import check_pipeline, pipeline_robot
+from uma_lightning.parallel.plans.registry import PipelineSplit
 from uma_lightning.parallel.plans.robot import check_robot, parallelize_robot
 
 
@@ -162,7 +164,14 @@ def _parallelize_with_fault(model: FaultyRobot, mesh, config):
     return applied
 
 
-register_plan(FaultyRobot, _parallelize_with_fault, check_robot, name="robot with an injected fault")
+# The robot family's own pipeline split: the pipeline faults are injected in the module, not the plan.
+register_plan(
+    FaultyRobot,
+    _parallelize_with_fault,
+    check_robot,
+    name="robot with an injected fault",
+    pipeline=PipelineSplit(check_pipeline, pipeline_robot),
+)
 
 
 class OverflowingPretrain(PretrainModule):

@@ -17,7 +17,6 @@ import sys
 import time
 from contextlib import AbstractContextManager
 
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -69,7 +68,7 @@ class Progress:
         self.total, self.what, self.unit = total, what, unit
         self.initial = self.done = initial
         self.logger, self.every_s, self.byte_counts = logger, every_s, byte_counts
-        shown = all_ranks or rank_zero_only.rank == 0
+        shown = all_ranks or _rank() == 0
         self.live = shown and stderr_is_terminal()
         self.lines = shown and lines and not self.live
         self._start = self._last_line = time.monotonic()
@@ -161,3 +160,13 @@ def _console_loggers() -> list[logging.Logger]:
         for logger in loggers
         if any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in logger.handlers)
     ]
+
+
+def _rank() -> int:
+    """This process's rank: Lightning's own view where it is loaded (set once a trainer knows it), else
+    the launcher's environment, so inference (``Policy``, which reads weights with progress) never
+    imports Lightning."""
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if rank_zero is not None:
+        return rank_zero.rank_zero_only.rank
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))

@@ -115,10 +115,12 @@ def _training_command(parser, cli_class: type[UmaCLI]) -> Command:
 
 
 def _concrete_subclasses(base: type) -> list[type]:
+    """The package's own concrete subclasses of ``base``: the script is the same whatever else the
+    generating process has imported (a test's or a notebook's subclasses)."""
     found, pending = [], [base]
     while pending:
         cls = pending.pop(0)
-        if not inspect.isabstract(cls) and cls not in found:
+        if not inspect.isabstract(cls) and cls not in found and cls.__module__.startswith("uma_lightning."):
             found.append(cls)
         pending += cls.__subclasses__()
     return found
