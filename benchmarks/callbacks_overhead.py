@@ -69,6 +69,7 @@ def timed(hook, callback: str):
             if HOOK_SECONDS:
                 HOOK_SECONDS[-1][callback] = HOOK_SECONDS[-1].get(callback, 0.0) + time.perf_counter() - start
 
+    wrapper.timed_hook = True
     return wrapper
 
 
@@ -78,7 +79,8 @@ def time_hooks_of(callbacks: list[dict]) -> None:
         module, name = spec["class_path"].rsplit(".", 1)
         cls = getattr(importlib.import_module(module), name)
         for hook in PER_BATCH_HOOKS:
-            if hook in vars(cls) and not hasattr(vars(cls)[hook], "__wrapped__"):
+            # Not __wrapped__: rank_zero_only (ProgressLog's hook) sets that too.
+            if hook in vars(cls) and not getattr(vars(cls)[hook], "timed_hook", False):
                 setattr(cls, hook, timed(vars(cls)[hook], name))
 
 
