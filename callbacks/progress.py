@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -53,17 +54,16 @@ class ProgressLog(Callback):
         if step == self._start_step or (step % self.every_n_steps and not last) or self._start is None:
             return
         elapsed = time.monotonic() - self._start
-        metrics = trainer.callback_metrics
+        formats = {
+            "train/loss": "loss {:.4f}",
+            "lr": "lr {:.2e}",
+            "grad_norm": "grad_norm {:.3f}",
+            "throughput/samples_per_sec": "{:.1f} samples/s",
+            "throughput/mfu_percent": "mfu {:.1f}%",
+        }
+        values = _read(trainer.callback_metrics, formats)
         parts = [f"step {step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
-        for name, fmt in (
-            ("train/loss", "loss {:.4f}"),
-            ("lr", "lr {:.2e}"),
-            ("grad_norm", "grad_norm {:.3f}"),
-            ("throughput/samples_per_sec", "{:.1f} samples/s"),
-            ("throughput/mfu_percent", "mfu {:.1f}%"),
-        ):
-            if name in metrics:
-                parts.append(fmt.format(float(metrics[name])))
+        parts += [formats[name].format(value) for name, value in values.items()]
         if trainer.max_steps > 0:
             remaining = elapsed / (step - self._start_step) * (trainer.max_steps - step)
             parts.append(f"eta {format_duration(remaining)}")
@@ -111,9 +111,16 @@ class ProgressLog(Callback):
 
 
 def _bar_figures(metrics) -> str:
-    figures = [
-        fmt.format(float(metrics[name]))
-        for name, fmt in (("train/loss", "loss {:.4f}"), ("throughput/samples_per_sec", "{:.1f} samples/s"))
-        if name in metrics
-    ]
-    return ", ".join(figures)
+    formats = {"train/loss": "loss {:.4f}", "throughput/samples_per_sec": "{:.1f} samples/s"}
+    return ", ".join(formats[name].format(value) for name, value in _read(metrics, formats).items())
+
+
+def _read(metrics: dict, names) -> dict[str, float]:
+    """Those of ``names`` that ``metrics`` holds, as floats read from the device together: one host
+    sync rather than one per metric."""
+    present = [name for name in names if name in metrics]
+    if not present:
+        return {}
+    tensors = [torch.as_tensor(metrics[name]).detach().float().reshape(()) for name in present]
+    stacked = torch.stack([tensor.to(tensors[0].device) for tensor in tensors])
+    return dict(zip(present, stacked.tolist()))

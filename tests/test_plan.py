@@ -12,7 +12,7 @@ from uma_lightning.data.spec import DataSpec
 from uma_lightning.models import RobotModelConfig, load_size
 from uma_lightning.tools.planner.cluster import ACCELERATORS, LINK_PRESETS, Cluster, Link
 from uma_lightning.tools.planner.comm import Collective, seconds
-from uma_lightning.tools.planner.estimate import Settings, estimate, pipeline_bubble
+from uma_lightning.tools.planner.estimate import Settings, estimate, pipeline_bubble, save_seconds
 from uma_lightning.tools.planner.layout import Layout
 from uma_lightning.tools.planner.memory import Precision, chunk, rank_state
 from uma_lightning.tools.planner.model import facts_of_config
@@ -75,6 +75,27 @@ def test_bubble_and_ring_times():
     assert seconds(gigabyte, CLUSTER) == pytest.approx(1.5e9 / 400e9 + 6 * 3e-6)
     across = Collective("x", "all-gather", 10**9, 2, 2, 4, False)  # ranks 0 and 4: different nodes
     assert seconds(across, CLUSTER) == pytest.approx(2 * (0.5e9 / 45e9 + 5e-6))
+
+
+def test_save_time_is_the_busiest_nodes_checkpoint_bytes_over_its_disk_bandwidth():
+    import dataclasses
+
+    model, fp32 = facts(), Precision.of("32-true")
+    cluster = dataclasses.replace(CLUSTER, disk_gb_s=4.0)  # 2 nodes of 4 ranks
+    layout = Layout(dp_shard=8)
+    shards = [rank_state(model, layout, fp32, 0, 0, rank) for rank in range(8)]
+    largest = max(shard.params + shard.optimizer for shard in shards)  # gradients are not saved
+    result = estimate(model, layout, cluster, Settings(8, fp32, 0.4))
+    assert result.rejected is None and result.checkpoint_bytes == largest
+    assert result.save_s == pytest.approx(4 * largest / 4e9)
+    # Half the disk bandwidth, twice the time; twice the ranks per node, twice the bytes per node.
+    assert save_seconds(largest, 1, dataclasses.replace(cluster, disk_gb_s=2.0)) == pytest.approx(2 * result.save_s)
+    assert save_seconds(largest, 1, dataclasses.replace(cluster, nodes=1, gpus_per_node=8)) == pytest.approx(
+        2 * result.save_s
+    )
+    # Two replicas of four shards: each shard is written once, so half the bytes per rank.
+    hybrid = estimate(model, Layout(dp_replicate=2, dp_shard=4), cluster, Settings(8, fp32, 0.4))
+    assert hybrid.save_s == pytest.approx(4 * hybrid.checkpoint_bytes / 2 / 4e9)
 
 
 def test_checkpointing_and_pipelines_change_activations_as_their_schedules_say():
@@ -236,7 +257,7 @@ def test_impossible_request_names_the_smallest_cluster(capsys):
     [("--gpu", "h300", "--gpu: unknown accelerator 'h300'"), ("--nodes", "0", "--nodes: must be a positive integer, got 0"),
      ("--mfu", "1.5", "--mfu: must be a fraction in (0, 1], got 1.5"), ("--inter-node", "wifi", "--inter-node: unknown link preset 'wifi'"),
      ("--calibrate-from", "no/such/run", "--calibrate-from: no/such/run is not a run directory"),
-     ("--precision", "fp8", "--precision: unknown precision 'fp8'")],
+     ("--precision", "fp8", "--precision: unknown precision 'fp8'"), ("--disk-gb-s", "0", "--disk-gb-s: must be > 0, got 0.0")],
 )  # fmt: skip
 def test_bad_cluster_options_are_one_line_errors(option, value, message, capsys):
     code, _, err = run_main(["plan", "--config", RECIPE, option, value], capsys)

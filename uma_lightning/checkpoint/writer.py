@@ -4,7 +4,7 @@ One save at a time: a new save first waits for the previous one to be committed.
 the caller is blocked only until the state is copied to host memory, and not even that long if it
 calls ``wait_staged()`` just before the state next changes (the optimizer step): the copy then runs
 alongside the next forward and backward pass. Writing, checksums, the manifest, the commit and
-pruning happen on a background thread. That thread talks to the other ranks over its own gloo
+pruning happen on a background thread. ``last_profile`` holds the seconds per phase of the last save. That thread talks to the other ranks over its own gloo
 process group, so its collectives can never interleave with (and deadlock against) a barrier or an
 all-reduce on the training thread.
 """
@@ -31,7 +31,7 @@ from uma_lightning.checkpoint.manifest import (
     write_json_durably,
     write_manifest,
 )
-from uma_lightning.checkpoint.storage import save_tensors
+from uma_lightning.checkpoint.storage import SaveProfile, save_tensors
 from uma_lightning.checkpoint.weights import STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class CheckpointWriter:
         self._pending: Optional[Future] = None
         self._staged = threading.Event()
         self._staged.set()
+        self.last_profile: dict[str, float] = {}
 
     def save(
         self,
@@ -121,7 +122,9 @@ class CheckpointWriter:
             staged = self._stager.stage(tensors)
         finally:
             self._staged.set()
-        self._write(step, state, staged, summary, started, time.monotonic() - started, commit_after)
+        staging_s = time.monotonic() - started
+        self._write(step, state, staged, summary, started, staging_s, commit_after)
+        self.last_profile["copy to host memory"] = staging_s
 
     def _write(
         self,
@@ -133,20 +136,27 @@ class CheckpointWriter:
         staging_s: float,
         commit_after: Optional[threading.Event] = None,
     ) -> None:
+        profile = SaveProfile()
         staging = staging_path(self.root, step)
-        save_tensors(tensors, staging, self.process_group)
-        files = self._checksums_of_all_ranks(staging)
+        written = save_tensors(tensors, staging, self.process_group, profile)
+        with profile.timed("gather checksums"):
+            files = self._checksums_of_all_ranks(staging, written)
         if self.rank != 0:
+            self.last_profile = dict(profile.seconds)
             return
-        write_json_durably(staging / STATE_FILE, state)
-        files.update(describe_files(staging, [n for n in os.listdir(staging) if n not in files and n != MANIFEST]))
-        size = sum(entry["bytes"] for entry in files.values())
-        write_manifest(staging, files, {**summary, "step": step, "bytes": size})
+        with profile.timed("state and manifest"):
+            write_json_durably(staging / STATE_FILE, state)
+            files.update(describe_files(staging, [n for n in os.listdir(staging) if n not in files and n != MANIFEST]))
+            size = sum(entry["bytes"] for entry in files.values())
+            write_manifest(staging, files, {**summary, "step": step, "bytes": size})
         final = self.root / step_dirname(step)
         if commit_after is not None:
             commit_after.wait()
-        commit(staging, final)
-        removed = prune(self.root, self.keep_last, self.keep_every_n_steps)
+        with profile.timed("commit"):
+            commit(staging, final)
+        with profile.timed("prune"):
+            removed = prune(self.root, self.keep_last, self.keep_every_n_steps)
+        self.last_profile = dict(profile.seconds)
         elapsed = time.monotonic() - started
         how = (
             f"in the background, training blocked for at most {staging_s:.2f} s" if self._executor else "synchronously"
@@ -161,10 +171,17 @@ class CheckpointWriter:
             f"; deleted {', '.join(p.name for p in removed)}" if removed else "",
         )
 
-    def _checksums_of_all_ranks(self, staging: Path) -> dict[str, dict]:
-        """Each rank checksums the files it wrote (DCP names them ``__<rank>_<n>.distcp``); rank 0 gets them all."""
+    def _checksums_of_all_ranks(self, staging: Path, written: dict[str, dict]) -> dict[str, dict]:
+        """The sizes and checksums of the files each rank wrote, taken as they were written (DCP names them
+        ``__<rank>_<n>.distcp``); rank 0 gets them all. A file whose size on disk differs is reported."""
+        mine = {name: entry for name, entry in written.items() if name.startswith(f"__{self.rank}_")}
         try:
-            mine = describe_files(staging, [n for n in os.listdir(staging) if n.startswith(f"__{self.rank}_")])
+            for name, entry in mine.items():
+                size = (staging / name).stat().st_size
+                if size != entry["bytes"]:
+                    mine[name] = {
+                        "error": f"rank {self.rank}: {name} holds {size} bytes, {entry['bytes']} were written"
+                    }
         except OSError as err:
             mine = {"": {"error": f"rank {self.rank}: {err}"}}
         if self.process_group is None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
+# What one node's checkpoint storage writes, GB/s: a local NVMe drive or the node's share of a parallel
+# file system. Nodes write their own ranks' shards at the same time.
+DISK_GB_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Cluster:
     peak_tflops: float  # dense, per rank, for the run's matmul dtype
     intra: Link
     inter: Link
+    disk_gb_s: float = DISK_GB_S  # checkpoint writes per node
 
     @property
     def world_size(self) -> int:
@@ -72,5 +76,6 @@ class Cluster:
     def describe(self) -> str:
         return (
             f"{self.nodes} node(s) x {self.gpus_per_node} {self.accelerator.name} ({self.memory_gib:.1f} GiB, "
-            f"{self.peak_tflops:.4g} TFLOP/s peak each); links {self.intra.gb_s:g} GB/s in a node, {self.inter.gb_s:g} GB/s across"
+            f"{self.peak_tflops:.4g} TFLOP/s peak each); links {self.intra.gb_s:g} GB/s in a node, {self.inter.gb_s:g} GB/s across; "
+            f"checkpoints written at {self.disk_gb_s:g} GB/s per node"
         )

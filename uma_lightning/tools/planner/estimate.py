@@ -6,6 +6,11 @@ forward of the blocks) over the cluster's peak at an achievable fraction ``mfu``
 collectives run beside compute and show only where they take longer; TP's and the experts'
 all-to-alls sit on the critical path. The pipeline bubble is (p - 1) / (m + p - 1), and
 (p - 1) / (v m + p - 1) with v virtual stages per rank.
+
+A checkpoint holds the parameters and AdamW state once: DCP writes a shard that data-parallel
+replicas share only once, spreading such writes over the replicas. The ranks of a node write to the
+node's storage together, the nodes at the same time, so a save takes a node's bytes over the node's
+disk bandwidth.
 """
 
 from __future__ import annotations
@@ -15,7 +20,13 @@ from dataclasses import dataclass, field
 from uma_lightning.tools.planner.cluster import GIB, Cluster
 from uma_lightning.tools.planner.comm import Collective, seconds, step_collectives
 from uma_lightning.tools.planner.layout import AC_MODES, Layout, candidates, illegal_reason
-from uma_lightning.tools.planner.memory import Precision, activation_bytes, buffer_bytes, largest_state
+from uma_lightning.tools.planner.memory import (
+    Precision,
+    StateBytes,
+    activation_bytes,
+    buffer_bytes,
+    largest_state,
+)
 from uma_lightning.tools.planner.model import ModelFacts
 
 # Of a device's memory, what training may use: the CUDA context, NCCL's buffers and the caching
@@ -40,6 +51,8 @@ class Estimate:
     exposed_comm_s: float = 0.0
     step_s: float = 0.0
     tokens_per_s: float = 0.0
+    checkpoint_bytes: int = 0  # of the rank holding the most
+    save_s: float = 0.0
     rejected: str | None = None
 
     @property
@@ -58,6 +71,16 @@ def compute_seconds(facts: ModelFacts, layout: Layout, cluster: Cluster, setting
     return flops * settings.global_batch / (cluster.world_size * cluster.peak_tflops * 1e12 * settings.mfu)
 
 
+def checkpoint_bytes(state: StateBytes) -> int:
+    return state.params + state.optimizer  # gradients are not saved
+
+
+def save_seconds(largest_rank_bytes: int, replicas: int, cluster: Cluster) -> float:
+    """Time to write a checkpoint whose largest rank holds ``largest_rank_bytes`` in each of ``replicas``
+    identical copies (an upper bound when ranks differ, as pipeline stages do)."""
+    return cluster.gpus_per_node * largest_rank_bytes / replicas / (cluster.disk_gb_s * 1e9)
+
+
 def estimate(facts: ModelFacts, layout: Layout, cluster: Cluster, settings: Settings) -> Estimate:
     result = Estimate(layout)
     result.rejected = illegal_reason(layout, facts, cluster, settings.global_batch)
@@ -71,6 +94,8 @@ def estimate(facts: ModelFacts, layout: Layout, cluster: Cluster, settings: Sett
         "activations": activation_bytes(facts, layout, settings.precision, settings.global_batch),
         "buffers": buffer_bytes(facts, layout, settings.precision),
     }
+    result.checkpoint_bytes = checkpoint_bytes(state)
+    result.save_s = save_seconds(result.checkpoint_bytes, layout.dp_replicate, cluster)
     usable = cluster.memory_gib * USABLE_MEMORY
     if result.peak_bytes > usable * GIB:
         result.rejected = f"needs {result.peak_bytes / GIB:.1f} GiB per GPU, has {usable:.1f}"

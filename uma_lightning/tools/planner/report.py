@@ -88,6 +88,14 @@ def memory_bars(e: Estimate, cluster: Cluster) -> list[str]:
     return lines
 
 
+def checkpoint_line(e: Estimate, cluster: Cluster) -> str:
+    return (
+        f"checkpoint: {e.checkpoint_bytes / 1e9:.2f} GB of parameters and optimizer state per rank, "
+        f"{e.save_s * cluster.disk_gb_s:.1f} GB written per node (replicas write their shared shards once); "
+        f"a save takes {e.save_s:.1f} s at {cluster.disk_gb_s:g} GB/s per node (--disk-gb-s)"
+    )
+
+
 def collective_lines(e: Estimate, cluster: Cluster) -> list[str]:
     rows = [["collective", "kind", "group", "link", "MB per call", "calls", "ms", "overlaps compute"]]
     for c in e.collectives:
@@ -160,6 +168,8 @@ def as_json(
             "exposed_comm_s": e.exposed_comm_s,
             "step_s": e.step_s,
             "tokens_per_s": e.tokens_per_s,
+            "checkpoint_bytes_per_rank": e.checkpoint_bytes,
+            "save_s": e.save_s,
             "collectives": [{**dataclasses.asdict(c), "seconds": seconds(c, cluster)} for c in e.collectives],
             "rejected": e.rejected,
         }

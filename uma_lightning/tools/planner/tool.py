@@ -21,7 +21,15 @@ from uma_lightning.checkpoint import CheckpointError
 from uma_lightning.cli_errors import ConfigError
 from uma_lightning.tools.planner import report
 from uma_lightning.tools.planner.calibrate import measured_mfu
-from uma_lightning.tools.planner.cluster import ACCELERATORS, GIB, LINK_PRESETS, Cluster, Link, preset_link
+from uma_lightning.tools.planner.cluster import (
+    ACCELERATORS,
+    DISK_GB_S,
+    GIB,
+    LINK_PRESETS,
+    Cluster,
+    Link,
+    preset_link,
+)
 from uma_lightning.tools.planner.estimate import Estimate, Settings, rank
 from uma_lightning.tools.planner.memory import Precision
 from uma_lightning.tools.planner.model import ModelFacts, facts_of_stage
@@ -61,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--inter-node-gb-s", type=float, help="override the inter-node bandwidth (GB/s per GPU and direction)"
+    )
+    parser.add_argument(
+        "--disk-gb-s",
+        type=float,
+        default=DISK_GB_S,
+        help="checkpoint write bandwidth per node, GB/s (local NVMe, or the node's share of a shared file system)",
     )
     parser.add_argument(
         "--mfu", type=float, default=0.4, help="achievable fraction of peak FLOP/s for the model's matmuls"
@@ -136,7 +150,7 @@ def check_arguments(args) -> None:
             raise ConfigError(
                 f"--{name.replace('_', '-')}: unknown link preset {getattr(args, name)!r} (choose from {', '.join(LINK_PRESETS)})"
             )
-    for name in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_s", "inter_node_gb_s"):
+    for name in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_s", "inter_node_gb_s", "disk_gb_s"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
@@ -190,7 +204,7 @@ def build_cluster(args, precision: Precision, nodes: int, gpus_per_node: int) ->
         intra = Link(args.intra_node_gb_s, intra.latency_us)
     if args.inter_node_gb_s:
         inter = Link(args.inter_node_gb_s, inter.latency_us)
-    return Cluster(nodes, gpus_per_node, accelerator, memory, peak, intra, inter)
+    return Cluster(nodes, gpus_per_node, accelerator, memory, peak, intra, inter, args.disk_gb_s)
 
 
 def _host_memory_gib() -> float:
@@ -258,6 +272,7 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
     print(f"recommended: {recommended.layout.describe()} ({recommended.layout.strategy_name()}), est. {recommended.tokens_per_s:,.0f} tokens/s, "
           f"step {recommended.step_s * 1e3:.0f} ms (compute {recommended.compute_s * 1e3:.0f} ms, exposed communication {recommended.exposed_comm_s * 1e3:.1f} ms)")  # fmt: skip
     print("\n".join(report.memory_bars(recommended, cluster)))
+    print(report.checkpoint_line(recommended, cluster))
     print("\n".join(report.collective_lines(recommended, cluster)))
     print(
         "\nfragment"

@@ -1,0 +1,51 @@
+"""Checksums taken while a save writes its files equal a checksum read back from the disk, and a save
+reports where its time went."""
+
+import pytest
+import torch
+from checkpoint_helpers import backbone, optimizer_for, train_step
+
+from uma_lightning.checkpoint import CheckpointWriter, step_dirname
+from uma_lightning.checkpoint.manifest import file_checksum, read_manifest, verify
+from uma_lightning.checkpoint.state import encode_parts, model_and_optimizer
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checksums_taken_while_writing_match_the_bytes_on_disk(tmp_path, async_save, monkeypatch):
+    # Writeback every 4 KiB, so that the small files of this test cross many steps of it.
+    monkeypatch.setattr("uma_lightning.checkpoint.storage._WRITEBACK_STEP", 4096)
+    model = backbone()
+    optimizer = optimizer_for(model)
+    train_step(model, optimizer)
+    state, tensors = encode_parts(model_and_optimizer(model, [optimizer]))
+    writer = CheckpointWriter(tmp_path, 2, None, async_save, None)
+    writer.save(1, state, tensors, {"epoch": 0, "world_size": 1})
+    writer.close()
+    checkpoint = tmp_path / step_dirname(1)
+    files = read_manifest(checkpoint)["files"]
+    assert "__0_0.distcp" in files and files["__0_0.distcp"]["bytes"] > 3 * 4096
+    for name, entry in files.items():
+        assert entry == {"bytes": (checkpoint / name).stat().st_size, "crc32": file_checksum(checkpoint / name)}
+    assert verify(checkpoint) == []
+    assert {
+        "write",
+        "checksum",
+        "fsync",
+        "tensors in all",
+        "state and manifest",
+        "commit",
+    } <= writer.last_profile.keys()
+    assert torch.serialization.get_crc32_options()  # the process-wide zip CRC setting is given back
+
+
+def test_a_flipped_byte_in_a_file_written_with_a_running_checksum_is_caught(tmp_path):
+    model = backbone()
+    optimizer = optimizer_for(model)
+    state, tensors = encode_parts(model_and_optimizer(model, [optimizer]))
+    writer = CheckpointWriter(tmp_path, 2, None, False, None)
+    writer.save(1, state, tensors, {"epoch": 0, "world_size": 1})
+    shard = tmp_path / step_dirname(1) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    assert [problem for problem in verify(tmp_path / step_dirname(1)) if "checksum" in problem]
