@@ -35,8 +35,8 @@ from uma_lightning.checkpoint.manifest import CheckpointError
 from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
 from uma_lightning.checkpoint.weights import MODEL, OPTIMIZER, RNG, TRAINER, read_state
 from uma_lightning.lightning_compat import forget_train_loader
-from uma_lightning.ranks import random_stream_rank
 from uma_lightning.parallel.pipeline import pipeline_of
+from uma_lightning.ranks import random_stream_rank
 
 log = logging.getLogger(__name__)
 
