@@ -74,27 +74,34 @@ class ThroughputLogger(Callback):
             # Every device shares the work, tensor-parallel ones included.
             tflops = samples_per_sec / trainer.world_size * self._flops_per_sample / 1e12
             if tflops > self._peak:
-                self._raise_peak(trainer, pl_module, tflops)
+                self._raise_peak(trainer, tflops)
             rates["throughput/tflops_per_device"] = tflops
             rates["throughput/mfu_percent"] = 100 * tflops / self._peak
         pl_module.log_dict(rates, batch_size=batch_size)
 
-    def _raise_peak(self, trainer: Trainer, pl_module: LightningModule, tflops: float) -> None:
+    def _raise_peak(self, trainer: Trainer, tflops: float) -> None:
         """The peak cannot be below what the run achieves: a probe taken while other work held the
-        machine, or a wrong peak_tflops. The best rate seen is the peak from now on, and a probed one
-        is kept for later runs on this host; said once per run."""
-        before, probed = self._peak, self._peak_source.startswith("matmul probe")
-        self._peak = keep_achieved_rate(pl_module.device, trainer.precision, tflops) if probed else tflops
+        machine, or a wrong peak_tflops. The best rate achieved is the peak from now on (a probed one
+        is kept for later runs on this host when training ends); said once per run."""
         if not self._peak_raised and trainer.is_global_zero:
             log.warning(
                 "MFU: %.3g TFLOP/s per device achieved, above the peak of %.3g (%s); the best rate achieved is the "
                 "peak from now on%s",
                 tflops,
-                before,
+                self._peak,
                 "the configured peak_tflops" if self.peak_tflops else self._peak_source.split(";")[0],
-                ", kept for later runs on this host" if probed else "",
+                ", kept for later runs on this host" if self._probed else "",
             )
-        self._peak_raised = True
+        self._peak, self._peak_raised = tflops, True
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Written once, not at each raise: file locking between steps would count in the step times.
+        if self._peak_raised and self._probed:
+            keep_achieved_rate(pl_module.device, trainer.precision, self._peak)
+
+    @property
+    def _probed(self) -> bool:
+        return self._peak_source.startswith("matmul probe")
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A new epoch restarts the loader (worker start-up); that gap is not steady-state throughput.

@@ -4,6 +4,7 @@ ours; and the FLOPs every tool reports, counted by torch's flop counter rather t
 import json
 import logging
 import math
+import re
 import time
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from uma_lightning.callbacks import ThroughputLogger, peak_flops
 from uma_lightning.callbacks.peak_flops import keep_achieved_rate, resolve_peak
 from uma_lightning.cli import UmaCLI
+from uma_lightning.cli_errors import ConfigError
 from uma_lightning.data.spec import DataSpec, example_batch
 from uma_lightning.models.contract import FEATURES, PolicyNetwork, contract_problems
 from uma_lightning.models.flops import flow_training_flops_per_sample, training_flops_per_sample
@@ -93,6 +95,16 @@ def test_without_validation_the_same_network_trains_and_says_once_that_policy_is
         "normalised actions [B, horizon, action_dim])",
         "tokens per second: off for this network (TemporalConvNet has no tokens_per_sample (an int))",
     ]
+
+
+@pytest.mark.parametrize(
+    "feature", ["closed-loop evaluation", "prediction", "test (errors of predicted action chunks)"]
+)
+def test_every_feature_that_acts_names_the_missing_piece_and_is_quiet_where_it_is_there(tmp_path, feature):
+    without = fit(tmp_path, WITHOUT_POLICY, run=False)
+    with pytest.raises(ConfigError, match=f"^model: {re.escape(MISSING_PREDICT)}.*, which {re.escape(feature)} needs "):
+        without.check_network_contract(["training", feature])
+    fit(tmp_path, FOREIGN, run=False).check_network_contract(["training", feature])
 
 
 def test_a_network_with_the_pieces_trains_validates_and_logs_its_counted_flops(tmp_path, caplog):
@@ -266,4 +278,6 @@ def test_a_peak_below_the_achieved_rate_is_raised_once_with_one_warning(tmp_path
     above = [r.getMessage() for r in caplog.records if "above the peak" in r.getMessage()]
     assert len(above) == 1 and "the best rate achieved is the peak from now on, kept for later runs" in above[0]
     best = max(rates["throughput/tflops_per_device"] for rates in logged)
+    assert resolve_peak(torch.device("cpu"), "32-true")[0] == 1e-9  # kept when training ends, not between steps
+    logger.on_train_end(trainer, module)
     assert resolve_peak(torch.device("cpu"), "32-true")[0] == pytest.approx(best)  # what the next run starts from

@@ -394,9 +394,9 @@ class StageModule(L.LightningModule):
                 flops, how = count_training_flops(self, batch)
                 self.flops_per_sample = max(round(flops / batch_size_of(batch)), 1)
                 log.info(
-                    "FLOPs: %.4g per sample, forward and backward of %s, counted by torch's flop counter %s",
+                    "FLOPs: %.4g per sample, forward and backward of %s's network, counted by torch's flop counter %s",
                     self.flops_per_sample,
-                    type(self.model).__name__,
+                    type(self).__name__,
                     how,
                 )
             except FlopCountError as err:
