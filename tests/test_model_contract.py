@@ -4,10 +4,13 @@ ours; and the FLOPs every tool reports, counted by torch's flop counter rather t
 import json
 import logging
 import math
+import random
 import re
 import time
 from types import SimpleNamespace
+from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 from research_module import TemporalConvNet, TemporalConvPolicy
@@ -192,13 +195,25 @@ def test_a_network_in_float64_is_counted_in_its_own_dtype(caplog):
     assert "counted by torch's flop counter on fake tensors" in caplog.text
 
 
+def noisy(compute_loss):
+    """A loss that draws from python's and numpy's generators, as noise augmentation would."""
+
+    def loss(batch):
+        out = compute_loss(batch)
+        return {**out, "loss": out["loss"] + 1e-3 * (random.random() + float(np.random.rand()))}
+
+    return loss
+
+
 @pytest.mark.parametrize("module_class", [PretrainModule, PosttrainModule])
 def test_counting_leaves_the_module_its_network_and_the_random_generators_as_they_were(module_class):
     module = module_class(spec=SPEC, network={"size": SIZE})
     module.configure_model()
-    network, state = module.model, torch.get_rng_state()
-    assert count_training_flops(module, small_batch())[1] == "on fake tensors"
-    assert module.model is network and torch.equal(torch.get_rng_state(), state)
+    network, state = module.model, (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    with patch.object(module, "compute_loss", noisy(module.compute_loss)):
+        assert count_training_flops(module, small_batch())[1] == "on fake tensors"
+    assert module.model is network and torch.equal(torch.get_rng_state(), state[0])
+    assert random.getstate() == state[1] and np.array_equal(np.random.get_state()[1], state[2])
     assert all(not p.is_meta and p.grad is None for p in network.parameters())
     # A real step after the count: no fake tensor left behind (e.g. in the attention masks' cache).
     loss = module.compute_loss(small_batch())["loss"]

@@ -393,7 +393,8 @@ class StageModule(L.LightningModule):
             try:
                 flops, how = count_training_flops(self, batch)
                 self.flops_per_sample = max(round(flops / batch_size_of(batch)), 1)
-                log.info(
+                say = log.info if self._trainer is None or self.trainer.is_global_zero else log.debug
+                say(
                     "FLOPs: %.4g per sample, forward and backward of %s's network, counted by torch's flop counter %s",
                     self.flops_per_sample,
                     type(self).__name__,

@@ -10,7 +10,8 @@ parameters the live network does not train (frozen, LoRA bases) get no gradient 
 
 A step that depends on values (routing tokens to experts by their count, a ``.tolist()``) cannot
 run on fake tensors; it is then counted once on real ones, on a fresh copy of the network (its
-parameters' memory, and one step's compute). Random generators are left as they were either way.
+parameters' memory, and one step's compute). Random generators (python, numpy, torch) are left as
+they were either way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
+
+from uma_lightning.checkpoint import rng
 
 # Segments that wrappers (activation checkpointing, torch.compile) insert into parameter names.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -52,7 +55,7 @@ def _count(stage_module, batch: dict, fake: bool) -> int:
     # Fake tensors hold no values, so the batch stays real; whatever it meets is fake.
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     live = stage_module.model
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _quiet_fake_tensor_errors():
+    with _generators_kept(), _quiet_fake_tensor_errors():
         with torch.device("meta" if fake else device):  # initialisation on fake tensors would read values
             network = stage_module.build_model()
         if live is not None:
@@ -70,6 +73,17 @@ def _count(stage_module, batch: dict, fake: bool) -> int:
         finally:
             stage_module.model = live
     return int(counter.get_total_flops())
+
+
+@contextlib.contextmanager
+def _generators_kept():
+    """Every generator a loss may draw from (python, numpy, torch CPU and CUDA) as it was before the
+    count: a resumed run, which counts at its own first step, must draw what the uninterrupted one drew."""
+    state = rng.capture()
+    try:
+        yield
+    finally:
+        rng.restore(state)
 
 
 @contextlib.contextmanager
