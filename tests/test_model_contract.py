@@ -184,6 +184,16 @@ def test_the_analytical_formulas_match_the_counted_flops_of_our_transformer(capl
     )
 
 
+def test_uma_plan_sizes_the_step_with_the_counted_flops():
+    from uma_lightning.tools.planner.model import facts_of_stage
+    from uma_lightning.tools.planner.tool import resolve
+
+    stage, _, _ = resolve(RECIPE, ["--model.network.size", json.dumps(SIZE), "--data.generation.n_episodes", "6"])
+    facts = facts_of_stage(stage)  # counted on a batch of the data's shapes: no data is read
+    assert facts.flops_per_sample == training_flops_per_sample(stage.model_config)
+    assert facts.tokens_per_sample == stage.model_config.seq_len
+
+
 def test_a_network_in_float64_is_counted_in_its_own_dtype(caplog):
     """As ``uma parity`` runs it: the rebuilt network takes the live one's dtype, so the step runs."""
     module = PretrainModule(spec=SPEC, network={"size": SIZE})
