@@ -5,6 +5,8 @@ missing from the table, or a CPU, is measured instead with a short matmul probe,
 gives the peak outright. A probe runs once per host, device, dtype, thread count and torch version;
 later runs read its figure from the cache (``peak_tflops.json``; delete it to measure again), so every
 run and every resume of a run on one machine divides by the same peak, and no run waits for the probe.
+A run that achieves more than the cached figure raises it (``keep_achieved_rate``): the peak of a host
+is never below a rate achieved on it.
 """
 
 from __future__ import annotations
@@ -70,25 +72,35 @@ def matmul_dtype(precision: str) -> str:
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def probe_tflops(device: torch.device, dtype: str = "fp32", size: int = 1024, seconds: float = 0.3) -> float:
-    """Best observed TFLOP/s of a square matmul on ``device``, measured for about ``seconds``."""
+# Square sizes the probe tries, each for a share of its time. On a CPU that other work shares, small
+# products reach the higher rate: one call fits in an uninterrupted slice of the cores, where a
+# 1024-square call on two busy cores measured a fifth of a 512-square one's rate.
+PROBE_SIZES = (256, 512, 1024)
+
+
+def probe_tflops(device: torch.device, dtype: str = "fp32", sizes=PROBE_SIZES, seconds: float = 0.45) -> float:
+    """Best observed TFLOP/s of square matmuls of ``sizes`` in ``dtype`` on ``device``, with every
+    thread torch uses, measured for about ``seconds`` in all."""
     torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        dtype, torch.float32
+        dtype, torch.float64 if dtype == "fp64" else torch.float32
     )
-    a = torch.randn(size, size, device=device, dtype=torch_dtype)
-    b = torch.randn(size, size, device=device, dtype=torch_dtype)
-    torch.mm(a, b)  # warm-up: library initialisation and kernel selection
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    while True:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            break
-    return 2 * size**3 / best / 1e12
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size, device=device, dtype=torch_dtype)
+        b = torch.randn(size, size, device=device, dtype=torch_dtype)
+        torch.mm(a, b)  # warm-up: library initialisation and kernel selection
+        fastest = float("inf")
+        deadline = time.perf_counter() + seconds / len(sizes)
+        while True:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            fastest = min(fastest, time.perf_counter() - start)
+            if time.perf_counter() > deadline:
+                break
+        best = max(best, 2 * size**3 / fastest / 1e12)
+    return best
 
 
 def resolve_peak(device: torch.device, precision: str, override_tflops: float | None = None) -> tuple[float, str]:
@@ -113,23 +125,36 @@ def resolve_peak(device: torch.device, precision: str, override_tflops: float | 
 def probed_peak(device: torch.device, device_name: str, dtype: str) -> tuple[float, str]:
     """The probe's TFLOP/s for this host, device, dtype and thread count, measured now or read from
     the cache; and which of the two, for the log."""
-    path = default_cache_dir() / PROBE_CACHE
-    key = " | ".join(
-        (socket.gethostname(), device_name, dtype, f"{torch.get_num_threads()} threads", f"torch {torch.__version__}")
-    )
+    path, key = default_cache_dir() / PROBE_CACHE, _probe_key(device_name, dtype)
     known = _read_probes(path)
     if key in known:
         return known[key], f"measured earlier on this host ({path})"
-    peak = probe_tflops(device, dtype)
+    return _keep_best(path, key, probe_tflops(device, dtype)), f"measured now, kept in {path}"
+
+
+def keep_achieved_rate(device: torch.device, precision: str, tflops: float) -> float:
+    """Raise this host's probed peak for the device and precision to a rate a run achieved, so no
+    later run divides by less; returns the figure kept (the higher of the two)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return _keep_best(default_cache_dir() / PROBE_CACHE, _probe_key(name, matmul_dtype(precision)), tflops)
+
+
+def _probe_key(device_name: str, dtype: str) -> str:
+    return " | ".join(
+        (socket.gethostname(), device_name, dtype, f"{torch.get_num_threads()} threads", f"torch {torch.__version__}")
+    )
+
+
+def _keep_best(path: Path, key: str, tflops: float) -> float:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the ranks of a job probe at the same moment
         known = _read_probes(path)
-        known[key] = max(known.get(key, 0.0), peak)
+        known[key] = max(known.get(key, 0.0), tflops)
         staging = path.with_suffix(f".{os.getpid()}.tmp")
         staging.write_text(json.dumps(known, indent=1, sort_keys=True))
         os.replace(staging, path)
-    return known[key], f"measured now, kept in {path}"
+    return known[key]
 
 
 def _read_probes(path: Path) -> dict[str, float]:

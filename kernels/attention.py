@@ -33,6 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
+from torch.utils.flop_counter import register_flop_formula
 
 from uma_lightning.kernels import flash
 from uma_lightning.kernels.dispatch import (
@@ -119,12 +120,21 @@ def build_mask(
     return keys if structural is None else keys & structural
 
 
-@functools.lru_cache(maxsize=32)
 def _block_causal(seq_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:
+    if not torch.compiler.is_compiling() and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE):
+        # A step counted on fake tensors (``modules/flops.py``): its mask must not be cached for real steps.
+        return _block_causal_mask(seq_len, prefix_len, device)
+    return _cached_block_causal(seq_len, prefix_len, device)
+
+
+def _block_causal_mask(seq_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:
     idx = torch.arange(seq_len, device=device)
     causal = idx[:, None] >= idx[None, :]
     in_prefix = idx < prefix_len
     return causal | (in_prefix[:, None] & in_prefix[None, :])
+
+
+_cached_block_causal = functools.lru_cache(maxsize=32)(_block_causal_mask)
 
 
 def reference_attention(q, k, v, *, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -157,3 +167,16 @@ def auto_backend(device_type: str, device_index: int, dtype: torch.dtype, head_d
             why = f"no flash-attn package usable here ({flash.why_not(device_index, dtype, head_dim)}); {why}"
     log_once(f"attention backend: {choice} (auto on {device_type} {dtype} head_dim {head_dim}: {why})")
     return choice
+
+
+# torch's flop counter has formulas for the CUDA fused attention kernels, not for the one SDPA runs on
+# CPU; without these, a CPU run counts no attention at all. Dense S x S products, as for the others.
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    batch, heads, queries, head_dim = query_shape
+    return 2 * batch * heads * queries * key_shape[2] * (head_dim + value_shape[3])
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _cpu_attention_backward_flops(grad_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    return 2 * _cpu_attention_flops(query_shape, key_shape, value_shape)

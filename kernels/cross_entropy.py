@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from uma_lightning.kernels.dispatch import resolve
 
@@ -157,6 +158,15 @@ def _backward(ctx, grad_loss, _predictions, _grad_hidden, _grad_weight):
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save)
+
+
+@register_flop_formula(torch.ops.uma.linear_cross_entropy)
+def _linear_cross_entropy_flops(hidden_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """What the flop counter counts for the op, which it cannot see into: the logits' matmul, and
+    with ``needs_grad`` (the last argument) the two gradient matmuls done in the forward."""
+    rows, dim = hidden_shape
+    needs_grad = args[-1] if args else kwargs["needs_grad"]
+    return 2 * rows * dim * weight_shape[0] * (3 if needs_grad else 1)
 
 
 def _triton_rows(logits, targets, row_weights, losses, predictions, ignore_index) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from uma_lightning.kernels.dispatch import EXPERT_BACKENDS, log_once
 from uma_lightning.kernels.swiglu import swiglu
@@ -82,3 +83,11 @@ class _ContiguousGradient(torch.autograd.Function):
 
 def _grouped(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return _ContiguousGradient.apply(torch._grouped_mm(x.contiguous(), weight, offs=offsets))
+
+
+# torch's flop counter has no formula for the grouped matmul. Every row of ``mat_a`` meets one
+# expert's [K, N] weight, whichever it is, so the count follows from the shapes alone (and so holds
+# on fake tensors, where the offsets have no values).
+@register_flop_formula(torch.ops.aten._grouped_mm)
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]

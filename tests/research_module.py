@@ -1,12 +1,14 @@
 """What research code looks like: PretrainModule subclasses that change only the loss, or the network;
-a model with a head of its own, and that head's parallel plan."""
+a model with a head of its own, and that head's parallel plan; a network that is not our transformer."""
 
 import dataclasses
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from uma_lightning.models import RobotFlowTransformer, RobotTransformer
+from uma_lightning.models.tokenizers import ByteTokenizer
 from uma_lightning.modules import PretrainModule
 from uma_lightning.parallel import HeadPlan, register_head, replicated
 
@@ -35,11 +37,12 @@ class DeeperPretrain(PretrainModule):
         super().__init__(**kwargs)
         self.extra_layers = extra_layers
 
-    def build_model(self):
         backbone = self.model_config.backbone
         self.model_config = dataclasses.replace(
             self.model_config, backbone=dataclasses.replace(backbone, n_layers=backbone.n_layers + self.extra_layers)
         )
+
+    def build_model(self):
         return RobotTransformer(self.model_config)
 
 
@@ -63,3 +66,69 @@ register_head(
     ProgressRobot,
     HeadPlan("progress", blocks=lambda model: [model.progress_head], tp_layout=replicated("progress_head")),
 )
+
+
+class TemporalConvNet(nn.Module):
+    """A researcher's own network, not our transformer: each camera frame pooled by a strided
+    convolution, a temporal convolution over the observation steps (frames, state and the mean of
+    the instruction's byte embeddings), and an MLP head that regresses the whole action chunk.
+    It has what training needs (a forward and a tokenizer for its own loss), not ``predict_actions``."""
+
+    def __init__(self, spec, width: int = 16, max_text_len: int = 16):
+        super().__init__()
+        self.horizon, self.action_dim = spec.action_horizon, spec.action_dim
+        self.text_tokenizer = ByteTokenizer(max_text_len)
+        self.text_embed = nn.Embedding(ByteTokenizer.vocab_size, width)
+        self.frame = nn.Conv2d(3, width, kernel_size=4, stride=4)
+        self.state = nn.Linear(spec.state_dim, width)
+        features = width * (len(spec.cameras) + 2)
+        self.temporal = nn.Conv1d(features, width, kernel_size=min(2, spec.n_obs_steps))
+        self.head = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, self.horizon * self.action_dim)
+        )
+
+    def forward(self, images, state, text_ids, text_mask):
+        """Normalised action chunks [B, horizon, action_dim]."""
+        batch, steps, cameras = images.shape[:3]
+        dtype = self.state.weight.dtype  # the parameters' dtype (float64 under uma parity), not float32
+        frames = images.flatten(0, 2).permute(0, 3, 1, 2).to(dtype) / 255
+        pooled = self.frame(frames).mean((2, 3)).view(batch, steps, -1)
+        weights = text_mask.unsqueeze(-1).to(dtype)
+        text = (self.text_embed(text_ids) * weights).sum(1) / weights.sum(1).clamp(min=1)
+        per_step = torch.cat((pooled, self.state(state), text.unsqueeze(1).expand(-1, steps, -1)), dim=-1)
+        hidden = self.temporal(per_step.transpose(1, 2))[..., -1]  # the window ending at the newest step
+        return self.head(hidden).view(batch, self.horizon, self.action_dim)
+
+
+class TemporalConvPolicy(TemporalConvNet):
+    """The same network with the piece evaluation and ``Policy`` call."""
+
+    def predict_actions(self, images, state, text_ids, text_mask):
+        return self.forward(images, state, text_ids, text_mask)
+
+
+class TemporalConvPretrain(PretrainModule):
+    """Trains ``TemporalConvPolicy`` by regressing the recorded chunk: mean squared error over real steps."""
+
+    network_class = TemporalConvPolicy
+
+    def __init__(self, width: int = 16, **kwargs):
+        super().__init__(**kwargs)
+        self.width = width
+
+    def build_model(self):
+        return self.network_class(self.spec, self.width)
+
+    def compute_loss(self, batch):
+        model = self.model
+        text_ids, text_mask = model.text_tokenizer(batch["instruction"], device=batch["state"].device)
+        predicted = model(batch["images"], batch["state"], text_ids, text_mask)
+        real = batch["action_mask"].unsqueeze(-1).to(predicted.dtype)
+        squared = (predicted - batch["actions"].to(predicted.dtype)) ** 2 * real
+        return {"loss": squared.sum() / (real.sum() * predicted.shape[-1]).clamp(min=1)}
+
+
+class TemporalConvWithoutPolicy(TemporalConvPretrain):
+    """The same training, on the network without ``predict_actions``."""
+
+    network_class = TemporalConvNet

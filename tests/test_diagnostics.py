@@ -140,27 +140,6 @@ def test_precision_picks_the_matmul_dtype():
         torch.set_float32_matmul_precision(saved)
 
 
-def test_a_peak_below_the_achieved_rate_is_raised_to_it(caplog):
-    logger = ThroughputLogger(peak_tflops=1e-9)  # far below any real machine, like a probe on a busy one
-    module = SimpleNamespace(
-        flops_per_sample=1e9, device=torch.device("cpu"), log_dict=lambda rates, batch_size: logged.append(rates)
-    )
-    trainer = SimpleNamespace(
-        world_size=1, global_rank=0, strategy=None, precision="32-true", is_global_zero=True, loggers=[], logger=None
-    )
-    logger.on_train_start(trainer, module)
-    logged = []
-    batch = {"sample_id": torch.arange(4)}
-    for _ in range(3):
-        logger.on_train_batch_end(trainer, module, None, batch, 0)
-        time.sleep(0.01)
-    assert len(logged) == 2 and logged[0]["throughput/mfu_percent"] == pytest.approx(
-        100.0
-    )  # the first interval sets the peak
-    assert logged[1]["throughput/mfu_percent"] <= 100.0 + 1e-9
-    assert "above the peak of 1e-09 (the configured peak_tflops); using the achieved rate as the peak" in caplog.text
-
-
 def test_a_probed_peak_is_measured_once_per_host_dtype_and_thread_count_then_read_back(tmp_path, monkeypatch, caplog):
     from uma_lightning.callbacks import peak_flops
 

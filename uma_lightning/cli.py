@@ -40,6 +40,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from uma_lightning.callbacks import TrainingHalted
 from uma_lightning.callbacks.checkpointing import ShardedCheckpoint
+from uma_lightning.callbacks.closed_loop import ClosedLoopEval
 from uma_lightning.callbacks.preemption import Preempted
 from uma_lightning.checkpoint import CheckpointError, RunFinished
 from uma_lightning.cli_errors import (
@@ -203,6 +204,13 @@ class UmaCLI(LightningCLI):
 
     def before_fit(self) -> None:
         if isinstance(self.model, StageModule):  # `uma rl` learners start from their own checkpoints
+            validates = self.trainer.limit_val_batches != 0 and getattr(self.datamodule, "val_episodes", True)
+            closed_loop = any(isinstance(callback, ClosedLoopEval) for callback in self.trainer.callbacks)
+            self.check_network_contract(
+                ["training"]
+                + (["validation (errors of predicted action chunks)"] if validates else [])
+                + (["closed-loop evaluation"] if closed_loop else [])
+            )
             try:
                 self.model.check_init_from()
             except (ValueError, FileNotFoundError) as err:
@@ -224,6 +232,33 @@ class UmaCLI(LightningCLI):
                 callback.check_resumable(self.trainer, self.model, self.datamodule)
                 callback.continue_tracked_run(self.trainer)
         log.info("run dir: %s", run_dir)
+
+    def before_validate(self) -> None:
+        self.check_network_contract(["validation (errors of predicted action chunks)"])
+
+    def before_test(self) -> None:
+        self.check_network_contract(["test (errors of predicted action chunks)"])
+
+    def before_predict(self) -> None:
+        self.check_network_contract(["prediction"])
+
+    def check_network_contract(self, features: list[str]) -> None:
+        """Stop the run before its first step where the network lacks a piece that one of the run's
+        ``features`` calls (the model contract, ``models/contract.py``), in one line naming the piece
+        and the feature; say once which optional feature is off for this network."""
+        if not isinstance(self.model, StageModule):
+            return
+        optional = ["Policy (Policy.from_checkpoint, uma predict, RL actors)", "tokens per second"]
+        problems = self.model.network_problems(features + optional)
+        missing = [
+            f"{problem}, which {' and '.join(needed)} {'needs' if len(needed) == 1 else 'need'}"
+            for problem, needed_by in problems.items()
+            if (needed := [feature for feature in needed_by if feature in features])
+        ]
+        if missing:
+            raise ConfigError(f"model: {'; '.join(missing)} (see 'The model contract' in docs/guides/evaluation.md)")
+        for problem, needed_by in problems.items():
+            log.info("%s: off for this network (%s)", " and ".join(needed_by), problem)
 
 
 def subcommand_parsers(parser) -> dict:

@@ -37,8 +37,8 @@ class Policy(nn.Module):
     def __init__(self, model: nn.Module, spec: DataSpec, normalization: dict, options: dict[str, Any] | None = None):
         """
         Args:
-            model: A robot model with ``predict_actions(images, state, text_ids, text_mask, **options)``
-                returning normalised chunks, and a ``text_tokenizer``.
+            model: A network with ``predict_actions(images, state, text_ids, text_mask, **options)``
+                returning normalised chunks, and a ``text_tokenizer`` (``PolicyNetwork`` in ``models/contract.py``).
             spec: Data shapes the model was built for.
             normalization: ``{"state": {...}, "action": {...}}``, each with ``offset`` and ``scale``
                 (normalised = (raw - offset) / scale) and optionally ``names`` of the dimensions.

@@ -6,8 +6,8 @@
 On one device every mesh is 1 x 1 x 1, so a strategy reduces to its plan's single-device part:
 activation checkpointing and per-block compile, applied by MeshStrategy (a process group of
 one). The baseline is Lightning's own single-device strategy on the same batches. MFU counts
-the model's training FLOPs (``uma_lightning.models.training_flops_per_sample``) per second over
-the peak. Nothing is installed; each check is named, and any failure names the check and exits 1.
+the model's training FLOPs (``StageModule.count_flops_per_sample``, torch's flop counter over one
+step) per second over the peak. Nothing is installed; each check is named, and any failure names the check and exits 1.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
     samples_per_s = len(batches[0]["sample_id"]) / step
     return {
         "tokens/s": samples_per_s * module.tokens_per_sample,
-        "mfu": samples_per_s * module.flops_per_sample / PEAK_BF16_FLOPS,
+        "mfu": samples_per_s * module.count_flops_per_sample(batches[0]) / PEAK_BF16_FLOPS,
         "step ms": step * 1e3,
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
     }

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class DataSpec:
@@ -43,3 +45,23 @@ class DataSpec:
         # YAML and JSON give lists; keep the spec hashable and comparable.
         object.__setattr__(self, "cameras", tuple(self.cameras))
         object.__setattr__(self, "image_size", tuple(self.image_size))
+
+
+def example_batch(spec: DataSpec, batch_size: int, device: torch.device | str = "cpu") -> dict:
+    """A batch of ``batch_size`` samples as the module docstring lays it out, every step real (the
+    masks true), every other value zero and the instructions empty: what a tool traces a training
+    step on when it reads no data."""
+    steps, horizon = spec.n_obs_steps, spec.action_horizon
+    zeros = lambda *shape, dtype=torch.float32: torch.zeros(batch_size, *shape, dtype=dtype, device=device)  # noqa: E731
+    batch = {
+        "images": zeros(steps, len(spec.cameras), *spec.image_size, 3, dtype=torch.uint8),
+        "obs_mask": zeros(steps, dtype=torch.bool).logical_not(),
+        "state": zeros(steps, spec.state_dim),
+        "actions": zeros(horizon, spec.action_dim),
+        "action_mask": zeros(horizon, dtype=torch.bool).logical_not(),
+        "instruction": [""] * batch_size,
+        **{key: zeros(dtype=torch.int64) for key in ("episode_index", "frame_index", "sample_id", "dataset_index")},
+    }
+    if spec.environment_state_dim:
+        batch["environment_state"] = zeros(spec.environment_state_dim)
+    return batch

@@ -85,6 +85,11 @@ class RobotFlowTransformer(RobotBase):
         self.init_weights()
         self.freeze_what_gets_no_gradient()
 
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens per sample: the backbone's prefix and the expert's action chunk."""
+        return self.cfg.prefix_len + self.cfg.spec.action_horizon
+
     def set_kernels(self, kernels) -> None:
         super().set_kernels(kernels)
         self.expert.set_kernels(kernels)

@@ -50,9 +50,11 @@ class FlowMatchingConfig:
 def _time_distribution(cfg: FlowMatchingConfig) -> torch.distributions.Beta:
     """The Beta distribution of training times, in at least float32 whatever the default dtype: under
     Lightning's bf16-true and 16-true the default is a half type, for which torch has no Beta
-    sampler on the CPU (float64 stays float64)."""
+    sampler on the CPU (float64 stays float64). The config has checked the parameters; checking them
+    again would read tensor values, which a step counted on fake tensors has not (``modules/flops.py``)."""
     dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
-    return torch.distributions.Beta(torch.tensor(cfg.time_alpha, dtype=dtype), torch.tensor(cfg.time_beta, dtype=dtype))
+    alpha, beta = torch.tensor(cfg.time_alpha, dtype=dtype), torch.tensor(cfg.time_beta, dtype=dtype)
+    return torch.distributions.Beta(alpha, beta, validate_args=False)
 
 
 def sample_time(n: int, cfg: FlowMatchingConfig, device=None) -> torch.Tensor:

@@ -177,6 +177,11 @@ class RobotTransformer(RobotBase):
         self.action_loss = LinearCrossEntropy()
         self.init_weights()
 
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens through the backbone per sample (throughput's tokens per second)."""
+        return self.cfg.seq_len
+
     def init_weights(self) -> None:
         super().init_weights()
         for embedding in (self.action_embed, self.action_dim_embed):

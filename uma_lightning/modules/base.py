@@ -1,7 +1,8 @@
 """What every training stage shares. ``PretrainModule``, ``MidtrainModule`` and ``PosttrainModule``
 subclass ``StageModule``; research code subclasses one of them and overrides one extension point:
 
-- ``build_model()``: the ``nn.Module`` to train (called once, inside the strategy's init context);
+- ``build_model()``: the ``nn.Module`` to train (called once, inside the strategy's init context), any
+  network that has what the run's features call (``models/contract.py``, checked by ``uma fit``);
 - ``compute_loss(batch)``: a dict with the scalar ``"loss"``, any other scalars to log, and
   optionally ``"predicted_tokens"`` and ``"target_tokens"`` ([B, n] each, targets < 0 ignored), from
   which evaluation measures each sample's token accuracy, averaged over all its samples
@@ -53,8 +54,10 @@ from torchmetrics import MeanMetric
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
+from uma_lightning.models.contract import FEATURES, Piece, contract_problems
 from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, grouped_settings, network_of, use_kernels
+from uma_lightning.modules.flops import FlopCountError, batch_size_of, count_training_flops
 from uma_lightning.modules.metrics import ActionError, log_reduced
 from uma_lightning.parallel.grad_norm import clip_grad_norm
 from uma_lightning.parallel.moe_stats import sum_per_moe_layer
@@ -100,6 +103,9 @@ class StageModule(L.LightningModule):
     key_mapping = KeyMapping(fresh=ENVIRONMENT_STATE_HEAD, dropped=ENVIRONMENT_STATE_HEAD)
     #: Builds this stage's network from its hyperparameters (a function of ``models/network.py``).
     network_builder: ClassVar[Optional[Callable]] = None
+    #: What this class's ``compute_loss`` reads from the network beside its forward (see
+    #: ``models/contract.py``); a subclass that overrides ``compute_loss`` reads what it declares.
+    loss_reads: ClassVar[tuple[Piece, ...]] = ()
     #: Arguments of earlier versions that moved into a section: old name -> new key.
     moved_settings: ClassVar[dict[str, str]] = {key: f"network.{key}" for key in FLAT_NETWORK_KEYS}
 
@@ -146,6 +152,9 @@ class StageModule(L.LightningModule):
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
         self.expert_balancing = ExpertBalancing()  # of mixture-of-experts layers; nothing without them
+        #: Training FLOPs of one sample, counted from the first batch (``count_flops_per_sample``).
+        self.flops_per_sample: int | None = None
+        self.flops_problem: str | None = None  # why they could not be counted
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
@@ -256,6 +265,18 @@ class StageModule(L.LightningModule):
             load_weights(self.model, source, self.key_mapping)
             self.log_context_change(source.hparams)
 
+    def network_problems(self, features: list[str]) -> dict[str, list[str]]:
+        """What the network lacks of the model contract (``models/contract.py``) for ``features``
+        (names in ``FEATURES``): each problem, with the features that need the piece. The network is
+        built on the meta device for the check, which costs no memory."""
+        with torch.device("meta"):
+            network = self.build_model()
+        needs = {feature: FEATURES[feature] for feature in features}
+        loss_owner = next(klass for klass in type(self).__mro__ if "compute_loss" in vars(klass))
+        if "training" in needs:
+            needs["training"] = needs["training"] + vars(loss_owner).get("loss_reads", ())
+        return contract_problems(network, needs, self.inference_options())
+
     def check_init_from(self) -> None:
         """Raise ValueError listing the keys if ``init_from`` cannot initialise this stage's model;
         the model is built on the meta device for the check, which costs no memory."""
@@ -274,15 +295,16 @@ class StageModule(L.LightningModule):
         after = (self.spec.n_obs_steps, self.spec.action_horizon)
         if before == after:
             return
-        positions = self.model.backbone.max_seq_len
+        context = f"context: {before[0]} -> {after[0]} observation steps, {before[1]} -> {after[1]}-step action chunks"
+        backbone = getattr(self.model, "backbone", None)
+        if not hasattr(backbone, "max_seq_len"):
+            log.info("%s", context)  # a network of its own: no rotary positions of ours to describe
+            return
         log.info(
-            "context: %d -> %d observation steps, %d -> %d-step action chunks; backbone RoPE positions 0..%d "
-            "(rotary frequencies unchanged, theta %g: positions are relative, and this stage trains the new range)",
-            before[0],
-            after[0],
-            before[1],
-            after[1],
-            positions - 1,
+            "%s; backbone RoPE positions 0..%d (rotary frequencies unchanged, theta %g: positions are relative, "
+            "and this stage trains the new range)",
+            context,
+            backbone.max_seq_len - 1,
             self.model_config.backbone.rope_theta,
         )
 
@@ -364,6 +386,34 @@ class StageModule(L.LightningModule):
             "target_actions": policy.denormalize_actions(batch["actions"]),
             "action_mask": batch["action_mask"],
         }
+
+    # ---- facts about the network that throughput, tracking and the planner report ------------
+
+    @property
+    def tokens_per_sample(self) -> Optional[int]:
+        """The network's ``tokens_per_sample``, where it declares one (the model contract's optional piece)."""
+        return getattr(self.model, "tokens_per_sample", None)
+
+    def count_flops_per_sample(self, batch: dict) -> Optional[int]:
+        """FLOPs of one sample's forward and backward, counted by torch's flop counter over one
+        training step on ``batch`` with the network on fake tensors (``modules/flops.py``). Counted
+        on the first call (throughput, tracking and ``uma plan`` call it), then the same figure every
+        call; None, said once, where the step cannot be counted."""
+        if self.flops_per_sample is None and self.flops_problem is None:
+            try:
+                flops, how = count_training_flops(self, batch)
+                self.flops_per_sample = max(round(flops / batch_size_of(batch)), 1)
+                say = log.info if self._trainer is None or self.trainer.is_global_zero else log.debug
+                say(
+                    "FLOPs: %.4g per sample, forward and backward of %s's network, counted by torch's flop counter %s",
+                    self.flops_per_sample,
+                    type(self).__name__,
+                    how,
+                )
+            except FlopCountError as err:
+                self.flops_problem = str(err)
+                log.warning("FLOPs off for this network: its training step cannot be counted (%s); no MFU", err)
+        return self.flops_per_sample
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Which class to rebuild at inference (Policy.from_checkpoint), as a plain string.

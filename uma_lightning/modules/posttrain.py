@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from uma_lightning.checkpoint.weights import KeyMapping
-from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig, flow_training_flops_per_sample
+from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig
+from uma_lightning.models.contract import TEXT_TOKENIZER
 from uma_lightning.models.flow_matching import noisy_sample, sample_noise_and_time, velocity_loss
 from uma_lightning.models.lora import LoraConfig
 from uma_lightning.models.network import flow_inference_options, flow_network
@@ -44,6 +45,7 @@ class PosttrainModule(StageModule):
     )
 
     network_builder = staticmethod(flow_network)
+    loss_reads = (TEXT_TOKENIZER,)
 
     def __init__(
         self,
@@ -148,18 +150,6 @@ class PosttrainModule(StageModule):
 
     def inference_options(self) -> dict[str, Any]:
         return flow_inference_options(self.flow)
-
-    # ---- facts about the model other components report --------------------------------------
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.model_config.prefix_len + self.spec.action_horizon
-
-    @property
-    def flops_per_sample(self) -> int:
-        return flow_training_flops_per_sample(
-            self.model_config, self.expert_config.transformer_config(self.model_config.backbone)
-        )
 
 
 def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:

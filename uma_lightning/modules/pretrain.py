@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from uma_lightning.models import training_flops_per_sample
+from uma_lightning.models.contract import ACTION_BINNER, TEXT_TOKENIZER
 from uma_lightning.models.network import token_network
 from uma_lightning.modules.base import StageModule
 
@@ -18,6 +18,7 @@ from uma_lightning.modules.base import StageModule
 class PretrainModule(StageModule):
     network_builder = staticmethod(token_network)
     key_metric = "val/token_accuracy"
+    loss_reads = (TEXT_TOKENIZER, ACTION_BINNER)
 
     def __init__(self, n_action_bins: int = 256, **kwargs):
         """
@@ -56,11 +57,3 @@ class PretrainModule(StageModule):
             "target_tokens": targets.masked_fill(~real, -1),
         }
         return self.add_environment_state_loss(out, environment_state, batch)
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.model_config.seq_len
-
-    @property
-    def flops_per_sample(self) -> int:
-        return training_flops_per_sample(self.model_config)

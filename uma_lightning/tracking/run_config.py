@@ -54,6 +54,7 @@ class RecordRunConfig(SaveConfigCallback):
         super().__init__(*args, save_to_log_dir=False, **kwargs)
         self.recipe = recipe
         self._world: list[dict] = []
+        self._flops_logged = False
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self.already_saved:
@@ -105,10 +106,19 @@ class RecordRunConfig(SaveConfigCallback):
         if logger is None:
             return
         facts = {"model.n_parameters": sum(p.numel() for p in pl_module.parameters())}
-        for name in ("tokens_per_sample", "flops_per_sample"):
-            if hasattr(pl_module, name):
-                facts[f"model.{name}"] = getattr(pl_module, name)
+        if getattr(pl_module, "tokens_per_sample", None):
+            facts["model.tokens_per_sample"] = pl_module.tokens_per_sample
         _log_params(logger, facts)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        # Counted over the first batch's step (``StageModule.count_flops_per_sample``), once.
+        if self._flops_logged or not callable(getattr(pl_module, "count_flops_per_sample", None)):
+            return
+        self._flops_logged = True
+        logger = find_mlflow_logger(trainer)
+        flops = pl_module.count_flops_per_sample(batch)
+        if logger is not None and flops:
+            _log_params(logger, {"model.flops_per_sample": flops})
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         logger = find_mlflow_logger(trainer)

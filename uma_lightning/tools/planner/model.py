@@ -17,6 +17,9 @@ from uma_lightning.parallel.plans.robot import BLOCK_COLWISE, BLOCK_ROWWISE, rob
 # Parameters outside the blocks that the forward uses after the backbone: a pipeline's last stage holds them.
 AFTER_BACKBONE = ("backbone.norm.", "action_head.", "environment_state_head.")
 EXPERT_WEIGHTS = re.compile(r"\.experts\.w[123]$")
+# Samples of the batch a step's FLOPs are counted on: more than one, so a network that squeezes its
+# batch dimension runs as in training.
+EXAMPLE_BATCH_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,9 @@ def _block_forward_flops(cfg: RobotModelConfig) -> int:
 
 
 def facts_of_stage(stage_module) -> ModelFacts:
-    """The facts of a training stage's network (``StageModule``), built on the meta device."""
+    """The facts of a training stage's network (``StageModule``), built on the meta device; its
+    training FLOPs counted over one step on fake tensors, on a batch of the data's shapes."""
+    from uma_lightning.data.spec import example_batch
     from uma_lightning.models import RobotBase
     from uma_lightning.parallel.plans.registry import plan_for
 
@@ -111,9 +116,14 @@ def facts_of_stage(stage_module) -> ModelFacts:
             "uma plan sizes that family only so far; measure another network with a short uma fit run"
         )
     cfg = stage_module.model_config
-    return facts_of(
-        model, cfg, stage_module.flops_per_sample, _block_forward_flops(cfg), stage_module.tokens_per_sample
-    )
+    flops = stage_module.count_flops_per_sample(example_batch(stage_module.spec, EXAMPLE_BATCH_SIZE))
+    if flops is None:
+        raise ConfigError(
+            f"model: uma plan needs the training FLOPs of {type(model).__name__}, and its step cannot be counted "
+            f"on fake tensors ({stage_module.flops_problem})"
+        )
+    tokens = getattr(model, "tokens_per_sample", None) or 1  # without the piece, a token is a sample
+    return facts_of(model, cfg, flops, _block_forward_flops(cfg), tokens)
 
 
 def facts_of_config(cfg: RobotModelConfig) -> ModelFacts:
