@@ -291,3 +291,17 @@ def parity_on_four_processes():
         ),
     ]
     return check_parity(cases)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 with its own sqlite store and artifact folder, for one test module."""
+    from uma_lightning.tools.mlflow_server import start_mlflow_server
+
+    root = tmp_path_factory.mktemp("mlflow_server")
+    process, url = start_mlflow_server(
+        f"sqlite:///{root / 'mlflow.db'}", root / "server.log", artifacts=root / "artifacts"
+    )
+    yield url
+    process.terminate()
+    process.wait(timeout=30)

@@ -21,7 +21,6 @@ from uma_lightning.checkpoint.weights import read_checkpoint
 from uma_lightning.cli import UmaCLI
 from uma_lightning.policy import Policy
 from uma_lightning.tools.ckpt import main as ckpt
-from uma_lightning.tools.mlflow_server import start_mlflow_server
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mlflow_serve import observations, serve_and_compare  # noqa: E402  (the benchmark's own client)
@@ -30,23 +29,12 @@ FIT_NAME, EXPORT_NAME = "fit-policy", "exported-policy"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("policy_model_server")
-    process, url = start_mlflow_server(
-        f"sqlite:///{root / 'mlflow.db'}", root / "server.log", artifacts=root / "artifacts"
-    )
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def registered_fit(server, tmp_path_factory):
+def registered_fit(mlflow_server, tmp_path_factory):
     """A quick pretrain run on the server whose config registers its policy: (run id, checkpoints)."""
     run_dir = tmp_path_factory.mktemp("policy_model_fit") / "run"
     cli = UmaCLI(
         ["fit", "--config", RECIPE, *QUICK, "--trainer.default_root_dir", str(run_dir),
-         "--trainer.logger.init_args.tracking_uri", server,
+         "--trainer.logger.init_args.tracking_uri", mlflow_server,
          "--trainer.logger.init_args.experiment_name", "policy-model",
          "--trainer.logger.init_args.register_model", FIT_NAME]
     )  # fmt: skip
@@ -58,10 +46,10 @@ def predicted_by(model_uri: str, observation: dict) -> np.ndarray:
 
 
 @pytest.mark.slow(seconds=50)  # a server, a training run, three model loads
-def test_fit_registers_a_policy_model_that_acts_as_policy_does(server, registered_fit, tmp_path):
+def test_fit_registers_a_policy_model_that_acts_as_policy_does(mlflow_server, registered_fit, tmp_path):
     run_id, checkpoints = registered_fit
-    client = MlflowClient(server)
-    mlflow.set_tracking_uri(server)
+    client = MlflowClient(mlflow_server)
+    mlflow.set_tracking_uri(mlflow_server)
     policy = Policy.from_checkpoint(checkpoints)
     observation = observations(policy, batch=3, seed=0)
     expected = policy(observation).numpy()
@@ -103,19 +91,21 @@ def test_fit_registers_a_policy_model_that_acts_as_policy_does(server, registere
     assert all(saved[key].equal(source.weights[key]) for key in saved)
 
     # Exported again from its checkpoint, the policy goes into the run that saved it, not a new one.
-    assert ckpt(["export", str(checkpoints), "--format", "mlflow", "--tracking-uri", server]) == 0
+    assert ckpt(["export", str(checkpoints), "--format", "mlflow", "--tracking-uri", mlflow_server]) == 0
     models = client.search_logged_models([run.info.experiment_id])
     assert len(models) == 2 and {m.source_run_id for m in models} == {run_id}
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
 @pytest.mark.slow(seconds=60)  # the session's pretrain run, a server, `mlflow models predict` in a new process
-def test_an_exported_checkpoint_is_predicted_by_the_mlflow_cli_as_policy_does(server, pretrained, tmp_path, capsys):
+def test_an_exported_checkpoint_is_predicted_by_the_mlflow_cli_as_policy_does(
+    mlflow_server, pretrained, tmp_path, capsys
+):
     # A copy of the checkpoint, referenced rather than copied into the store, then moved away.
     checkpoint = tmp_path / "step"
     shutil.copytree(read_checkpoint(pretrained.checkpoints).path, checkpoint)
     assert ckpt(
-        ["export", str(checkpoint), "--format", "mlflow", "--tracking-uri", server,
+        ["export", str(checkpoint), "--format", "mlflow", "--tracking-uri", mlflow_server,
          "--register", EXPORT_NAME, "--weights", "reference", "--experiment", "exports"]
     ) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -129,7 +119,7 @@ def test_an_exported_checkpoint_is_predicted_by_the_mlflow_cli_as_policy_does(se
     subprocess.run(
         [mlflow_cli, "models", "predict", "-m", f"models:/{EXPORT_NAME}/1", "--env-manager", "local",
          "-i", str(tmp_path / "input.json"), "-t", "json", "-o", str(tmp_path / "output.json")],
-        check=True, env={**os.environ, "MLFLOW_TRACKING_URI": server}, capture_output=True,
+        check=True, env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_server}, capture_output=True,
     )  # fmt: skip
     predicted = np.asarray(json.loads((tmp_path / "output.json").read_text())["predictions"], dtype=np.float32)
     expected = policy(observation).numpy()
@@ -143,15 +133,15 @@ def test_an_exported_checkpoint_is_predicted_by_the_mlflow_cli_as_policy_does(se
 
     # The reference breaks when the checkpoint moves, naming where it looked.
     checkpoint.rename(tmp_path / "moved")
-    mlflow.set_tracking_uri(server)
+    mlflow.set_tracking_uri(mlflow_server)
     with pytest.raises(FileNotFoundError, match=f"checkpoint not found: {checkpoint}"):
         mlflow.pyfunc.load_model(f"models:/{EXPORT_NAME}/1")
 
 
 @pytest.mark.slow(seconds=40)  # `mlflow models serve` in a new process
-def test_a_registered_policy_is_served_over_http(server, registered_fit, tmp_path):
+def test_a_registered_policy_is_served_over_http(mlflow_server, registered_fit, tmp_path):
     _, checkpoints = registered_fit
-    result = serve_and_compare(f"models:/{FIT_NAME}/1", server, checkpoints, tmp_path / "serve.log", requests=2)
+    result = serve_and_compare(f"models:/{FIT_NAME}/1", mlflow_server, checkpoints, tmp_path / "serve.log", requests=2)
     assert result["max_abs_diff"] == 0.0 and result["requests"] == 2
 
 

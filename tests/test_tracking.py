@@ -16,22 +16,10 @@ from uma_lightning.data import LeRobotMetadata
 from uma_lightning.data.generate import generate_planar_arm
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
 from uma_lightning.tools.data import main as data_tool
-from uma_lightning.tools.mlflow_server import start_mlflow_server
 from uma_lightning.tracking import MLflowLogger
 from uma_lightning.tracking.datasets import metadata_digest
 from uma_lightning.tracking.run_config import headline_metrics
 from uma_lightning.tracking.run_name import MAX_NAME_LENGTH, changed_settings, describe_overrides, run_name
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow_server")
-    server, url = start_mlflow_server(
-        f"sqlite:///{root / 'mlflow.db'}", root / "server.log", artifacts=root / "artifacts"
-    )
-    yield url
-    server.terminate()
-    server.wait(timeout=30)
 
 
 def tracked_fit(server: str, run_dir: Path, *args: str, late: tuple[str, ...] = ()) -> UmaCLI:
