@@ -216,6 +216,23 @@ def picture(argv: list[str]) -> bytes:
         return image.read_bytes()
 
 
+def schedule_picture(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> bytes:
+    """The PNG of a pipeline schedule's timeline, drawn by the planner's schedule module (no processes)."""
+    from uma_lightning.tools.planner.schedule import plot_schedule
+
+    with tempfile.TemporaryDirectory() as folder:
+        image = Path(folder) / "schedule.png"
+        plot_schedule(str(image), schedule, ranks, microbatches, virtual_stages)
+        return image.read_bytes()
+
+
+# Schedules drawn for the pipeline guide: the image's place in the site -> (schedule, ranks, microbatches, stages per rank).
+SCHEDULE_PICTURES = {
+    "guides/schedule-1f1b.png": ("1F1B", 4, 8, 1),
+    "guides/schedule-interleaved.png": ("Interleaved1F1B", 4, 8, 2),
+}
+
+
 def reference_pages() -> dict[str, str]:
     return {
         "reference/cli.md": cli_page(),
@@ -232,4 +249,6 @@ def on_files(files, config):
         files.append(File.generated(config, path, content=content))
     for path, argv in PICTURES.items():
         files.append(File.generated(config, path, content=picture(argv)))
+    for path, drawn in SCHEDULE_PICTURES.items():
+        files.append(File.generated(config, path, content=schedule_picture(*drawn)))
     return files
