@@ -2,10 +2,13 @@
 the per-layer error of low precision."""
 
 import pytest
+import torch
 
 matplotlib = pytest.importorskip("matplotlib")
 from matplotlib.image import imread  # noqa: E402
+from suite import assert_short_error, recipe, run_main  # noqa: E402
 
+from uma_lightning.tools.parity.precision import layer_errors, plot_precision  # noqa: E402
 from uma_lightning.tools.planner.estimate import pipeline_bubble  # noqa: E402
 from uma_lightning.tools.planner.layout import Layout  # noqa: E402
 from uma_lightning.tools.planner.schedule import Action, idle_fraction, plot_schedule, timeline  # noqa: E402
@@ -70,3 +73,36 @@ def test_unknown_schedule_and_uneven_interleaving_are_refused():
         timeline("ZB1", 4, 8)
     with pytest.raises(ValueError, match="divisible"):
         timeline("Interleaved1F1B", 4, 6, 2)
+
+
+def recordings(output_error: float) -> tuple[dict, dict]:
+    """fp32 and low-precision recordings of three layers; layer ``c``'s output off by ``output_error``."""
+    reference = {name: torch.ones(4) for name in "abc"}
+    grads = {f"{name}.weight": torch.ones(4) for name in "abc"}
+    low = dict(reference, c=torch.ones(4) * (1 + output_error), a=torch.ones(4) * 1.001)
+    fp32 = {"layer_order": list("abc"), "activations": [reference], "grads": [grads], "losses": [1.0]}
+    return fp32, {"layer_order": list("abc"), "activations": [low], "grads": [grads], "losses": [1.0]}
+
+
+def red_pixels(path) -> int:
+    rgb = imread(path)[..., :3]
+    red = torch.tensor(matplotlib.colors.to_rgb("tab:red"))
+    return int(((torch.from_numpy(rgb.copy()) - red).abs().max(dim=-1).values < 0.02).sum())
+
+
+def test_precision_picture_shows_the_flagged_layer_in_red_and_only_it(tmp_path):
+    flagged = layer_errors(*recordings(1.0), "bf16-mixed")
+    assert flagged["flagged"] == ["c"]
+    within = layer_errors(*recordings(0.01), "bf16-mixed")
+    assert within["flagged"] == []
+    for name, results in (("flagged", flagged), ("within", within)):
+        plot_precision(str(tmp_path / f"{name}.png"), "bf16-mixed", {"one process": results})
+        # 3 layers: 9 x (1.2 + 0.28 * 3) inches at 100 dpi.
+        assert imread(tmp_path / f"{name}.png").shape[:2] == (204, 900)
+    assert red_pixels(tmp_path / "flagged.png") > 500  # the bar of layer c
+    assert red_pixels(tmp_path / "within.png") == 0
+
+
+def test_parity_plot_needs_precision(capsys):
+    code, _, err = run_main(["parity", "--config", recipe("pretrain"), "--plot", "errors.png"], capsys)
+    assert_short_error(code, err, "--plot", "--precision")
