@@ -6,12 +6,13 @@ import torch
 
 matplotlib = pytest.importorskip("matplotlib")
 from matplotlib.image import imread  # noqa: E402
-from suite import assert_short_error, recipe, run_main  # noqa: E402
+from suite import assert_short_error, logged_run, recipe, run_main  # noqa: E402
 
 from uma_lightning.tools.parity.precision import layer_errors, plot_precision  # noqa: E402
 from uma_lightning.tools.planner.estimate import pipeline_bubble  # noqa: E402
 from uma_lightning.tools.planner.layout import Layout  # noqa: E402
 from uma_lightning.tools.planner.schedule import Action, idle_fraction, plot_schedule, timeline  # noqa: E402
+from uma_lightning.tools.planner.step_time import plot_step_time, step_time_parts  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -106,3 +107,24 @@ def test_precision_picture_shows_the_flagged_layer_in_red_and_only_it(tmp_path):
 def test_parity_plot_needs_precision(capsys):
     code, _, err = run_main(["parity", "--config", recipe("pretrain"), "--plot", "errors.png"], capsys)
     assert_short_error(code, err, "--plot", "--precision")
+
+
+def colour_pixels(path, colour: str) -> int:
+    rgb = torch.from_numpy(imread(path)[..., :3].copy())
+    return int(((rgb - torch.tensor(matplotlib.colors.to_rgb(colour))).abs().max(dim=-1).values < 0.02).sum())
+
+
+def test_step_time_breakdown_is_read_from_the_run_and_stacked(tmp_path, monkeypatch):
+    logged = {"time/data_wait_ms": [5.0, 1.0], "time/forward_ms": [20.0, 21.0], "time/backward_ms": [40.0, 39.0],
+              "time/optimizer_ms": [8.0, 8.0]}  # fmt: skip
+    parts = step_time_parts(logged_run(tmp_path, monkeypatch, logged))
+    assert parts == {"data_wait": {0: 5.0, 1: 1.0}, "forward": {0: 20.0, 1: 21.0}, "backward": {0: 40.0, 1: 39.0},
+                     "optimizer": {0: 8.0, 1: 8.0}, "overhead": {}}  # fmt: skip
+    image = tmp_path / "steps.png"
+    plot_step_time(str(image), parts)
+    assert imread(image).shape[:2] == (450, 800)
+    # Backward (C2) twice forward (C1) in both bars; overhead (C4), never logged, not drawn.
+    assert colour_pixels(image, "C2") == pytest.approx(2 * colour_pixels(image, "C1"), rel=0.1)
+    assert colour_pixels(image, "C4") == 0
+    with pytest.raises(ValueError, match="logged no time/data_wait_ms"):
+        step_time_parts(logged_run(tmp_path / "other", monkeypatch, {"loss": [1.0]}))
