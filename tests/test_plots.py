@@ -128,3 +128,13 @@ def test_step_time_breakdown_is_read_from_the_run_and_stacked(tmp_path, monkeypa
     assert colour_pixels(image, "C4") == 0
     with pytest.raises(ValueError, match="logged no time/data_wait_ms"):
         step_time_parts(logged_run(tmp_path / "other", monkeypatch, {"loss": [1.0]}))
+
+
+def test_uma_report_steptime_draws_the_run_and_names_a_bad_one(tmp_path, monkeypatch, capsys):
+    run = logged_run(tmp_path, monkeypatch, {"time/forward_ms": [20.0, 22.0, 30.0]})
+    code, out, _ = run_main(["report", "steptime", run, "--plot", str(tmp_path / "steps.png")], capsys)
+    assert code == 0
+    assert "forward: median 22.0 ms over 3 steps" in out
+    assert imread(tmp_path / "steps.png").shape[:2] == (450, 800)
+    code, _, err = run_main(["report", "steptime", str(tmp_path / "checkpoints"), "--plot", "x.png"], capsys)
+    assert_short_error(code, err, "is not a run directory")
