@@ -202,6 +202,10 @@ REPO = Path(__file__).resolve().parents[1]
 PICTURES = {
     "tutorials/layout.png": ["plan", "--config", str(REPO / "recipes" / "pretrain.yaml"), "--model.network.size", "7b",
                              "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h200"],
+    # The tutorial's comparison on the test suite's one-layer model of width 32 (about 3 s).
+    "tutorials/precision.png": ["parity", "--config", str(REPO / "recipes" / "pretrain.yaml"), "--precision", "bf16-mixed",
+                                "--steps", "2", "--data.batch_size", "4", "--model.network.size",
+                                '{"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}'],
 }  # fmt: skip
 
 
@@ -214,6 +218,23 @@ def picture(argv: list[str]) -> bytes:
         if not image.is_file():
             raise RuntimeError(f"uma {' '.join(argv)} drew no picture:\n{output}")
         return image.read_bytes()
+
+
+def schedule_picture(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> bytes:
+    """The PNG of a pipeline schedule's timeline, drawn by the planner's schedule module (no processes)."""
+    from uma_lightning.tools.planner.schedule import plot_schedule
+
+    with tempfile.TemporaryDirectory() as folder:
+        image = Path(folder) / "schedule.png"
+        plot_schedule(str(image), schedule, ranks, microbatches, virtual_stages)
+        return image.read_bytes()
+
+
+# Schedules drawn for the pipeline guide: the image's place in the site -> (schedule, ranks, microbatches, stages per rank).
+SCHEDULE_PICTURES = {
+    "guides/schedule-1f1b.png": ("1F1B", 4, 8, 1),
+    "guides/schedule-interleaved.png": ("Interleaved1F1B", 4, 8, 2),
+}
 
 
 def reference_pages() -> dict[str, str]:
@@ -232,4 +253,6 @@ def on_files(files, config):
         files.append(File.generated(config, path, content=content))
     for path, argv in PICTURES.items():
         files.append(File.generated(config, path, content=picture(argv)))
+    for path, drawn in SCHEDULE_PICTURES.items():
+        files.append(File.generated(config, path, content=schedule_picture(*drawn)))
     return files

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from uma_lightning.cli import main
 from uma_lightning.data.spec import DataSpec
@@ -145,3 +146,24 @@ def parity_case(
     args = [*chosen, "--model.network.size", json.dumps(PARITY_SIZE), *PARITY_DATA, *overrides]
     built, batches, trainer_args = resolve(config, args, steps)
     return Case(label, built, batches, strategies.split(","), trainer_args, strategy_args)
+
+
+def logged_run(tmp_path, monkeypatch, metrics: dict[str, list[float]]) -> str:
+    """A run directory (``tmp_path``) whose checkpoint names an MLflow run (a file store) that logged ``metrics``."""
+    from mlflow.tracking import MlflowClient
+
+    from uma_lightning.checkpoint.directory import step_dirname
+    from uma_lightning.checkpoint.manifest import FORMAT
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()  # a file store: seconds faster to open than sqlite, which migrates its schema
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("steps")).info.run_id
+    for name, values in metrics.items():
+        for step, value in enumerate(values):
+            client.log_metric(run_id, name, value, step=step)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"trainer": {"logger": {"init_args": {"tracking_uri": uri}}}}))
+    checkpoint = tmp_path / "checkpoints" / step_dirname(3)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "manifest.json").write_text(json.dumps({"format": FORMAT, "files": {}, "mlflow_run_id": run_id}))
+    return str(tmp_path)

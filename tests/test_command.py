@@ -17,7 +17,7 @@ from uma_lightning.parallel.strategy import PRESETS
 from uma_lightning.tools.completion import script, uma_commands
 from uma_lightning.tracking.run_name import MAX_NAME_LENGTH, changed_settings, describe_overrides, run_name
 
-SUBCOMMANDS = ["fit", "validate", "test", "predict", "data", "ckpt", "rl", "plan", "parity", "completion"]
+SUBCOMMANDS = ["fit", "validate", "test", "predict", "data", "ckpt", "rl", "plan", "parity", "report", "completion"]
 
 
 def test_help_lists_every_subcommand_on_one_line(capsys):
@@ -46,7 +46,7 @@ def test_version_names_the_package_torch_and_lightning(capsys):
     assert f"torch {torch.__version__}" in out and f"lightning {lightning.__version__}" in out
 
 
-@pytest.mark.parametrize("tool", ["data", "ckpt", "rl", "plan", "parity", "completion"])
+@pytest.mark.parametrize("tool", ["data", "ckpt", "rl", "plan", "parity", "report", "completion"])
 def test_every_tool_has_its_own_help(tool, capsys):
     code, out, _ = run_main([tool, "--help"], capsys)
     assert code == 0

@@ -41,6 +41,14 @@ def test_site_builds_in_strict_mode(tmp_path):
     # The layout tutorial shows the chart uma plan drew during the build.
     assert (tmp_path / "site" / "tutorials" / "layout.png").read_bytes().startswith(b"\x89PNG")
     assert 'src="../layout.png"' in (tmp_path / "site" / "tutorials" / "choose-a-layout" / "index.html").read_text()
+    # The precision tutorial shows the per-layer error uma parity drew during the build.
+    assert (tmp_path / "site" / "tutorials" / "precision.png").read_bytes().startswith(b"\x89PNG")
+    assert 'src="../precision.png"' in (tmp_path / "site" / "tutorials" / "precision" / "index.html").read_text()
+    # The pipeline guide shows the schedules drawn during the build.
+    pipeline_page = (tmp_path / "site" / "guides" / "pipeline" / "index.html").read_text()
+    for image in ("schedule-1f1b.png", "schedule-interleaved.png"):
+        assert (tmp_path / "site" / "guides" / image).read_bytes().startswith(b"\x89PNG")
+        assert f'src="../{image}"' in pipeline_page
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path, caplog):

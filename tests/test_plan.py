@@ -6,7 +6,7 @@ import math
 
 import pytest
 import yaml
-from suite import RECIPE, assert_short_error, run_main
+from suite import RECIPE, assert_short_error, logged_run, run_main
 
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models import RobotModelConfig, load_size
@@ -331,22 +331,9 @@ def test_predictions_match_a_real_step_of_every_strategy():
 
 
 def test_mfu_is_calibrated_from_the_median_a_run_logged(tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
-    from uma_lightning.checkpoint.directory import step_dirname
-    from uma_lightning.checkpoint.manifest import FORMAT
     from uma_lightning.tools.planner.calibrate import measured_mfu
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    uri = (tmp_path / "mlruns").as_uri()  # a file store: seconds faster to open than sqlite, which migrates its schema
-    client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("plan")).info.run_id
-    for step, mfu in enumerate((31.0, 45.0, 38.0)):
-        client.log_metric(run_id, "throughput/mfu_percent", mfu, step=step)
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"trainer": {"logger": {"init_args": {"tracking_uri": uri}}}}))
-    checkpoint = tmp_path / "checkpoints" / step_dirname(3)
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "manifest.json").write_text(json.dumps({"format": FORMAT, "files": {}, "mlflow_run_id": run_id}))
+    logged_run(tmp_path, monkeypatch, {"throughput/mfu_percent": [31.0, 45.0, 38.0]})
     assert measured_mfu(str(tmp_path)) == pytest.approx(0.38)
     with pytest.raises(ValueError, match="not a run directory"):
         measured_mfu(str(tmp_path / "checkpoints"))

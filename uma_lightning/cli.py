@@ -90,6 +90,7 @@ TOOLS: dict[str, tuple[str, str]] = {
         "rank a recipe's parallel layouts on a cluster",
     ),
     "parity": ("uma_lightning.tools.parity.cli:main", "check a recipe trains the same under each strategy"),
+    "report": ("uma_lightning.tools.report:main", "draw what a finished run logged: uma report steptime RUN_DIR"),
     "completion": ("uma_lightning.tools.completion:main", "print the shell completion script for bash or zsh"),
 }
 

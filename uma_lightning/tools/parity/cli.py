@@ -16,7 +16,7 @@ from uma_lightning.models.moe import moe_layers
 from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.pipeline import PipelineConfig
 from uma_lightning.tools.parity.layouts import LAYOUTS, PRECISIONS, data_parallel_size, needs_experts
-from uma_lightning.tools.parity.precision import compare_precision, print_precision_report
+from uma_lightning.tools.parity.precision import compare_precision, plot_precision, print_precision_report
 from uma_lightning.tools.parity.report import print_report
 from uma_lightning.tools.parity.runs import Case, check_parity
 
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, section in STRATEGY_SECTIONS.items():
         add_section_options(parser, name, section)
     parser.add_argument("--report", help="also write the results as JSON to this file")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="with --precision: chart the worst layers' error, flagged ones in red"
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds a group of processes may take")
     return parser
 
@@ -59,6 +62,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError(
                 f"--strategies: unknown strategy {', '.join(unknown) or '(none given)'}; choose from {', '.join(LAYOUTS)}"
             )
+        if args.plot and not args.precision:
+            raise ConfigError("--plot: draws the per-layer error of --precision; give --precision too")
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         strategy_args = {name: section_of(args, name, section) for name, section in STRATEGY_SECTIONS.items()}
@@ -74,6 +79,15 @@ def main(argv: list[str]) -> int:
         results = {name or "one process": compare_precision(module, batches, trainer_args, args.precision, name and LAYOUTS[name], strategy_args, args.timeout)
                    for name in strategies or [None]}  # fmt: skip
         print_precision_report(args.config, args.precision, results, global_batch)
+        if args.plot:
+            try:
+                plot_precision(args.plot, args.precision, results)
+            except ImportError:
+                print(
+                    "uma parity: error: --plot: needs matplotlib (pip install matplotlib; mlflow installs it)",
+                    file=sys.stderr,
+                )
+                return 2
         ok = all(r["ok"] for r in results.values())
     else:
         case = Case(args.config, module, batches, strategies, trainer_args, strategy_args)

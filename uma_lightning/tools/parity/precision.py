@@ -174,3 +174,32 @@ def print_precision_report(config: str, precision: str, results: dict, global_ba
             )
         else:
             print(f"ok: every layer within {r['bound']:.2g} of fp32")
+
+
+def plot_precision(path: str, precision: str, results: dict, top: int = 2 * TOP) -> None:
+    """A horizontal bar per layer (the ``top`` worst, worst on top) of its error against fp32, flagged
+    layers in red, the flag bound dashed; one panel per comparison (one process, or each strategy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = max(min(top, len(r["ranked"])) for r in results.values())
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 1.2 + 0.28 * rows * len(results)), squeeze=False)
+    for ax, (where, r) in zip(axes[:, 0], results.items()):
+        worst = r["ranked"][:top][::-1]
+        # A non-finite error is drawn at the edge of the axis, in red (it is flagged).
+        finite = [e["error"] for e in worst if math.isfinite(e["error"]) and e["error"] > 0]
+        edge = max(finite + [r["bound"]]) * 4
+        errors = [e["error"] if math.isfinite(e["error"]) else edge for e in worst]
+        colours = ["tab:red" if e["flagged"] else "tab:blue" for e in worst]
+        ax.barh([e["layer"] for e in worst], errors, color=colours)
+        ax.axvline(r["bound"], color="gray", linestyle="--", label=f"flag bound {r['bound']:.2g}")
+        ax.set_xscale("log")
+        ax.set_title(f"{precision} against fp32 ({where}): {len(r['flagged'])} of {len(r['ranked'])} layers flagged")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[-1, 0].set_xlabel("relative L2 error at the worst step (larger of output and gradient)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

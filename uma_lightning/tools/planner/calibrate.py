@@ -30,6 +30,12 @@ def tracking_uri(run_config: dict) -> str:
 
 def measured_mfu(run_dir: str) -> float:
     """The median MFU (a fraction) a run logged, read from the MLflow run its newest checkpoint names."""
+    return statistics.median(value for _, value in metric_histories(run_dir, [MFU_METRIC])[MFU_METRIC]) / 100
+
+
+def metric_histories(run_dir: str, names: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) history, read from the MLflow run the run's newest checkpoint names;
+    a ValueError if none of ``names`` was logged."""
     from mlflow.tracking import MlflowClient
 
     from uma_lightning.checkpoint.directory import committed
@@ -45,7 +51,8 @@ def measured_mfu(run_dir: str) -> float:
     if not run_id:
         raise ValueError(f"{run_dir}: its checkpoint names no MLflow run (was tracking off?)")
     uri = tracking_uri(yaml.safe_load((run / "config.yaml").read_text()) or {})
-    values = [m.value for m in MlflowClient(uri).get_metric_history(run_id, MFU_METRIC)]
-    if not values:
-        raise ValueError(f"{run_dir}: MLflow run {run_id} in {uri} logged no {MFU_METRIC}")
-    return statistics.median(values) / 100
+    client = MlflowClient(uri)
+    histories = {name: [(m.step, m.value) for m in client.get_metric_history(run_id, name)] for name in names}
+    if not any(histories.values()):
+        raise ValueError(f"{run_dir}: MLflow run {run_id} in {uri} logged no {' or '.join(names)}")
+    return histories
