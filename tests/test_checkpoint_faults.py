@@ -156,11 +156,16 @@ def test_sigkill_at_random_moments_then_rerunning_gives_the_uninterrupted_result
     # Every rerun resumed from a committed checkpoint that verified, never from a staging directory,
     # and the one after the last kill trained the rest. A kill's rerun is the next attempt, or the
     # final run where no attempt followed (an attempt that finished before its kill ends the loop).
+    # A kill after the last checkpoint committed leaves nothing to train: the rerun says so and changes nothing.
     for attempt, _, _, step_before, _ in kills:
         rerun = tmp_path / f"attempt{attempt + 1}.log"
         text = (rerun if rerun.exists() else final_log).read_text()
-        assert f"resumed from {checkpoints / f'step-{step_before:09d}'}: step {step_before}" in text
-    assert f"trained {MAX_STEPS - kills[-1][3]} steps" in text
+        if step_before == MAX_STEPS:
+            assert f"this run already reached max_steps {MAX_STEPS} (step-{MAX_STEPS:09d})" in text
+        else:
+            assert f"resumed from {checkpoints / f'step-{step_before:09d}'}: step {step_before}" in text
+    if kills[-1][3] < MAX_STEPS:
+        assert f"trained {MAX_STEPS - kills[-1][3]} steps" in text
 
     final_checkpoint = checkpoints / f"step-{MAX_STEPS:09d}"
     expected = saved_tensors(tmp_path / "reference" / "checkpoints" / f"step-{MAX_STEPS:09d}")
