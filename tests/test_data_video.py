@@ -103,6 +103,7 @@ def test_a_worker_refills_an_image_buffer_only_once_training_has_let_go_of_it(da
         for k, _batch in enumerate(loader):
             if k == stop_after:
                 break
+        del _batch  # held, it would keep its buffer's slot through the next pass
     for batch in loader:
         assert torch.equal(batch["images"], expected_images(meta, batch))
     assert int(pool.allocations.sum()) == 28
