@@ -171,7 +171,7 @@ def log_policy_model(
             placement = {"artifacts": {"weights": str(weights_file)}}
         else:
             placement = {"artifacts": {}, "model_config": {"checkpoint": str(Path(source.path).resolve())}}
-        with _tracking_uri(tracking_uri):
+        with _tracking_uri(tracking_uri), _quiet_example_check():
             info = Model.log(
                 artifact_path=None,
                 name=MODEL_NAME,
@@ -194,6 +194,27 @@ def log_policy_model(
         log.info("registered the policy of %s as models:/%s/%s", source.path, register_as, version_)
     log.info("logged the policy of %s as runs:/%s/%s (weights: %s)", source.path, run_id, MODEL_NAME, weights)
     return info
+
+
+@contextmanager
+def _quiet_example_check():
+    """MLflow checks the input example by downloading and loading the model it just logged: useful,
+    but its download bar and the load's log lines would read as if the run were doing more work."""
+    saved_env = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    loggers = [logging.getLogger(name) for name in ("mlflow", "uma_lightning")]
+    levels = [logger.level for logger in loggers]
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if saved_env is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+        else:
+            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = saved_env
 
 
 @contextmanager
