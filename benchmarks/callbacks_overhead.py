@@ -32,7 +32,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import yaml
-from harness import median, print_table
+from harness import median, print_table, small_model_fit
 
 from uma_lightning.cli import UmaCLI
 
@@ -109,28 +109,17 @@ def step_times(
     STEP_ENDS.clear()
     HOOK_SECONDS.clear()
     UmaCLI(
-        [
-            "fit",
-            "--config",
+        small_model_fit(
             RECIPE,
-            "--model.network.size",
-            "small",
-            "--data.batch_size",
-            str(batch_size),
-            "--trainer.max_steps",
-            str(steps),
-            "--trainer.limit_val_batches",
-            "0",
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.default_root_dir",
-            str(workdir / "run"),
+            steps,
+            batch_size,
+            workdir / "run",
             "--trainer.logger.init_args.store_dir",
             str(workdir / "mlruns"),
             # StepTimer first: it opens each batch's hook account before the others run.
             "--trainer.callbacks",
             json.dumps([{"class_path": "__main__.StepTimer"}] + callbacks),
-        ]
+        )  # fmt: skip
     )
     return [b - a for a, b in zip(STEP_ENDS, STEP_ENDS[1:])][WARMUP_STEPS - 1 :], HOOK_SECONDS[WARMUP_STEPS:]
 

@@ -41,3 +41,17 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def small_model_fit(recipe: str, steps: int, batch_size: int, run_dir, *extra: str) -> list[str]:
+    """``uma fit`` arguments for timing steps of the small model: no validation, no checkpoints."""
+    return [
+        "fit", "--config", recipe,
+        "--model.network.size", "small",
+        "--data.batch_size", str(batch_size),
+        "--trainer.max_steps", str(steps),
+        "--trainer.limit_val_batches", "0",
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.default_root_dir", str(run_dir),
+        *extra,
+    ]  # fmt: skip

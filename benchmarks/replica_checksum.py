@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from harness import median, print_table
+from harness import median, print_table, small_model_fit
 
 from uma_lightning.callbacks.replica_checksum import weight_checksums
 from uma_lightning.cli import UmaCLI
@@ -55,27 +55,16 @@ def main() -> None:
     sys.argv = sys.argv[:1]  # the CLI under test must not see this script's flags
     with tempfile.TemporaryDirectory() as tmp:
         UmaCLI(
-            [
-                "fit",
-                "--config",
+            small_model_fit(
                 RECIPE,
-                "--model.network.size",
-                "small",
-                "--data.batch_size",
-                str(args.batch_size),
-                "--trainer.max_steps",
-                str(args.steps),
-                "--trainer.limit_val_batches",
-                "0",
-                "--trainer.enable_checkpointing",
-                "false",
-                "--trainer.default_root_dir",
-                str(Path(tmp) / "run"),
+                args.steps,
+                args.batch_size,
+                Path(tmp) / "run",
                 "--trainer.logger",
                 "false",
                 "--trainer.callbacks",
                 json.dumps([{"class_path": "__main__.TimedChecksum"}]),
-            ]
+            )  # fmt: skip
         )
     # Between two step ends: the check after the first, then the second step.
     steps = [b - a - c for a, b, c in zip(STEP_ENDS, STEP_ENDS[1:], CHECK_SECONDS)][WARMUP_STEPS - 1 :]
