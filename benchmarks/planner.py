@@ -24,12 +24,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def model_config(size: str):
     """The pretrain recipe's model at ``size``, with its data's shapes."""
+    import torch
+
     from uma_lightning.cli import resolve_recipe
 
     cli = resolve_recipe(
         str(REPO / "recipes" / "pretrain.yaml"), ["--model.network.size", size, "--data.loader.num_workers", "0"]
     )
-    return cli.model.model_config
+    with torch.device("meta"):
+        return cli.model.build_model().cfg
 
 
 def main() -> None:

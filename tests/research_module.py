@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from uma_lightning.models import RobotFlowTransformer, RobotTransformer
+from uma_lightning.models.network import robot_model_config
 from uma_lightning.models.tokenizers import ByteTokenizer
 from uma_lightning.modules import PretrainModule
 from uma_lightning.parallel import HeadPlan, register_head, replicated
@@ -37,13 +38,10 @@ class DeeperPretrain(PretrainModule):
         super().__init__(**kwargs)
         self.extra_layers = extra_layers
 
-        backbone = self.model_config.backbone
-        self.model_config = dataclasses.replace(
-            self.model_config, backbone=dataclasses.replace(backbone, n_layers=backbone.n_layers + self.extra_layers)
-        )
-
     def build_model(self):
-        return RobotTransformer(self.model_config)
+        cfg = robot_model_config(self.hparams, n_action_bins=self.hparams.n_action_bins)
+        deeper = dataclasses.replace(cfg.backbone, n_layers=cfg.backbone.n_layers + self.extra_layers)
+        return RobotTransformer(dataclasses.replace(cfg, backbone=deeper))
 
 
 class ProgressRobot(RobotFlowTransformer):

@@ -285,9 +285,7 @@ def test_midtraining_extends_the_context_from_a_pretrained_checkpoint(stages, ca
     with caplog.at_level(logging.INFO, logger="uma_lightning"):
         module.configure_model()
     assert "context: 1 -> 3 observation steps, 8 -> 10-step action chunks; backbone RoPE positions 0.." in caplog.text
-    assert (
-        module.model.backbone.max_seq_len == module.model_config.seq_len > stages["pretrain"].model.backbone.max_seq_len
-    )
+    assert module.model.backbone.max_seq_len == module.model.cfg.seq_len > stages["pretrain"].model.backbone.max_seq_len
     torch.testing.assert_close(module.model.action_head.weight, stages["pretrain"].model.action_head.weight)
     with pytest.raises(ValueError, match="set model.init_from"):
         MidtrainModule(spec=longer.spec, network={"size": MICRO}).setup("fit")

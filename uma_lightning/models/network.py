@@ -63,20 +63,13 @@ class NetworkConfig:
             raise ValueError(f"network.environment_state_weight must be >= 0, got {self.environment_state_weight}")
         self.environment_state_weight = float(self.environment_state_weight)
 
-    def robot_config(self, spec: DataSpec, **stage_fields: Any) -> RobotModelConfig:
+    def check_data(self, spec: DataSpec) -> None:
+        """Raise ValueError if the data cannot feed what these settings train."""
         if self.environment_state_weight and not spec.environment_state_dim:
             raise ValueError(
                 f"network.environment_state_weight {self.environment_state_weight} needs data that records "
                 "observation.environment_state; this data has none (or not every dataset of the mixture has it)"
             )
-        return RobotModelConfig(
-            backbone=load_size(self.size),
-            spec=spec,
-            vision=self.vision,
-            max_text_len=self.max_text_len,
-            environment_state_head=self.environment_state_weight > 0,
-            **stage_fields,
-        )
 
 
 #: The network settings of checkpoints and recipes written before they were grouped into ``network``.
@@ -114,10 +107,24 @@ def network_of(hparams: Mapping) -> NetworkConfig:
     return NetworkConfig(**network) if isinstance(network, Mapping) else network
 
 
+def robot_model_config(hparams: Mapping, **stage_fields: Any) -> RobotModelConfig:
+    """The robot family's configuration from a stage module's hyperparameters (``spec``, ``network``)."""
+    network, spec = network_of(hparams), spec_of(hparams)
+    network.check_data(spec)
+    return RobotModelConfig(
+        backbone=load_size(network.size),
+        spec=spec,
+        vision=network.vision,
+        max_text_len=network.max_text_len,
+        environment_state_head=network.environment_state_weight > 0,
+        **stage_fields,
+    )
+
+
 def token_network(hparams: Mapping) -> tuple[nn.Module, dict[str, Any]]:
     """Pretraining's and mid-training's network: next-token prediction of discretised actions."""
     network = network_of(hparams)
-    model = RobotTransformer(network.robot_config(spec_of(hparams), n_action_bins=hparams.get("n_action_bins", 256)))
+    model = RobotTransformer(robot_model_config(hparams, n_action_bins=hparams.get("n_action_bins", 256)))
     use_kernels(model, network.kernels, [model.backbone])
     return model, {}
 
@@ -126,7 +133,7 @@ def flow_network(hparams: Mapping) -> tuple[nn.Module, dict[str, Any]]:
     """Post-training's network: the backbone with a flow-matching action expert, LoRA adapters where asked."""
     network = network_of(hparams)
     expert = _section(hparams.get("expert"), ActionExpertConfig)
-    model = RobotFlowTransformer(network.robot_config(spec_of(hparams)), expert)
+    model = RobotFlowTransformer(robot_model_config(hparams), expert)
     use_kernels(model, network.kernels, [model.backbone, model.expert])
     lora = _section(hparams.get("lora"), LoraConfig) if hparams.get("lora") is not None else None
     if lora and lora.targets:

@@ -57,6 +57,7 @@ from uma_lightning.hyperparameters import constructor_arguments, plain
 from uma_lightning.models.contract import FEATURES, Piece, contract_problems
 from uma_lightning.models.moe import ExpertBalancing
 from uma_lightning.models.network import FLAT_NETWORK_KEYS, NetworkConfig, grouped_settings, network_of, use_kernels
+from uma_lightning.models.sizes import load_size
 from uma_lightning.modules.flops import FlopCountError, batch_size_of, count_training_flops
 from uma_lightning.modules.metrics import ActionError, log_reduced
 from uma_lightning.parallel.grad_norm import clip_grad_norm
@@ -136,14 +137,14 @@ class StageModule(L.LightningModule):
         self.spec = DataSpec(**spec) if isinstance(spec, dict) else spec
         self.network = network_of({"network": network})
         self.environment_state_weight = self.network.environment_state_weight
-        self.model_config = self.network.robot_config(self.spec)
+        self.network.check_data(self.spec)
         self.kernels = self.network.kernels
         self.optimizer_config = (
             OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
         )
         self.init_from = init_from
         # The resolved size is recorded, so a checkpoint does not depend on the preset files.
-        network = {**plain(self.network), "size": dataclasses.asdict(self.model_config.backbone)}
+        network = {**plain(self.network), "size": dataclasses.asdict(load_size(self.network.size))}
         resolved = {"spec": plain(self.spec), "network": network, "optimizer": plain(self.optimizer_config)}
         self.save_hyperparameters(
             {**constructor_arguments(inspect.currentframe(), StageModule), **resolved}, logger=False
@@ -305,7 +306,7 @@ class StageModule(L.LightningModule):
             "and this stage trains the new range)",
             context,
             backbone.max_seq_len - 1,
-            self.model_config.backbone.rope_theta,
+            backbone.cfg.rope_theta,
         )
 
     def configure_optimizers(self):

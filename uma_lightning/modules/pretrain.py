@@ -6,8 +6,6 @@ Research code subclasses ``PretrainModule`` and overrides one extension point (s
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from uma_lightning.models.contract import ACTION_BINNER, TEXT_TOKENIZER
@@ -27,7 +25,6 @@ class PretrainModule(StageModule):
             **kwargs: ``StageModule``'s: spec, network, optimizer, init_from, normalization.
         """
         super().__init__(**kwargs)
-        self.model_config = dataclasses.replace(self.model_config, n_action_bins=n_action_bins)
 
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
         """Cross-entropy of every real action token given the observation prefix and earlier actions.

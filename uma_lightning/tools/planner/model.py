@@ -115,7 +115,7 @@ def facts_of_stage(stage_module) -> ModelFacts:
             f"{type(model).__name__} (built by {type(stage_module).__name__}) is not a robot model (RobotBase): "
             "uma plan sizes that family only so far; measure another network with a short uma fit run"
         )
-    cfg = stage_module.model_config
+    cfg = model.cfg
     flops = stage_module.count_flops_per_sample(example_batch(stage_module.spec, EXAMPLE_BATCH_SIZE))
     if flops is None:
         raise ConfigError(
