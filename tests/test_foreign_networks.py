@@ -2,6 +2,7 @@
 strategy: the units the generic plan wraps, tp/pp/ep refused without a layout, a plan that leaves a
 dimension unsharded refused, and ``uma parity`` right both ways, or naming a float32-only network."""
 
+import json
 import logging
 
 import pytest
@@ -204,8 +205,44 @@ def test_foreign_networks_match_one_process_under_every_data_parallel_strategy_a
     assert not tp_bug["ok"] and tp_bug["parts_ways_at"] == "model.blocks.0.fc1.weight"
 
 
-def test_plan_says_in_one_line_that_it_cannot_size_a_network_outside_the_robot_family(capsys):
-    args = ["plan", "--config", RECIPE, "--model", "foreign_networks.MixturePretrain", "--gpu", "cpu",
-            "--nodes", "1", "--gpus-per-node", "2"]  # fmt: skip
-    code, _, err = run_main(args, capsys)
-    assert_short_error(code, err, "MixtureOfMLPs (built by MixturePretrain) is not a robot model (RobotBase)")
+def test_plan_sizes_a_network_outside_the_robot_family_for_the_data_parallel_strategies(capsys):
+    from uma_lightning.tools.planner.tool import resolve
+
+    recipe = ["--model", "foreign_networks.MixturePretrain", "--data.generation.n_episodes", "6"]
+    code, out, _ = run_main(
+        ["plan", "--config", RECIPE, *recipe, "--gpu", "cpu", "--gpus-per-node", "2", "--json"], capsys
+    )
+    plan = json.loads(out)
+    network = resolve(RECIPE, recipe)[0].build_model()
+    assert code == 0 and plan["model"]["network"] == "MixtureOfMLPs"
+    assert plan["model"]["parameters"] == sum(p.numel() for p in network.parameters())
+    layouts = {(e["layout"]["dp_replicate"], e["layout"]["dp_shard"], e["layout"]["ac"]) for e in plan["ranked"]}
+    assert layouts == {(2, 1, "none"), (1, 2, "none")}  # ddp and fsdp, no tp, pp or ep layout of its own
+    memory = plan["recommended"]["memory_bytes"]
+    assert plan["recommended"]["strategy"] == "ddp" and memory["parameters"] == 4 * plan["model"]["parameters"]
+    assert memory["activations"] > 0
+
+
+@pytest.mark.slow(seconds=20)
+def test_plan_predictions_for_networks_outside_the_robot_family_match_a_real_gloo_step():
+    """One launch of two gloo processes: each foreign network under ddp and fsdp, each rank's state
+    bytes exact, its collectives within 5 % and its saved activations (traced at other batch sizes,
+    on fake tensors where the step runs on them) within 20 %."""
+    from foreign_networks import DenoiserPretrain, TemporalConvPretrain
+
+    from uma_lightning.tools.planner.check import compare
+    from uma_lightning.tools.planner.layout import Layout
+
+    modules = {"denoiser": DenoiserPretrain, "mixture": MixturePretrain, "temporal": TemporalConvPretrain}
+    layouts = {"ddp": Layout(dp_replicate=2), "fsdp": Layout(dp_shard=2)}
+    cases = {f"{name} {strategy}": (module(spec=SPEC), layout) for name, module in modules.items() for strategy, layout in layouts.items()}  # fmt: skip
+    results = compare(cases, global_batch=8, world_size=2)
+    for name, ranks in results.items():
+        for rank, result in enumerate(ranks):
+            measured, predicted = result["measured"], result["predicted"]
+            for part in ("params", "grads", "optimizer"):
+                assert measured[part] == predicted[part], (name, rank, part, measured[part], predicted[part])
+            assert measured["collectives"].keys() == predicted["collectives"].keys(), (name, measured, predicted)
+            for kind, size in measured["collectives"].items():
+                assert predicted["collectives"][kind] == pytest.approx(size, rel=0.05), (name, kind)
+            assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.2), (name, rank)

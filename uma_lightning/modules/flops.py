@@ -51,6 +51,17 @@ def count_training_flops(stage_module, batch: dict) -> tuple[int, str]:
 
 
 def _count(stage_module, batch: dict, fake: bool) -> int:
+    with step_on_rebuilt_network(stage_module, batch, fake) as mode, mode, FlopCounterMode(display=False) as counter:
+        stage_module.compute_loss(batch)["loss"].backward()
+    return int(counter.get_total_flops())
+
+
+@contextlib.contextmanager
+def step_on_rebuilt_network(stage_module, batch: dict, fake: bool = True):
+    """The stage's network rebuilt with ``build_model()`` (on fake tensors where ``fake``, with the
+    live one's trainable parameters and dtype) stands in for ``stage_module.model`` inside the
+    block; yields the mode to run a step under (a ``FakeTensorMode``, or nothing to enter). The
+    random generators are left as they were."""
     device = next((value.device for value in batch.values() if torch.is_tensor(value)), torch.device("cpu"))
     # Fake tensors hold no values, so the batch stays real; whatever it meets is fake.
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -68,11 +79,9 @@ def _count(stage_module, batch: dict, fake: bool) -> int:
                 network.to_empty(device=device)
         stage_module.model = network
         try:
-            with mode, FlopCounterMode(display=False) as counter:
-                stage_module.compute_loss(batch)["loss"].backward()
+            yield mode
         finally:
             stage_module.model = live
-    return int(counter.get_total_flops())
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from uma_lightning.parallel.apply import ParallelConfig, reshard_data_parallel
 from uma_lightning.parallel.mesh import MeshShape, MeshSizes, build_mesh, describe_sizes, resolve_mesh_shape
 from uma_lightning.parallel.pipeline import PipelineConfig, pipeline_of
 from uma_lightning.parallel.plans import Plan, plan_for
-from uma_lightning.parallel.plans.generic import GENERIC_PLAN
+from uma_lightning.parallel.plans.generic import GENERIC_PLAN, plan_or_generic
 
 log = logging.getLogger("uma_lightning")
 
@@ -122,7 +122,7 @@ class MeshStrategy(ModelParallelStrategy):
         if not targets and callable(getattr(module, "build_model", None)):
             with torch.device("meta"):
                 built = module.build_model()
-            targets = [(built, plan_for(built) or GENERIC_PLAN)]
+            targets = [(built, plan_or_generic(built))]
         if not targets:
             raise ValueError(f"{type(module).__name__} holds no parameters to lay out on mesh {self.shape}")
         for model, plan in targets:

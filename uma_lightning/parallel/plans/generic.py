@@ -29,7 +29,7 @@ from torch import nn
 
 from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape
-from uma_lightning.parallel.plans.registry import Plan
+from uma_lightning.parallel.plans.registry import Plan, plan_for
 from uma_lightning.parallel.plans.robot import lay_out
 
 TP_STYLES = ("colwise", "rowwise")
@@ -138,3 +138,8 @@ def parallelize_generic(model: nn.Module, mesh, config: ParallelConfig) -> list[
 
 
 GENERIC_PLAN = Plan("generic", parallelize_generic, check_generic)
+
+
+def plan_or_generic(model: nn.Module) -> Plan:
+    """The plan that lays ``model`` out: its class's registered one, else the generic one."""
+    return plan_for(model) or GENERIC_PLAN

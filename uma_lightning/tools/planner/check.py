@@ -1,8 +1,9 @@
 """The planner's predictions against one real training step on gloo processes.
 
-Each rank builds the model, applies the robot plan as ``MeshStrategy`` does (``parallelize_robot``
-on the strategy's mesh), and takes one AdamW step on its slice of a random global batch, while it
-measures:
+Each rank builds the model, applies its plan as ``MeshStrategy`` does (the registered one, or the
+generic plan of a network without one, on the strategy's mesh), and takes one AdamW step on its
+slice of the global batch (random for the robot transformer of a configuration; of the data's
+shapes through the stage's own loss for a stage module's network), while it measures:
 
 - the bytes of its local parameter, gradient and optimizer-state tensors;
 - every collective the step issues and its bytes (``CollectiveBytes``: the c10d ops FSDP and DDP call
@@ -18,15 +19,17 @@ first stage when the microbatches are as many as the stages (1F1B keeps them all
 the other stages' activations are not predicted and not compared.
 
 The prediction for the same rank comes from ``memory.py`` and ``comm.py``. Used by the tests
-(tiny model, tiny_moe under ep) and ``benchmarks/planner.py`` (tiny and small).
+(tiny model, tiny_moe under ep, networks outside the robot family) and ``benchmarks/planner.py``
+(tiny and small).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,7 +38,16 @@ from uma_lightning.models.robot import RobotModelConfig
 from uma_lightning.tools.planner.comm import step_collectives
 from uma_lightning.tools.planner.layout import Layout
 from uma_lightning.tools.planner.memory import Precision, activation_bytes, rank_state
-from uma_lightning.tools.planner.model import ModelFacts, facts_of_config
+from uma_lightning.tools.planner.model import (
+    ModelFacts,
+    facts_of_config,
+    facts_of_stage,
+    local_tensor,
+    saved_activation_bytes,
+)
+
+if TYPE_CHECKING:
+    from uma_lightning.modules.base import StageModule
 
 # The strategies on four processes, both dimensions of the 2-D ones real.
 LAYOUTS = {
@@ -56,12 +68,8 @@ EXPERT_LAYOUTS = {
 }
 WORLD_SIZE = 4
 FP32 = Precision.of("32-true")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+# What a case trains: the pretraining network of a robot configuration, or a stage module's network and loss.
+Source = Union[RobotModelConfig, "StageModule"]
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -98,26 +106,6 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextmanager
-def saved_activation_bytes(model: torch.nn.Module, out: dict):
-    """Sums into ``out["bytes"]`` the storages autograd saves inside the block, each once, without the model's weights."""
-    seen: set[int] = set()
-    out["bytes"] = 0
-
-    def pack(tensor: torch.Tensor):
-        local = _local(tensor)
-        weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-        storage = local.untyped_storage()
-        if isinstance(tensor, torch.nn.Parameter) or storage.data_ptr() in weights or storage.data_ptr() in seen:
-            return tensor
-        seen.add(storage.data_ptr())
-        out["bytes"] += storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield
-
-
 def random_batch(cfg: RobotModelConfig, batch: int, seed: int):
     from uma_lightning.models.tokenizers import ActionBinner, ByteTokenizer
 
@@ -132,35 +120,32 @@ def random_batch(cfg: RobotModelConfig, batch: int, seed: int):
     return images, state, text_ids, text_mask, ActionBinner(cfg.n_action_bins).encode(actions).flatten(1)
 
 
-def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch: int, out_dir: str) -> None:
+def measure_rank(cases: dict[str, tuple[Source, Layout]], global_batch: int, out_dir: str) -> None:
     """One rank of the group: each case's step, measured; writes ``<name>-<rank>.json``."""
     import torch.distributed as dist
 
-    from uma_lightning.models import RobotTransformer
     from uma_lightning.parallel.apply import ParallelConfig
     from uma_lightning.parallel.mesh import build_mesh
-    from uma_lightning.parallel.plans import plan_for
+    from uma_lightning.parallel.plans.generic import plan_or_generic
 
     dist.init_process_group("gloo")
-    for name, (cfg, layout) in cases.items():
+    for name, (source, layout) in cases.items():
         mesh = build_mesh(layout, "cpu")  # a Layout is a MeshShape
         torch.manual_seed(0)
-        model = RobotTransformer(cfg)
+        dp_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
+        model, loss_of = _network_and_loss(source, global_batch // layout.dp, dp_rank)
         config = ParallelConfig(activation_checkpointing=layout.ac)
-        plan = plan_for(model)
+        plan = plan_or_generic(model)
         if layout.pp > 1:
             plan.pipeline.apply(model, mesh, config, layout.pipeline_config(), torch.device("cpu"))
+            loss_of()  # the stages' shape exchange, left out of the measured step
         else:
             plan.parallelize(model, mesh, config)
         optimizer = torch.optim.AdamW(model.parameters())
-        dp_rank = mesh["dp_replicate"].get_local_rank() * layout.dp_shard + mesh["dp_shard"].get_local_rank()
-        inputs = random_batch(cfg, global_batch // layout.dp, seed=dp_rank)
-        if layout.pp > 1:
-            model(*inputs, loss_targets=inputs[-1])  # the stages' shape exchange, left out of the measured step
         counter, saved = CollectiveBytes(), {}
         with counter:
             with saved_activation_bytes(model, saved):
-                loss, _ = model(*inputs, loss_targets=inputs[-1])
+                loss = loss_of()
             if layout.pp > 1:
                 model.pipeline.restore_gradients()  # the schedule ran the backward; its gradients wait aside
             else:
@@ -173,15 +158,31 @@ def measure_rank(cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch
                 "tp_rank": mesh["tp"].get_local_rank(),
                 "shard_rank": mesh["dp_shard"].get_local_rank(),
             },
-            "params": sum(_bytes(_local(p)) for p in model.parameters()),
-            "grads": sum(_bytes(_local(p.grad)) for p in model.parameters() if p.grad is not None),
-            "optimizer": sum(_bytes(_local(t)) for t in state),
+            "params": sum(_bytes(local_tensor(p)) for p in model.parameters()),
+            "grads": sum(_bytes(local_tensor(p.grad)) for p in model.parameters() if p.grad is not None),
+            "optimizer": sum(_bytes(local_tensor(t)) for t in state),
             "activations": saved["bytes"],
             "collectives": dict(counter.bytes),
         }
         Path(out_dir, f"{name}-{dist.get_rank()}.json").write_text(json.dumps(record))
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _network_and_loss(source: Source, batch: int, seed: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    """The network of ``source`` and its loss on a batch of ``batch`` samples (random for a robot
+    configuration, the data's shapes for a stage module)."""
+    if isinstance(source, RobotModelConfig):
+        from uma_lightning.models import RobotTransformer
+
+        model = RobotTransformer(source)
+        inputs = random_batch(source, batch, seed)
+        return model, lambda: model(*inputs, loss_targets=inputs[-1])[0]
+    from uma_lightning.data.spec import example_batch
+
+    source.model = model = source.build_model()
+    example = example_batch(source.spec, batch)
+    return model, lambda: source.compute_loss(example)["loss"]
 
 
 def predict_rank(
@@ -201,19 +202,20 @@ def predict_rank(
 
 
 def compare(
-    cases: dict[str, tuple[RobotModelConfig, Layout]], global_batch: int, timeout: float = 600
+    cases: dict[str, tuple[Source, Layout]], global_batch: int, timeout: float = 600, world_size: int = WORLD_SIZE
 ) -> dict[str, list[dict]]:
-    """Per case (a model and a layout), per rank: {"measured": ..., "predicted": ...}, from one launch of ``WORLD_SIZE`` processes."""
+    """Per case (a model and a layout), per rank: {"measured": ..., "predicted": ...}, from one launch of
+    ``world_size`` processes."""
     import tempfile
 
     from uma_lightning.tools.launch import run_local_group
 
     with tempfile.TemporaryDirectory(prefix="uma-plan-check-") as out_dir:
-        run_local_group(measure_rank, WORLD_SIZE, (cases, global_batch, out_dir), timeout)
+        run_local_group(measure_rank, world_size, (cases, global_batch, out_dir), timeout)
         results = {}
-        for name, (cfg, layout) in cases.items():
-            facts = facts_of_config(cfg)
-            ranks = [json.loads(Path(out_dir, f"{name}-{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+        for name, (source, layout) in cases.items():
+            facts = facts_of_config(source) if isinstance(source, RobotModelConfig) else facts_of_stage(source)
+            ranks = [json.loads(Path(out_dir, f"{name}-{rank}.json").read_text()) for rank in range(world_size)]
             results[name] = [
                 {"measured": r, "predicted": predict_rank(facts, layout, global_batch, **r["coords"])} for r in ranks
             ]

@@ -71,7 +71,6 @@ def step_collectives(
     """The collectives of pipeline rank ``stage`` (every rank without a pipeline)."""
     m, tp = layout.microbatches, layout.tp
     batch = global_batch // layout.dp // m
-    dim, seq = facts.cfg.backbone.dim, facts.cfg.seq_len
     params = stage_params(facts, layout, stage)
     # Every weight is gathered; only the trainable ones have gradients to reduce.
     root, blocks = unit_elements(facts, layout, stage=stage)
@@ -152,7 +151,7 @@ def step_collectives(
             )
         )
     if tp > 1:
-        activation = batch * seq * dim * precision.compute_bytes
+        activation = batch * facts.cfg.seq_len * facts.cfg.backbone.dim * precision.compute_bytes
         layers = facts.n_layers // layout.pp
         # A MoE layer routes each rank's own slice of the sequence: no gather and scatter around it
         # (forward and backward), but its whole weights' gradients are summed over tp.
@@ -183,7 +182,7 @@ def step_collectives(
         if heads:
             out.append(Collective("TP head weights", "all-gather", heads * precision.compute_bytes, m, tp, 1, False))
     if layout.pp > 1:
-        boundary = batch * seq // tp * dim * precision.compute_bytes
+        boundary = batch * facts.cfg.seq_len // tp * facts.cfg.backbone.dim * precision.compute_bytes
         # Each of the rank's stage modules sends its output and receives its input's gradient at a
         # boundary after it, receives its input and sends that gradient at one before it.
         stages = layout.pipeline_config().stage_indices(layout.pp, stage)
@@ -204,7 +203,7 @@ def step_collectives(
     if layout.ep > 1:
         moe = facts.cfg.backbone.moe
         moe_layers = _moe_layers(facts) // layout.pp
-        routed = batch * seq * moe.top_k * dim * precision.compute_bytes
+        routed = batch * facts.cfg.seq_len * moe.top_k * facts.cfg.backbone.dim * precision.compute_bytes
         out.append(
             Collective("expert dispatch and combine", "all-to-all", routed, 4 * m * moe_layers, layout.ep, tp, False)
         )

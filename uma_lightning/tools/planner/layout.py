@@ -88,8 +88,11 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(facts: ModelFacts, world_size: int) -> Iterator[Layout]:
-    """Every layout of ``world_size`` ranks, legal or not (``illegal_reason`` says which are not)."""
-    for tp, pp in itertools.product(divisors(world_size), divisors(world_size)):
+    """Every layout of ``world_size`` ranks, legal or not (``illegal_reason`` says which are not). A
+    network outside the robot family is sized for the data-parallel strategies without activation
+    checkpointing: its traced step says what it saves, not what a layout of its blocks would."""
+    splits = divisors(world_size) if facts.cfg else [1]
+    for tp, pp in itertools.product(splits, splits):
         if world_size % (tp * pp):
             continue
         dp = world_size // (tp * pp)
@@ -97,7 +100,7 @@ def candidates(facts: ModelFacts, world_size: int) -> Iterator[Layout]:
             dp_shard = dp // dp_replicate
             # ep is carved out of dp_shard, or of dp_replicate where dp_shard is 1 (mesh.py).
             for ep in divisors(dp_shard if dp_shard > 1 else dp_replicate) if facts.n_experts else [1]:
-                for ac, m in itertools.product(AC_MODES, MICROBATCHES):
+                for ac, m in itertools.product(AC_MODES if facts.cfg else ("none",), MICROBATCHES):
                     for v in VIRTUAL_STAGES if pp > 1 else (1,):
                         yield Layout(dp_replicate, dp_shard, tp, pp, ep, ac, m, v)
 
@@ -120,11 +123,11 @@ def strategy_refusal(facts: ModelFacts, layout: Layout, gpus_per_node: int, per_
     ``uma fit`` starts): the mesh, the model's parallel plan, and under pp the schedule and the stages."""
     from uma_lightning.parallel.apply import ParallelConfig
     from uma_lightning.parallel.mesh import resolve_mesh_shape
-    from uma_lightning.parallel.plans import plan_for
+    from uma_lightning.parallel.plans.generic import plan_or_generic
 
     try:
         shape = resolve_mesh_shape(dataclasses.asdict(layout.sizes()), layout.world_size, gpus_per_node)
-        plan = plan_for(facts.model)
+        plan = plan_or_generic(facts.model)
         plan.check(facts.model, shape, ParallelConfig())
         if layout.pp > 1:
             pipeline = layout.pipeline_config()

@@ -7,7 +7,8 @@ pieces), expert parallelism splits stacked expert weights on dim 0 over ep, and 
 holds its own layers only. AdamW keeps two states per parameter in its dtype and a 4-byte step.
 
 Activations count what autograd saves for backward, measured with a saved-tensors hook on the CPU
-kernels (``planner/check.py``) and written here per block from the model's shapes.
+kernels (``planner/check.py``) and written here per block from the model's shapes; a network outside
+the robot family has them from the same hook over a traced step (``model.py``), scaled to the batch.
 """
 
 from __future__ import annotations
@@ -242,6 +243,8 @@ def in_flight_microbatches(layout: Layout) -> float:
 def activation_bytes(facts: ModelFacts, layout: Layout, precision: Precision, global_batch: int) -> int:
     """Peak saved activations of the first stage's rank (the one holding the most micro-batches)."""
     batch = global_batch // layout.dp // layout.microbatches
+    if facts.traced:
+        return facts.traced.at(batch, precision.compute_bytes)  # without a pipeline: one micro-batch at a time
     layers = facts.n_layers // layout.pp
     before, after = outside_activations(facts, batch, layout)
     per_microbatch = layers * checkpointed_block(facts, batch, layout) + before + (after if layout.pp == 1 else 0)

@@ -176,9 +176,11 @@ def as_json(
 
     return {
         "model": {
-            "size": facts.cfg.backbone.name,
+            "network": type(facts.model).__name__,
+            "size": facts.cfg.backbone.name if facts.cfg else None,
             "parameters": sum(math.prod(p.shape) for p in facts.params),
-            "seq_len": facts.cfg.seq_len,
+            "seq_len": facts.cfg.seq_len if facts.cfg else None,
+            "tokens_per_sample": facts.tokens_per_sample,
             "training_flops_per_sample": facts.flops_per_sample,
         },  # fmt: skip
         "cluster": {**dataclasses.asdict(cluster), "world_size": cluster.world_size},

@@ -239,10 +239,17 @@ def smallest_cluster(facts: ModelFacts, args, precision: Precision, batch_size: 
 
 def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: list[Estimate], rejected: list[Estimate],
                recommended: Estimate | None, smallest: str | None, args) -> None:  # fmt: skip
-    b = facts.cfg.backbone
     params = sum(math.prod(p.shape) for p in facts.params)
+    if facts.cfg:
+        b = facts.cfg.backbone
+        what = f"{b.name} backbone ({b.n_layers} layers, dim {b.dim})"
+    else:
+        what = (
+            f"{type(facts.model).__name__} ({facts.n_units} data-parallel units; no registered plan: sized for ddp, "
+            "fsdp and hsdp without activation checkpointing, its activations from a traced step)"
+        )
     print(
-        f"model: {b.name} backbone ({b.n_layers} layers, dim {b.dim}), {params / 1e9:.3g} B parameters, {facts.cfg.seq_len} tokens per sample, "
+        f"model: {what}, {params / 1e9:.3g} B parameters, {facts.tokens_per_sample} tokens per sample, "
         f"{facts.flops_per_sample / 1e12:.3g} TFLOP per sample (training)"
     )
     print(f"cluster: {cluster.describe()}")
