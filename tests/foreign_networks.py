@@ -8,7 +8,9 @@ the stage module that trains it (``PretrainModule`` with its own ``build_model``
   ``_no_split_modules`` naming its blocks.
 
 They read the batch as the data module gives it (images uint8, state, actions) and cast only to
-their parameters' dtype, so they run in any precision, float64 (``uma parity``) included.
+their parameters' dtype, so they run in any precision, float64 (``uma parity``) included. Each has
+what evaluation and ``Policy`` call (``models/contract.py``): ``predict_actions`` and a
+``text_tokenizer`` (none of them reads the instruction).
 ``ForeignPretrain(skip_gradient=NAME)`` seeds a bug: with more than one process, the gradient of
 parameter NAME is dropped after the backward.
 """
@@ -21,12 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uma_lightning.models.tokenizers import ByteTokenizer
 from uma_lightning.modules import PretrainModule
+
+INSTRUCTION_BYTES = 8  # tokenised for Policy's sake; these networks do not read the instruction
 
 
 def image_features(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, T, cameras * 3]: each camera's mean colour per observation step, in [0, 1]."""
     return images.to(dtype).mean(dim=(3, 4)).flatten(2) / 255
+
+
+def observation_steps(images: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """[B, T, state_dim + cameras * 3]: the state and the cameras' mean colours of each step."""
+    return torch.cat([state, image_features(images, state.dtype)], dim=-1)
 
 
 class ResidualMLP(nn.Module):
@@ -44,8 +54,10 @@ class DenoiserMLP(nn.Module):
     # Megatron's MLP split: fc1's outputs over the ranks, fc2 sums their parts.
     tp_plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
 
-    def __init__(self, state_dim: int, chunk: int, width: int = 32, depth: int = 3):
+    def __init__(self, state_dim: int, chunk: int, width: int = 32, depth: int = 3, action_dim: int = 1):
         super().__init__()
+        self.action_dim = action_dim
+        self.text_tokenizer = ByteTokenizer(INSTRUCTION_BYTES)
         self.embed = nn.Linear(state_dim + chunk + 1, width)
         self.blocks = nn.ModuleList(ResidualMLP(width) for _ in range(depth))
         self.out = nn.Linear(width, chunk)
@@ -56,10 +68,22 @@ class DenoiserMLP(nn.Module):
             x = block(x)
         return self.out(x)
 
+    def predict_actions(self, images, state, text_ids, text_mask, levels=(0.9, 0.5, 0.1)):
+        """Deterministic denoising from the noise's mean: at each level, the clean chunk the predicted
+        noise implies, noised again to the next level with that same noise."""
+        chunk = torch.zeros(state.shape[0], self.out.out_features, dtype=state.dtype, device=state.device)
+        for level, following in zip(levels, (*levels[1:], 0.0)):
+            noise = self(state, chunk, torch.full_like(chunk[:, 0], level))
+            clean = (chunk - level**0.5 * noise) / (1 - level) ** 0.5
+            chunk = (1 - following) ** 0.5 * clean + following**0.5 * noise
+        return chunk.view(state.shape[0], -1, self.action_dim)
+
 
 class MixtureOfMLPs(nn.Module):
-    def __init__(self, in_dim: int, out_dim: int, n_experts: int = 4, hidden: int = 16):
+    def __init__(self, in_dim: int, out_dim: int, n_experts: int = 4, hidden: int = 16, action_dim: int = 1):
         super().__init__()
+        self.action_dim = action_dim
+        self.text_tokenizer = ByteTokenizer(INSTRUCTION_BYTES)
         self.gate = nn.Linear(in_dim, n_experts)
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, out_dim)) for _ in range(n_experts)
@@ -69,6 +93,9 @@ class MixtureOfMLPs(nn.Module):
         weights = self.gate(x).softmax(-1)  # [B, n_experts]
         outputs = torch.stack([expert(x) for expert in self.experts], dim=1)  # [B, n_experts, out_dim]
         return (weights[..., None] * outputs).sum(1)
+
+    def predict_actions(self, images, state, text_ids, text_mask):
+        return self(observation_steps(images, state).flatten(1)).view(state.shape[0], -1, self.action_dim)
 
 
 class TemporalBlock(nn.Module):
@@ -84,8 +111,10 @@ class TemporalBlock(nn.Module):
 class TemporalConvPolicy(nn.Module):
     _no_split_modules = ["TemporalBlock"]
 
-    def __init__(self, in_dim: int, out_dim: int, channels: int = 16, depth: int = 2):
+    def __init__(self, in_dim: int, out_dim: int, channels: int = 16, depth: int = 2, action_dim: int = 1):
         super().__init__()
+        self.action_dim = action_dim
+        self.text_tokenizer = ByteTokenizer(INSTRUCTION_BYTES)
         self.inp = nn.Linear(in_dim, channels)
         self.blocks = nn.Sequential(*(TemporalBlock(channels) for _ in range(depth)))
         self.head = nn.Linear(channels, out_dim)
@@ -93,6 +122,9 @@ class TemporalConvPolicy(nn.Module):
     def forward(self, steps):  # [B, T, in_dim]
         h = self.blocks(self.inp(steps).transpose(1, 2))
         return self.head(h[..., -1])
+
+    def predict_actions(self, images, state, text_ids, text_mask):
+        return self(observation_steps(images, state)).view(state.shape[0], -1, self.action_dim)
 
 
 # ---- the stage modules that train them ------------------------------------------------------------
@@ -120,7 +152,8 @@ class ForeignPretrain(PretrainModule):
 class DenoiserPretrain(ForeignPretrain):
     def build_model(self):
         spec = self.spec
-        return DenoiserMLP(spec.n_obs_steps * spec.state_dim, spec.action_horizon * spec.action_dim)
+        chunk = spec.action_horizon * spec.action_dim
+        return DenoiserMLP(spec.n_obs_steps * spec.state_dim, chunk, action_dim=spec.action_dim)
 
     def compute_loss(self, batch):
         actions = batch["actions"].flatten(1)
@@ -137,22 +170,21 @@ class MixturePretrain(ForeignPretrain):
     def build_model(self):
         spec = self.spec
         features = spec.n_obs_steps * (spec.state_dim + 3 * len(spec.cameras))
-        return MixtureOfMLPs(features, spec.action_horizon * spec.action_dim)
+        return MixtureOfMLPs(features, spec.action_horizon * spec.action_dim, action_dim=spec.action_dim)
 
     def compute_loss(self, batch):
-        state = batch["state"]
-        x = torch.cat([state, image_features(batch["images"], state.dtype)], dim=-1).flatten(1)
+        x = observation_steps(batch["images"], batch["state"]).flatten(1)
         return {"loss": self.chunk_loss(self.model(x), batch["actions"], batch)}
 
 
 class TemporalConvPretrain(ForeignPretrain):
     def build_model(self):
         spec = self.spec
-        return TemporalConvPolicy(spec.state_dim + 3 * len(spec.cameras), spec.action_horizon * spec.action_dim)
+        chunk = spec.action_horizon * spec.action_dim
+        return TemporalConvPolicy(spec.state_dim + 3 * len(spec.cameras), chunk, action_dim=spec.action_dim)
 
     def compute_loss(self, batch):
-        state = batch["state"]
-        steps = torch.cat([state, image_features(batch["images"], state.dtype)], dim=-1)
+        steps = observation_steps(batch["images"], batch["state"])
         return {"loss": self.chunk_loss(self.model(steps), batch["actions"], batch)}
 
 

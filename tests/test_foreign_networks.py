@@ -9,8 +9,9 @@ import pytest
 import torch
 from foreign_networks import DenoiserMLP, MixtureOfMLPs, MixturePretrain, TemporalConvPolicy
 from lightning.pytorch import Trainer
-from suite import RECIPE, SPEC, assert_short_error, parity_case, run_main
+from suite import QUICK, RECIPE, SPEC, assert_short_error, parity_case, run_main
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from uma_lightning.parallel import MeshShape, MeshStrategy, ParallelConfig, register_plan, register_strategies
 from uma_lightning.parallel.apply import apply_ac
@@ -246,3 +247,54 @@ def test_plan_predictions_for_networks_outside_the_robot_family_match_a_real_glo
             for kind, size in measured["collectives"].items():
                 assert predicted["collectives"][kind] == pytest.approx(size, rel=0.05), (name, kind)
             assert predicted["activations"] == pytest.approx(measured["activations"], rel=0.2), (name, rank)
+
+
+@pytest.mark.slow(seconds=20)
+@pytest.mark.parametrize("network, strategy", [("denoiser", "hsdp"), ("mixture", "ddp"), ("temporal", "fsdp")])
+def test_each_network_trains_through_uma_fit_on_two_processes_logs_its_flops_and_acts_through_policy(
+    tmp_path, network, strategy
+):
+    """``uma fit`` on two gloo processes (hsdp shards within the node: two processes are one node), its
+    MLflow run's FLOPs per sample within 10 % of torch's count of a real step, and its checkpoint
+    rebuilt by ``Policy.from_checkpoint`` with the trained weights, acting bit for bit as the module."""
+    import foreign_networks
+    import forked_cli
+    from mlflow.tracking import MlflowClient
+    from rank_digest import digest_of
+
+    from uma_lightning.checkpoint.weights import load_weights, read_checkpoint
+    from uma_lightning.data.spec import example_batch
+    from uma_lightning.policy import Policy
+
+    digests = {"class_path": "rank_digest.RankDigest", "init_args": {"out_dir": str(tmp_path / "digests")}}
+    argv = ["fit", "--config", RECIPE, *QUICK, "--model", FOREIGN[network], *(TEMPORAL_STEPS if network == "temporal" else ()),
+            "--trainer.devices", "2", "--trainer.strategy", strategy, "--trainer.accelerator", "cpu",
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.callbacks+", json.dumps(digests),
+            "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0"]  # fmt: skip
+    codes = forked_cli.run_as_ranks(argv, tmp_path / "job.log", tmp_path, timeout=300)
+    assert codes == [0, 0], (tmp_path / "job.log").read_text()[-3000:]
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step-000000002")
+    source = read_checkpoint(checkpoint)
+    module = getattr(foreign_networks, FOREIGN[network].rpartition(".")[2])(**source.hparams)
+    module.model = module.build_model()
+    load_weights(module.model, source)
+    # FLOPs: what MLflow logged, against torch's count of a real step of the same network.
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    (run,) = client.search_runs(client.get_experiment_by_name("pretrain").experiment_id)
+    tflops, samples = (run.data.metrics[f"throughput/{name}"] for name in ("tflops_per_device", "samples_per_sec"))
+    batch = example_batch(module.spec, 4)
+    with FlopCounterMode(display=False) as counter:
+        module.compute_loss(batch)["loss"].backward()
+    assert tflops * 1e12 * 2 / samples == pytest.approx(counter.get_total_flops() / 4, rel=0.10)
+    # Policy: the trained weights (as both ranks held them at the end), acting as the module does.
+    policy = Policy.from_checkpoint(checkpoint)
+    trained = json.loads((tmp_path / "digests" / "rank0.json").read_text())["digest"]
+    assert digest_of((f"model.{name}", p) for name, p in policy.model.named_parameters()) == trained
+    generator = torch.Generator().manual_seed(0)
+    spec = module.spec
+    observation = {
+        "images": torch.randint(0, 256, (3, spec.n_obs_steps, len(spec.cameras), *spec.image_size, 3), dtype=torch.uint8, generator=generator),
+        "state": torch.randn(3, spec.n_obs_steps, spec.state_dim, generator=generator),
+        "instruction": ["reach the red square"] * 3,
+    }  # fmt: skip
+    assert torch.equal(policy(observation), module.policy().eval()(observation))
