@@ -137,13 +137,14 @@ def blocks_marked_for_test(page: str) -> list[str]:
     return TESTED_BLOCK.findall((REPO / "docs" / page).read_text())
 
 
-def small_uma(bin_dir) -> None:
-    """An ``uma`` first on PATH that runs this interpreter's uma with small training settings."""
+def small_uma(bin_dir, training: list[str]) -> None:
+    """An ``uma`` first on PATH that runs this interpreter's uma with small settings, ``training`` for
+    its training commands."""
     bin_dir.mkdir()
     script = bin_dir / "uma"
     script.write_text(
         "#!/bin/sh\n"
-        f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_TRAINING)};;\n'
+        f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(training)};;\n'
         f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};;\n'
         f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};; esac\n'
         f'exec {sys.executable} -m uma_lightning.cli "$@"\n'
@@ -151,15 +152,15 @@ def small_uma(bin_dir) -> None:
     script.chmod(0o755)
 
 
-def walk_tutorial(page: str, tmp_path) -> str:
+def walk_tutorial(page: str, tmp_path, training: list[str] = SMALL_TRAINING) -> str:
     """Run the tested blocks of a tutorial as one bash script, from a copy of the recipes and
-    configs, with small training settings; returns its output."""
+    configs, with small settings (``training`` for its training commands); returns its output."""
     blocks = blocks_marked_for_test(page)
     assert blocks, f"docs/{page} has no block marked <!-- test -->"
     cwd = tmp_path / "work"
     shutil.copytree(REPO / "recipes", cwd / "recipes")
     shutil.copytree(REPO / "configs", cwd / "configs")
-    small_uma(tmp_path / "bin")
+    small_uma(tmp_path / "bin", training)
     path = os.pathsep.join([str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]])
     script = "set -e\n" + "\n".join(blocks) + "\n"
     result = subprocess.run(
@@ -185,3 +186,19 @@ def test_the_tutorials_run_as_written(tmp_path):
     # Stopped after step 10 and before the end (60): the resumed run starts where the signal stopped it.
     resumed = re.search(r"resumed from \S+/step-0*(\d+): step (\d+)", preempted)
     assert resumed and resumed[1] == resumed[2] and 10 < int(resumed[1]) < 60, preempted[-3000:]
+
+
+def test_the_your_network_tutorial_shows_the_example_it_runs():
+    """The code on the page is the shipped example's file, whole, so the page cannot drift from what runs."""
+    shown = re.search(r"^```python\n(.*?)^```$", (REPO / "docs/tutorials/your-network.md").read_text(), re.M | re.S)
+    assert shown and shown[1] == (REPO / "uma_lightning/examples/chunk_mlp.py").read_text()
+
+
+@pytest.mark.slow(seconds=90)
+def test_the_your_network_tutorial_runs_as_written(tmp_path):
+    """One process, FSDP on two, parity, plan and Policy, each on the example network (four training steps)."""
+    out = walk_tutorial("tutorials/your-network.md", tmp_path, training=QUICK)
+    assert "parallel plan generic on ChunkMLP: units: 2 x ResidualBlock in blocks" in out
+    assert re.search(r"^ddp +2 .* ok$", out, re.M) and re.search(r"^fsdp +2 .* ok$", out, re.M), out[-3000:]
+    assert "model: ChunkMLP (2 data-parallel units; no registered plan" in out and "recommended: " in out
+    assert "ChunkMLP actions (1, 8, 3)" in out
