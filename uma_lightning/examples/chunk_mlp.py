@@ -40,18 +40,19 @@ class ChunkMLP(nn.Module):
         self.head = nn.Linear(width, self.horizon * self.action_dim)
 
     def forward(self, images: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """Normalised action chunks [B, horizon, action_dim] from images [B, T, cameras, H, W, 3] uint8
-        and normalised state [B, T, state_dim]."""
+        """Normalised action chunks, flat [B, horizon * action_dim], from images [B, T, cameras, H, W, 3]
+        uint8 and normalised state [B, T, state_dim]. Flat, not a view of them: FSDP warns of a
+        wrapped module that returns a view."""
         dtype = self.embed.weight.dtype  # the parameters' dtype: float64 under uma parity
         colours = images.to(dtype).mean(dim=(3, 4)).flatten(2) / 255  # [B, T, cameras * 3]
         x = self.embed(torch.cat([state.to(dtype), colours], dim=-1).flatten(1))
         for block in self.blocks:
             x = block(x)
-        return self.head(x).view(-1, self.horizon, self.action_dim)
+        return self.head(x)
 
     def predict_actions(self, images, state, text_ids, text_mask):
-        """What validation and Policy call."""
-        return self(images, state)
+        """What validation and Policy call: normalised action chunks [B, horizon, action_dim]."""
+        return self(images, state).view(-1, self.horizon, self.action_dim)
 
 
 class ChunkMLPPretrain(PretrainModule):
@@ -73,7 +74,7 @@ class ChunkMLPPretrain(PretrainModule):
     def compute_loss(self, batch: dict) -> dict[str, torch.Tensor]:
         """Each sample's mean squared error over its real chunk steps, averaged over the samples (so
         data-parallel ranks, which average their gradients, train as one process on the whole batch)."""
-        predicted = self.model(batch["images"], batch["state"])
+        predicted = self.model(batch["images"], batch["state"]).view_as(batch["actions"])
         real = batch["action_mask"][..., None].to(predicted.dtype)  # [B, horizon, 1]
         error = (predicted - batch["actions"].to(predicted.dtype)).square() * real
         per_sample = error.sum((1, 2)) / (real.sum((1, 2)) * predicted.shape[-1]).clamp(min=1)

@@ -4,8 +4,8 @@ read from the model itself (built on the meta device, which costs no memory), an
 A robot model (``RobotBase`` with its registered plan) is known down to its blocks' shapes, so its
 activations are written per block (``memory.py``). Any other network is known as the data-parallel
 strategies see it: its units as the generic plan finds them (``parallel/plans/generic.py``), and what
-autograd saves over one traced step of its stage's loss on fake tensors, at two batch sizes (saved
-activations grow linearly with the batch)."""
+autograd saves over one traced step of its stage's loss at two batch sizes (saved activations grow
+linearly with the batch), on fake tensors, or on real ones for a step that depends on values."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class ModelFacts:
     block_forward_flops_per_sample: int  # what full activation checkpointing recomputes
     tokens_per_sample: int
     model: nn.Module = field(compare=False, repr=False)  # on the meta device, for its parallel plan's own checks
-    traced: TracedActivations | None = None  # a network outside the robot family's saved activations
+    traced: TracedActivations | None = None  # what a network outside the robot family saves, traced
 
     @property
     def n_layers(self) -> int:
