@@ -218,7 +218,8 @@ def test_plan_sizes_a_network_outside_the_robot_family_for_the_data_parallel_str
     assert code == 0 and plan["model"]["network"] == "MixtureOfMLPs"
     assert plan["model"]["parameters"] == sum(p.numel() for p in network.parameters())
     layouts = {(e["layout"]["dp_replicate"], e["layout"]["dp_shard"], e["layout"]["ac"]) for e in plan["ranked"]}
-    assert layouts == {(2, 1, "none"), (1, 2, "none")}  # ddp and fsdp, no tp, pp or ep layout of its own
+    assert layouts == {(2, 1, "none"), (1, 2, "none")}  # ddp and fsdp; tp refused for want of a tp_plan
+    assert any("declares no tensor-parallel layout" in e["reason"] for e in plan["rejected"] if e["layout"]["tp"] == 2)
     memory = plan["recommended"]["memory_bytes"]
     assert plan["recommended"]["strategy"] == "ddp" and memory["parameters"] == 4 * plan["model"]["parameters"]
     assert memory["activations"] > 0
@@ -226,9 +227,9 @@ def test_plan_sizes_a_network_outside_the_robot_family_for_the_data_parallel_str
 
 @pytest.mark.slow(seconds=20)
 def test_plan_predictions_for_networks_outside_the_robot_family_match_a_real_gloo_step():
-    """One launch of two gloo processes: each foreign network under ddp and fsdp, each rank's state
-    bytes exact, its collectives within 5 % and its saved activations (traced at other batch sizes,
-    on fake tensors where the step runs on them) within 20 %."""
+    """One launch of two gloo processes: each foreign network under ddp and fsdp, and the denoiser
+    under tp from its tp_plan, each rank's state bytes exact, its collectives within 5 % and its saved
+    activations (traced at other batch sizes, on fake tensors where the step runs on them) within 20 %."""
     from foreign_networks import DenoiserPretrain, TemporalConvPretrain
 
     from uma_lightning.tools.planner.check import compare
@@ -237,6 +238,7 @@ def test_plan_predictions_for_networks_outside_the_robot_family_match_a_real_glo
     modules = {"denoiser": DenoiserPretrain, "mixture": MixturePretrain, "temporal": TemporalConvPretrain}
     layouts = {"ddp": Layout(dp_replicate=2), "fsdp": Layout(dp_shard=2)}
     cases = {f"{name} {strategy}": (module(spec=SPEC), layout) for name, module in modules.items() for strategy, layout in layouts.items()}  # fmt: skip
+    cases["denoiser tp"] = (DenoiserPretrain(spec=SPEC), Layout(tp=2))
     results = compare(cases, global_batch=8, world_size=2)
     for name, ranks in results.items():
         for rank, result in enumerate(ranks):

@@ -113,6 +113,17 @@ def check_generic(model: nn.Module, shape: MeshShape, config: ParallelConfig) ->
                 )
 
 
+def tp_styles(model: nn.Module) -> dict[str, str]:
+    """The style of every module ``tp_plan`` lays out, by name (none without a layout)."""
+    layout = tensor_parallel_layout(model) or {}
+    return {
+        name: style
+        for name, _ in model.named_modules()
+        for pattern, style in layout.items()
+        if name and _matches(name, pattern)
+    }
+
+
 def _matches(name: str, pattern: str) -> bool:
     """As parallelize_module matches a plan key: level by level, each by fnmatch."""
     parts, pattern_parts = name.split("."), pattern.split(".")
@@ -125,8 +136,7 @@ def apply_tp_plan(model: nn.Module, tp_mesh) -> str:
     layout = tensor_parallel_layout(model)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in layout.items()})
-    split = sum(1 for name, _ in model.named_modules() if any(_matches(name, p) for p in layout))
-    return f"tensor parallel over {tp_mesh.size()} ranks: {split} linear layers from {type(model).__name__}.tp_plan"
+    return f"tensor parallel over {tp_mesh.size()} ranks: {len(tp_styles(model))} linear layers from {type(model).__name__}.tp_plan"
 
 
 def parallelize_generic(model: nn.Module, mesh, config: ParallelConfig) -> list[str]:

@@ -11,6 +11,8 @@ Where they come from (``parallel/apply.py``, ``plans/robot.py``), per micro-batc
   once: it stays gathered), every unit's gradients reduce-scattered; HSDP all-reduces the shards
   across replicas after;
 - DDP: every gradient all-reduced;
+- TP of a network's tp_plan: its row-wise layers' outputs all-reduced in forward, its column-wise
+  layers' input gradients in backward;
 - TP: per block two all-gathers of the sequence-parallel activations and two reduce-scatters in
   forward, the same in backward, the backbone's output gathered and its input gradient gathered,
   and column-wise head weights gathered for the fused loss (with FSDP also the norms' gradients all-reduced);
@@ -150,7 +152,14 @@ def step_collectives(
                 True,
             )
         )
-    if tp > 1:
+    if tp > 1 and not facts.cfg:
+        # A tp_plan's layers: each row-wise one's partial outputs summed in the forward, each column-wise
+        # one's partial input gradients in the backward (``parallel/plans/generic.py``).
+        forward, backward = facts.tp_exchange
+        cb = precision.compute_bytes
+        out.append(Collective("TP row-wise outputs", "all-reduce", batch * forward * cb, m, tp, 1, False))
+        out.append(Collective("TP column-wise input gradients", "all-reduce", batch * backward * cb, m, tp, 1, False))
+    elif tp > 1:
         activation = batch * facts.cfg.seq_len * facts.cfg.backbone.dim * precision.compute_bytes
         layers = facts.n_layers // layout.pp
         # A MoE layer routes each rank's own slice of the sequence: no gather and scatter around it

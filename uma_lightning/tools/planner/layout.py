@@ -89,10 +89,10 @@ def divisors(n: int) -> list[int]:
 
 def candidates(facts: ModelFacts, world_size: int) -> Iterator[Layout]:
     """Every layout of ``world_size`` ranks, legal or not (``illegal_reason`` says which are not). A
-    network outside the robot family is sized for the data-parallel strategies without activation
-    checkpointing: its traced step says what it saves, not what a layout of its blocks would."""
-    splits = divisors(world_size) if facts.cfg else [1]
-    for tp, pp in itertools.product(splits, splits):
+    network outside the robot family is sized for the data-parallel strategies and its tp_plan
+    without activation checkpointing or a pipeline: its traced step says what it saves, not what a
+    layout of its blocks would."""
+    for tp, pp in itertools.product(divisors(world_size), divisors(world_size) if facts.cfg else [1]):
         if world_size % (tp * pp):
             continue
         dp = world_size // (tp * pp)

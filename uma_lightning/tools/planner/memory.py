@@ -244,7 +244,7 @@ def activation_bytes(facts: ModelFacts, layout: Layout, precision: Precision, gl
     """Peak saved activations of the first stage's rank (the one holding the most micro-batches)."""
     batch = global_batch // layout.dp // layout.microbatches
     if facts.traced:
-        return facts.traced.at(batch, precision.compute_bytes)  # without a pipeline: one micro-batch at a time
+        return facts.traced(layout.tp).at(batch, precision.compute_bytes)  # no pipeline: one micro-batch at a time
     layers = facts.n_layers // layout.pp
     before, after = outside_activations(facts, batch, layout)
     per_microbatch = layers * checkpointed_block(facts, batch, layout) + before + (after if layout.pp == 1 else 0)

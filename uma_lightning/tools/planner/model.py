@@ -9,7 +9,9 @@ linearly with the batch), on fake tensors, or on real ones for a step that depen
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -18,7 +20,7 @@ from torch import nn
 
 from uma_lightning.cli_errors import ConfigError
 from uma_lightning.models.robot import RobotModelConfig
-from uma_lightning.parallel.plans.generic import data_parallel_units
+from uma_lightning.parallel.plans.generic import data_parallel_units, tp_styles
 from uma_lightning.parallel.plans.registry import heads_for
 from uma_lightning.parallel.plans.robot import BLOCK_COLWISE, BLOCK_ROWWISE, robot_blocks
 
@@ -48,6 +50,7 @@ class TracedActivations:
     per_sample: int
     fixed: int
     element_bytes: int  # of the traced network's floating dtype
+    tp_exchange: tuple[int, int] = (0, 0)  # elements per sample all-reduced over tp (forward, backward)
 
     def at(self, batch: int, element_bytes: int) -> int:
         """The bytes saved for ``batch`` samples computed in elements of ``element_bytes``."""
@@ -63,7 +66,10 @@ class ModelFacts:
     block_forward_flops_per_sample: int  # what full activation checkpointing recomputes
     tokens_per_sample: int
     model: nn.Module = field(compare=False, repr=False)  # on the meta device, for its parallel plan's own checks
-    traced: TracedActivations | None = None  # what a network outside the robot family saves, traced
+    # A network outside the robot family: what a rank saves at a tp size, traced (``traced_activations``),
+    # and the elements per sample its tp_plan all-reduces over tp (forward, backward).
+    traced: Callable[[int], TracedActivations] | None = field(default=None, compare=False, repr=False)
+    tp_exchange: tuple[int, int] = (0, 0)
 
     @property
     def n_layers(self) -> int:
@@ -81,10 +87,11 @@ def facts_of(
     flops_per_sample: int,
     block_forward_flops: int,
     tokens_per_sample: int,
-    traced: TracedActivations | None = None,
+    traced: Callable[[int], TracedActivations] | None = None,
+    tp_exchange: tuple[int, int] = (0, 0),
 ) -> ModelFacts:
     """The facts of a built model (any device, meta included); without ``cfg``, its units are those the
-    generic plan wraps and nothing is split by tensor parallelism."""
+    generic plan wraps and its tp_plan splits its linear layers."""
     blocks = robot_blocks(model) if cfg else data_parallel_units(model)[0]
     unit_of = {id(module): index for index, block in enumerate(blocks) for module in block.modules()}
     module_of = {
@@ -94,11 +101,14 @@ def facts_of(
     }
     colwise = BLOCK_COLWISE + tuple(name for head in heads_for(model) for name in head.tp_colwise) if cfg else ()
     rowwise = BLOCK_ROWWISE if cfg else ()
+    styles = {} if cfg else tp_styles(model)
     layer_pattern = re.compile(r"^backbone\.layers\.(\d+)\.")
     params = []
     for name, param in model.named_parameters():
         owner = name.rsplit(".", 1)[0]
         tp_dim = 0 if colwise and owner.endswith(colwise) else 1 if rowwise and owner.endswith(rowwise) else None
+        if owner in styles:  # column-wise: weight and bias split on the outputs; row-wise: the weight's inputs
+            tp_dim = 0 if styles[owner] == "colwise" else 1 if name.endswith("weight") else None
         if not cfg:
             layer = -1  # no backbone: a network outside the robot family is not split into stages
         elif match := layer_pattern.match(name):
@@ -122,7 +132,15 @@ def facts_of(
             )
         )
     return ModelFacts(
-        tuple(params), cfg, len(blocks), flops_per_sample, block_forward_flops, tokens_per_sample, model, traced
+        tuple(params),
+        cfg,
+        len(blocks),
+        flops_per_sample,
+        block_forward_flops,
+        tokens_per_sample,
+        model,
+        traced,
+        tp_exchange,
     )
 
 
@@ -152,38 +170,74 @@ def facts_of_stage(stage_module) -> ModelFacts:
     tokens = getattr(model, "tokens_per_sample", None) or 1  # without the piece, a token is a sample
     if isinstance(model, RobotBase) and plan_for(model) is not None:
         return facts_of(model, model.cfg, flops, _block_forward_flops(model.cfg), tokens)
-    return facts_of(model, None, flops, 0, tokens, traced_activations(stage_module))
+    traced = functools.cache(lambda tp: traced_activations(stage_module, tp))
+    return facts_of(model, None, flops, 0, tokens, traced, traced(1).tp_exchange)
 
 
-def traced_activations(stage_module) -> TracedActivations:
-    """What autograd saves over one forward of the stage's loss at two batch sizes, traced on fake
-    tensors, or on real ones for a step that depends on values (as its FLOPs are counted)."""
+def traced_activations(stage_module, tp: int = 1) -> TracedActivations:
+    """What autograd saves over one forward of the stage's loss on a rank of ``tp`` (its tp_plan's
+    layers cut to that rank's share), at two batch sizes, traced on fake tensors, or on real ones for
+    a step that depends on values (as its FLOPs are counted)."""
     from uma_lightning.data.spec import example_batch
 
     sizes = (EXAMPLE_BATCH_SIZE, 2 * EXAMPLE_BATCH_SIZE)
     try:
         try:
-            saved = [_saved_in_step(stage_module, example_batch(stage_module.spec, size), fake=True) for size in sizes]
+            saved = [_saved_in_step(stage_module, example_batch(stage_module.spec, size), True, tp) for size in sizes]
         except Exception:  # noqa: BLE001  (whatever a value-dependent step raises on fake tensors)
-            saved = [_saved_in_step(stage_module, example_batch(stage_module.spec, size), fake=False) for size in sizes]
+            saved = [_saved_in_step(stage_module, example_batch(stage_module.spec, size), False, tp) for size in sizes]
     except Exception as err:  # noqa: BLE001  (whatever the network raises: said in one line)
         raise ConfigError(
             f"model: uma plan sizes the activations of {type(stage_module).__name__}'s network over one training "
             f"step, and the step fails ({type(err).__name__}: {str(err).splitlines()[0]})"
         ) from None
-    per_sample = (saved[1][0] - saved[0][0]) // (sizes[1] - sizes[0])
-    return TracedActivations(per_sample, max(0, saved[0][0] - per_sample * sizes[0]), saved[0][1])
+    (small, element_bytes, _), (large, _, exchanged) = saved
+    per_sample = (large - small) // (sizes[1] - sizes[0])
+    exchange = (exchanged[0] // sizes[1], exchanged[1] // sizes[1])
+    return TracedActivations(per_sample, max(0, small - per_sample * sizes[0]), element_bytes, exchange)
 
 
-def _saved_in_step(stage_module, batch: dict, fake: bool) -> tuple[int, int]:
-    """(Bytes autograd saves over the forward of the stage's loss on ``batch``, its loss's element size)."""
+def _saved_in_step(stage_module, batch: dict, fake: bool, tp: int) -> tuple[int, int, tuple[int, int]]:
+    """(Bytes autograd saves over the forward of the stage's loss on ``batch`` on a rank of ``tp``, its
+    loss's element size, the elements tensor parallelism all-reduces: row-wise layers' outputs in
+    the forward, column-wise layers' inputs that need a gradient in the backward)."""
     from uma_lightning.modules.flops import step_on_rebuilt_network
 
     out: dict = {}
+    exchanged = [0, 0]
+
+    def count(style: str, inputs, output) -> None:
+        if style == "rowwise":
+            exchanged[0] += output.numel()
+        elif inputs[0].requires_grad:
+            exchanged[1] += inputs[0].numel()
+
     with step_on_rebuilt_network(stage_module, batch, fake) as mode, mode:
-        with saved_activation_bytes(stage_module.model, out):
+        network = stage_module.model
+        hooks = []
+        for name, style in tp_styles(network).items():
+            linear = network.get_submodule(name)
+            hooks.append(
+                linear.register_forward_hook(lambda _, inputs, output, style=style: count(style, inputs, output))
+            )
+            _cut_to_rank(linear, style, tp)
+        with saved_activation_bytes(network, out):
             loss = stage_module.compute_loss(batch)["loss"]
-    return out["bytes"], loss.element_size()
+        for hook in hooks:
+            hook.remove()
+    return out["bytes"], loss.element_size(), (exchanged[0], exchanged[1])
+
+
+def _cut_to_rank(linear: nn.Linear, style: str, tp: int) -> None:
+    """Keep the first rank's share of a tensor-parallel linear layer, as ColwiseParallel and RowwiseParallel do."""
+    if tp == 1:
+        return
+    if style == "colwise":
+        linear.weight = nn.Parameter(linear.weight[: linear.out_features // tp])
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias[: linear.out_features // tp])
+    else:
+        linear.weight = nn.Parameter(linear.weight[:, : linear.in_features // tp])
 
 
 @contextmanager

@@ -246,7 +246,7 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
     else:
         what = (
             f"{type(facts.model).__name__} ({facts.n_units} data-parallel units; no registered plan: sized for ddp, "
-            "fsdp and hsdp without activation checkpointing, its activations from a traced step)"
+            "fsdp, hsdp and its tp_plan without activation checkpointing, its activations from a traced step)"
         )
     print(
         f"model: {what}, {params / 1e9:.3g} B parameters, {facts.tokens_per_sample} tokens per sample, "
