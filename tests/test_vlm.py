@@ -1,6 +1,8 @@
 """Backbones from pretrained Hugging Face vision-language models (``uma_lightning/models/vlm.py``), on
 tiny random models of two families built in the test (``hf_models.py``)."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -60,11 +62,11 @@ def test_the_prefix_is_the_familys_own_forward(tiny_vlms, family):
 
 
 @pytest.mark.slow(seconds=20)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_stage_trains_on_a_pretrained_vlm(tiny_vlms, tmp_path, family):
+def test_every_stage_trains_on_a_pretrained_vlm(tiny_vlms, tmp_path):
     """Pretraining (token head), mid-training from it, post-training from that with pi0's flow expert,
     the vision tower frozen by the config key, LoRA on the language model and an EMA; the policy is
-    rebuilt from the checkpoint and acts."""
+    rebuilt from the checkpoint and acts. (PaliGemma's family runs the post-training recipe below.)"""
+    family = "idefics3"
     from test_stages import data, trainer
 
     from uma_lightning import Policy
@@ -116,3 +118,59 @@ def test_every_stage_trains_on_a_pretrained_vlm(tiny_vlms, tmp_path, family):
     with torch.no_grad():
         actions = policy.predict_normalized(batch["images"][:2], batch["state"][:2], batch["instruction"][:2])
     assert actions.shape == (2, 4, post_data.spec.action_dim) and torch.isfinite(actions).all()
+
+
+@pytest.mark.slow
+def test_the_vlm_post_training_recipe_runs_on_a_local_model_directory(tiny_vlms, tmp_path, monkeypatch):
+    """recipes/posttrain_vlm.yaml as the tutorial runs it, pointed at a local PaliGemma directory, with
+    validation (the policy's predicted chunks) and a checkpoint that names the directory."""
+    import json
+
+    from suite import QUICK, recipe
+
+    from uma_lightning.checkpoint.weights import read_checkpoint
+    from uma_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", recipe("posttrain_vlm"), *QUICK, "--trainer.logger", "false",
+            "--model.network.pretrained", str(tiny_vlms["paligemma"]), "--model.network.max_text_len", "8",
+            "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}), "--data.action_horizon", "4",
+            "--model.flow.sample_steps", "2", "--trainer.max_steps", "2"]  # fmt: skip
+    main(args)
+    source = read_checkpoint(tmp_path / "runs" / "posttrain_vlm" / "checkpoints")
+    assert source.path.rstrip("/").endswith("step-000000002") and source.hparams["network"]["pretrained"] == str(
+        tiny_vlms["paligemma"]
+    )
+    assert any(name.startswith("vlm.model.vision_tower.") for name in source.weights)
+
+
+def test_a_directory_that_is_not_a_vlm_is_named(tmp_path):
+    from uma_lightning.models.network import NetworkConfig
+
+    with pytest.raises(ValueError, match=f"^network.pretrained {tmp_path}: no config.json there"):
+        NetworkConfig(pretrained=str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ValueError, match="model_type 'bert' is not a supported vision-language family"):
+        NetworkConfig(pretrained=str(tmp_path))
+
+
+def test_the_house_models_need_no_transformers(tiny_vlms, monkeypatch):
+    """No module of the package imports transformers or tokenizers when it is imported (only the VLM
+    family does, when it builds a model); without them, a pretrained backbone names the extra."""
+    import ast
+    from pathlib import Path
+
+    import uma_lightning
+    from uma_lightning.modules import PosttrainModule
+
+    top_level = []
+    for path in Path(uma_lightning.__file__).parent.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            top_level += [(path.name, name) for name in names if name.split(".")[0] in ("transformers", "tokenizers")]
+    assert top_level == []
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    spec = SPEC
+    with pytest.raises(ValueError, match=r"^network.pretrained needs transformers: pip install 'uma-lightning\[hf\]'$"):
+        PosttrainModule(spec=spec, network={"pretrained": str(tiny_vlms["idefics3"])}).build_model()
