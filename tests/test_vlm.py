@@ -174,3 +174,33 @@ def test_the_house_models_need_no_transformers(tiny_vlms, monkeypatch):
     spec = SPEC
     with pytest.raises(ValueError, match=r"^network.pretrained needs transformers: pip install 'uma-lightning\[hf\]'$"):
         PosttrainModule(spec=spec, network={"pretrained": str(tiny_vlms["idefics3"])}).build_model()
+
+
+def test_what_a_family_lacks_for_a_strategy_is_refused_in_one_line(tiny_vlms, tmp_path):
+    """Checked on the network built on the meta device, before any work: tp that does not divide the
+    key/value heads (PaliGemma 3B's Gemma has one), and pp, which the generic plan cannot split."""
+    import json
+    import shutil
+
+    from lightning.pytorch import Trainer
+
+    from uma_lightning.modules import PretrainModule
+    from uma_lightning.parallel import register_strategies
+
+    register_strategies()
+    one_kv_head = shutil.copytree(tiny_vlms["paligemma"], tmp_path / "one-kv-head")
+    config = json.loads((one_kv_head / "config.json").read_text())
+    config["text_config"]["num_key_value_heads"] = 1
+    (one_kv_head / "config.json").write_text(json.dumps(config))
+
+    def check(strategy: str, directory) -> None:
+        module = PretrainModule(spec=SPEC, network={"pretrained": str(directory), "max_text_len": 8})
+        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False).strategy.check_module(
+            module, batch_size=4
+        )
+
+    check("tp", tiny_vlms["paligemma"])  # two key/value heads: split
+    with pytest.raises(ValueError, match=r"^tp 2 does not divide the 1 key value heads of paligemma's language model"):
+        check("tp", one_kv_head)
+    with pytest.raises(ValueError, match=r"^pp 2: the generic plan of VLMTokenModel has no pipeline split"):
+        check("pp", tiny_vlms["idefics3"])
