@@ -53,7 +53,7 @@ class NetworkConfig:
             safetensors weights, tokenizer files, image processor config: what ``save_pretrained`` writes)
             whose vision tower and language model are the backbone, and whose tokenizer encodes the
             instruction (``max_text_len`` tokens); ``size`` and ``vision`` are then unused. Families:
-            idefics3 and smolvlm (SmolVLM), paligemma. None: the house backbone. Needs the ``hf`` extra.
+            idefics3 (SmolVLM) and paligemma. None: the house backbone. Needs the ``hf`` extra.
         freeze_vision: With ``pretrained``: the vision tower and its connector keep their loaded weights,
             the language model trains.
     """

@@ -71,7 +71,6 @@ class Family:
 #: The families a backbone can be built from, by ``model_type`` in config.json.
 FAMILIES = {
     "idefics3": Family(image_dims=5, merges_patches=True),
-    "smolvlm": Family(image_dims=5, merges_patches=True),
     "paligemma": Family(image_dims=4, merges_patches=False),
 }
 
