@@ -51,6 +51,7 @@ from uma_lightning.models.flow_matching import euler_sample
 from uma_lightning.models.robot import LinearCrossEntropy
 from uma_lightning.models.tokenizers import ActionBinner
 from uma_lightning.models.transformer import KVCache, LayerKV, Transformer, TransformerConfig
+from uma_lightning.models.units import outermost_of_classes
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,6 @@ class VLMModelConfig:
     max_text_len: int = 32
     n_action_bins: int = 256
     freeze_vision: bool = False
-
-    @property
-    def family(self) -> str:
-        return read_config(self.directory)["model_type"]
 
 
 def import_transformers():
@@ -185,13 +182,7 @@ class VLMBase(nn.Module):
     def fsdp_units(self) -> list[nn.Module]:
         """What data parallelism wraps one by one: the outermost modules of the classes the family's
         ``_no_split_modules`` names (its decoder layers, its vision tower's layers)."""
-        classes = set(self.vlm._no_split_modules or ())
-        units, inside = [], []
-        for name, module in self.vlm.named_modules():
-            if name and type(module).__name__ in classes and not name.startswith(tuple(inside)):
-                units.append(module)
-                inside.append(name + ".")
-        return units
+        return outermost_of_classes(self.vlm, self.vlm._no_split_modules or ())
 
     @property
     def tp_plan(self) -> dict[str, str]:

@@ -28,6 +28,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 
+from uma_lightning.models.units import outermost_of_classes
 from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape
 from uma_lightning.parallel.plans.registry import Plan
@@ -47,11 +48,7 @@ def data_parallel_units(model: nn.Module) -> tuple[list[nn.Module], str]:
     attribute = "fsdp_units" if named is not None else "_no_split_modules"
     class_names = set(named if named is not None else getattr(model, "_no_split_modules", None) or ())
     if class_names:
-        units, inside = [], []
-        for name, module in model.named_modules():
-            if name and type(module).__name__ in class_names and not any(name.startswith(p + ".") for p in inside):
-                units.append(module)
-                inside.append(name)
+        units = outermost_of_classes(model, class_names)
         return (
             units,
             f"{len(units)} unit(s) of the classes {network}.{attribute} names ({', '.join(sorted(class_names))})",
