@@ -196,7 +196,7 @@ def s3():
 FAULT = "parallel_faults.InjectedFault"
 
 
-def vlm_parity_case(label: str, strategies: str, directory, stage: str):
+def vlm_parity_case(label: str, strategies: str, directory, stage: str, **strategy_args):
     """A ``uma parity`` case of a tiny pretrained VLM (``tiny_vlms``) as the backbone of ``stage``
     (pretrain: the token head; posttrain: the flow expert, 32 wide)."""
     from suite import parity_case, recipe
@@ -204,7 +204,7 @@ def vlm_parity_case(label: str, strategies: str, directory, stage: str):
     vlm = ["--model.network.pretrained", str(directory), "--model.network.max_text_len", "8"]
     expert = ["--model.init_from", "null", "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}),
               "--data.action_horizon", "4"] if stage == "posttrain" else []  # fmt: skip
-    return parity_case(label, strategies, *vlm, *expert, config=recipe(stage))
+    return parity_case(label, strategies, *vlm, *expert, config=recipe(stage), **strategy_args)
 
 
 @pytest.fixture(scope="session")
@@ -214,8 +214,8 @@ def parity_on_two_processes(tiny_vlms):
     tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
     model shapes drawn at random; the pipeline with two interleaved stages per rank; a mixture of
     experts under ep, in 1F1B pipeline stages and under tp; tiny pretrained VLMs as backbones
-    (SmolVLM's family with the token head, PaliGemma's with the flow expert); and one injected bug
-    per case."""
+    (SmolVLM's family with the token head, PaliGemma's with the flow expert and checkpointed
+    layers); and one injected bug per case."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case, recipe
 
     from uma_lightning.parallel import ParallelConfig, PipelineConfig
@@ -271,7 +271,14 @@ def parity_on_two_processes(tiny_vlms):
         parity_case("experts tp", "tp", *PARITY_MOE_TP),
         fault("unsummed_experts", "tp", *PARITY_MOE_TP),
         vlm_parity_case("vlm idefics3 pretrain", "ddp,fsdp,tp", tiny_vlms["idefics3"], "pretrain"),
-        vlm_parity_case("vlm paligemma posttrain", "ddp,fsdp,tp", tiny_vlms["paligemma"], "posttrain"),
+        # Its decoder layers recomputed in backward: the expert reads the keys and values they cached.
+        vlm_parity_case(
+            "vlm paligemma posttrain",
+            "ddp,fsdp,tp",
+            tiny_vlms["paligemma"],
+            "posttrain",
+            wrapping=ParallelConfig(activation_checkpointing="full"),
+        ),  # fmt: skip
     ]
     return check_parity(cases)
 

@@ -33,6 +33,7 @@ the model's own fast tokenizer, padded or cut to ``max_text_len`` tokens.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import sys
@@ -427,7 +428,8 @@ class VLMFlowModel(VLMBase):
     ) -> KVCache:
         """The keys and values of the prefix, per language-model layer, with its padding mask."""
         prefix, mask = self.embed_prefix(images, state, text_ids, text_mask)
-        cache = self.run_language_model(prefix, mask, use_cache=True).cache
+        cache = import_transformers().Cache(layer_class_to_replicate=_prefix_layer_class())
+        self.run_language_model(prefix, mask, cache=cache, use_cache=True)
         return KVCache([LayerKV(layer.keys, layer.values) for layer in cache.layers], mask)
 
     def velocity(self, prefix_cache: KVCache, noisy_actions: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -466,6 +468,22 @@ class VLMFlowModel(VLMBase):
             shape = (images.shape[0], spec.action_horizon, spec.action_dim)
             noise = noise_scale * torch.randn(shape, device=state.device, dtype=state.dtype)
         return euler_sample(lambda x, t: self.velocity(cache, x, t), noise, steps)
+
+
+@functools.cache
+def _prefix_layer_class() -> type:
+    """A layer of transformers' cache that keeps the keys and values of the one pass over the prefix,
+    replaced (not extended) when the layer runs again: activation checkpointing recomputes it in backward."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PrefixLayer(DynamicLayer):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+
+    return PrefixLayer
 
 
 class _Float64GemmaNorm:
