@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import FAMILIES
+from suite import QUICK, quiet_trainer, recipe, small_data
 
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models.vlm import import_transformers
@@ -66,37 +67,34 @@ def test_every_stage_trains_on_a_pretrained_vlm(tiny_vlms, tmp_path):
     """Pretraining (token head), mid-training from it, post-training from that with pi0's flow expert,
     the vision tower frozen by the config key, LoRA on the language model and an EMA; the policy is
     rebuilt from the checkpoint and acts. (PaliGemma's family runs the post-training recipe below.)"""
-    family = "idefics3"
-    from test_stages import data, trainer
-
     from uma_lightning import Policy
     from uma_lightning.checkpoint.weights import read_checkpoint
     from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
 
-    network = {"pretrained": str(tiny_vlms[family]), "max_text_len": 8}
+    network = {"pretrained": str(tiny_vlms["idefics3"]), "max_text_len": 8}
     torch.manual_seed(0)
-    pre_data = data()
+    pre_data = small_data()
     pretrain = PretrainModule(spec=pre_data.spec, network=network, normalization=pre_data.normalization(),
                               n_action_bins=16)  # fmt: skip
     pretrain.configure_model()
     loaded = {name: tensor.clone() for name, tensor in pretrain.model.vlm.state_dict().items()}
-    trainer(tmp_path / "pretrain", 2).fit(pretrain, pre_data)
+    quiet_trainer(tmp_path / "pretrain", 2).fit(pretrain, pre_data)
     pretrain.trainer.save_checkpoint(tmp_path / "pretrain.ckpt")
 
     midtrain = MidtrainModule(spec=pre_data.spec, network=network, normalization=pre_data.normalization(),
                               n_action_bins=16, init_from=str(tmp_path / "pretrain.ckpt"))  # fmt: skip
-    trainer(tmp_path / "midtrain", 1).fit(midtrain, pre_data)
+    quiet_trainer(tmp_path / "midtrain", 1).fit(midtrain, pre_data)
     midtrain.trainer.save_checkpoint(tmp_path / "midtrain.ckpt")
 
-    post_data = data(n_obs_steps=2, action_horizon=4)
-    decoder = {"idefics3": "model.text_model", "paligemma": "model.language_model"}[family]
+    post_data = small_data(n_obs_steps=2, action_horizon=4)
+    decoder = "model.text_model"  # SmolVLM's language model
     lora = [f"vlm.{decoder}.layers.*.self_attn.q_proj"]
     posttrain = PosttrainModule(
         spec=post_data.spec, network={**network, "freeze_vision": True}, normalization=post_data.normalization(),
         init_from=str(tmp_path / "midtrain.ckpt"), expert={"dim": 32, "ffn_dim": 64},
         lora={"targets": lora, "rank": 2}, ema_decay=0.5, optimizer={"lr": 1e-2, "warmup_steps": 1},
     )  # fmt: skip
-    trainer(tmp_path / "posttrain", 3).fit(posttrain, post_data)
+    quiet_trainer(tmp_path / "posttrain", 3).fit(posttrain, post_data)
     posttrain.trainer.save_checkpoint(tmp_path / "posttrain.ckpt")
 
     model, midtrained = posttrain.model, read_checkpoint(tmp_path / "midtrain.ckpt").weights
@@ -125,8 +123,6 @@ def test_the_vlm_post_training_recipe_runs_on_a_local_model_directory(tiny_vlms,
     """recipes/posttrain_vlm.yaml as the tutorial runs it, pointed at a local PaliGemma directory, with
     validation (the policy's predicted chunks) and a checkpoint that names the directory."""
     import json
-
-    from suite import QUICK, recipe
 
     from uma_lightning.checkpoint.weights import read_checkpoint
     from uma_lightning.cli import main
