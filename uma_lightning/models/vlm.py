@@ -47,11 +47,10 @@ from torch import nn
 
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig
-from uma_lightning.models.flow import ActionExpertConfig, TimeEmbedding
-from uma_lightning.models.flow_matching import euler_sample
+from uma_lightning.models.flow import ActionExpert, ActionExpertConfig
 from uma_lightning.models.robot import LinearCrossEntropy
 from uma_lightning.models.tokenizers import ActionBinner
-from uma_lightning.models.transformer import KVCache, LayerKV, Transformer, TransformerConfig
+from uma_lightning.models.transformer import KVCache, LayerKV, TransformerConfig
 from uma_lightning.models.units import outermost_of_classes
 
 
@@ -357,7 +356,7 @@ class VLMTokenModel(VLMBase):
         return self.action_binner.decode(bins)
 
 
-class VLMFlowModel(VLMBase):
+class VLMFlowModel(ActionExpert, VLMBase):
     """pi0: the VLM encodes the prefix once; a flow-matching action expert of its own width attends to
     each language-model layer's keys and values of it (post-training)."""
 
@@ -379,14 +378,12 @@ class VLMFlowModel(VLMBase):
             norm_eps=text.rms_norm_eps,
             rope_theta=_rope_theta(text),
         )
-        self.expert_config = (expert or ActionExpertConfig()).transformer_config(language_model)
-        width, action_dim = self.expert_config.dim, cfg.spec.action_dim
-        self.action_in = nn.Linear(action_dim, width)
-        self.time_embed = TimeEmbedding(width)
-        self.action_time_mlp = nn.Sequential(nn.Linear(2 * width, width), nn.SiLU(), nn.Linear(width, width))
-        self.expert = Transformer(self.expert_config, max_seq_len=self.prefix_len + cfg.spec.action_horizon)
-        self.action_out = nn.Linear(width, action_dim)
-        self.expert.init_weights()
+        self.build_action_expert(
+            (expert or ActionExpertConfig()).transformer_config(language_model),
+            cfg.spec.action_dim,
+            max_seq_len=self.prefix_len + cfg.spec.action_horizon,
+        )
+        self.init_action_expert()
         self.freeze_what_gets_no_gradient()
 
     @property
@@ -432,13 +429,6 @@ class VLMFlowModel(VLMBase):
         self.run_language_model(prefix, mask, cache=cache, use_cache=True)
         return KVCache([LayerKV(layer.keys, layer.values) for layer in cache.layers], mask)
 
-    def velocity(self, prefix_cache: KVCache, noisy_actions: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        actions = self.action_in(noisy_actions.to(self.action_in.weight.dtype))
-        times = self.time_embed(t).to(actions.dtype)[:, None].expand_as(actions)
-        tokens = self.action_time_mlp(torch.cat((actions, times), dim=-1))
-        real = torch.ones(noisy_actions.shape[:2], dtype=torch.bool, device=noisy_actions.device)
-        return self.action_out(self.expert(tokens, key_padding_mask=real, cache=prefix_cache.copy()))
-
     def forward(
         self,
         images: torch.Tensor,
@@ -462,12 +452,9 @@ class VLMFlowModel(VLMBase):
         noise_scale: float = 1.0,
     ) -> torch.Tensor:
         """Normalised action chunk [B, horizon, action_dim]: Euler steps from noise, one prefix cache."""
-        cache = self.encode_prefix(images, state, text_ids, text_mask)
-        spec = self.cfg.spec
-        if noise is None:
-            shape = (images.shape[0], spec.action_horizon, spec.action_dim)
-            noise = noise_scale * torch.randn(shape, device=state.device, dtype=state.dtype)
-        return euler_sample(lambda x, t: self.velocity(cache, x, t), noise, steps)
+        return self.sample_actions(
+            self.encode_prefix(images, state, text_ids, text_mask), state, steps, noise, noise_scale
+        )
 
 
 @functools.cache
