@@ -13,7 +13,6 @@ tower, a linear projector, a Gemma language model). Images are 32x32 in patches 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 #: The families a tiny model can be built of.
@@ -131,8 +130,3 @@ def _paligemma():
 
 
 _BUILDERS = {"idefics3": _idefics3, "paligemma": _paligemma}
-
-
-def config_of(directory) -> dict:
-    """The ``config.json`` of a model directory."""
-    return json.loads((Path(directory) / "config.json").read_text())

@@ -48,7 +48,7 @@ from torch import nn
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.kernels import KernelConfig
 from uma_lightning.models.flow import ActionExpert, ActionExpertConfig
-from uma_lightning.models.robot import LinearCrossEntropy
+from uma_lightning.models.robot import LinearCrossEntropy, embed_action_tokens
 from uma_lightning.models.tokenizers import ActionBinner
 from uma_lightning.models.transformer import KVCache, LayerKV, TransformerConfig
 from uma_lightning.models.units import outermost_of_classes
@@ -315,8 +315,7 @@ class VLMTokenModel(VLMBase):
         return self.prefix_len + self.n_action_tokens - 1
 
     def embed_actions(self, action_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        positions = torch.arange(start, start + action_tokens.shape[1], device=action_tokens.device)
-        return self.action_embed(action_tokens) + self.action_dim_embed(positions % self.cfg.spec.action_dim)
+        return embed_action_tokens(self.action_embed, self.action_dim_embed, action_tokens, start)
 
     def forward(
         self,
