@@ -64,11 +64,11 @@ def tiny_vlm_dir(family: str, path) -> Path:
     from uma_lightning.models.vlm import import_transformers
 
     import_transformers()  # before any `from transformers import`, which would find it shadowed here
-    model, processor = _BUILDERS[family]()
+    with torch.random.fork_rng():  # the builders seed torch's generator; the caller's draws stay as they were
+        model, processor = _BUILDERS[family]()
     directory.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(directory)
-    with torch.random.fork_rng():
-        model.save_pretrained(directory)
+    model.save_pretrained(directory)
     return directory
 
 
