@@ -70,6 +70,34 @@ def assert_short_error(code, err, *fragments):
         assert fragment in err, err
 
 
+# ---- stage modules under a real Trainer, in this process -------------------------------------------
+
+
+def small_data(**overrides):
+    """The embedded data, six episodes (two for validation), batches of 4, loaded in this process."""
+    from uma_lightning.data import RobotDataModule
+
+    settings = {"generation": {"n_episodes": 6}, "batch_size": 4, "loader": {"num_workers": 0}, "val_episodes": 2}
+    return RobotDataModule(**{**settings, **overrides})
+
+
+def quiet_trainer(root, steps: int, **overrides):
+    """A Trainer of ``steps`` steps in ``root``: no logger, progress bar or checkpoints, one validation batch."""
+    import lightning as L
+
+    settings = {
+        "max_steps": steps,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "default_root_dir": str(root),
+        "limit_val_batches": 1,
+        "num_sanity_val_steps": 0,
+    }
+    return L.Trainer(**{**settings, **overrides})
+
+
 # ---- a small robot model and inputs for it, without data or Lightning ------------------------------
 
 SPEC = DataSpec(

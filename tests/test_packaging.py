@@ -34,13 +34,18 @@ def test_every_source_package_is_declared():
 
 @pytest.mark.slow  # a new interpreter
 def test_callbacks_and_kernels_are_not_top_level_modules():
+    # A top-level `kernels` may be installed: the distribution transformers (the hf extra) depends on.
     code = (
         "import importlib.util, uma_lightning.callbacks, uma_lightning.kernels;"
-        "assert importlib.util.find_spec('callbacks') is None and importlib.util.find_spec('kernels') is None;"
-        "print(uma_lightning.callbacks.__file__)"
+        "assert importlib.util.find_spec('callbacks') is None;"
+        "kernels = importlib.util.find_spec('kernels');"
+        "print(uma_lightning.callbacks.__file__);"
+        "print(kernels.origin if kernels else '')"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True).stdout
-    assert Path(out.strip()).parent == REPO / "callbacks"
+    callbacks, kernels = out.splitlines()
+    assert Path(callbacks).parent == REPO / "callbacks"
+    assert not kernels or Path(kernels).parent != REPO / "kernels"
 
 
 @pytest.mark.slow  # a new interpreter

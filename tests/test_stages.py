@@ -4,16 +4,15 @@ metrics (including closed-loop rollouts in the simulator) and ``predict`` output
 
 import logging
 
-import lightning as L
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from suite import quiet_trainer, small_data
 
 from uma_lightning import Policy
 from uma_lightning.callbacks import ClosedLoopEval, PredictionWriter, ShardedCheckpoint
 from uma_lightning.checkpoint.weights import read_checkpoint
-from uma_lightning.data import RobotDataModule
 from uma_lightning.models.lora import LoRALinear
 from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
 
@@ -21,44 +20,18 @@ MICRO = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}
 LORA_TARGETS = ["backbone.layers.*.attn.wq", "backbone.layers.*.attn.wv"]
 
 
-def data(**overrides) -> RobotDataModule:
-    return RobotDataModule(
-        **{
-            "generation": {"n_episodes": 6},
-            "batch_size": 4,
-            "loader": {"num_workers": 0},
-            "val_episodes": 2,
-            **overrides,
-        }
-    )
-
-
-def trainer(root, steps: int, **overrides) -> L.Trainer:
-    settings = {
-        "max_steps": steps,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "default_root_dir": str(root),
-        "limit_val_batches": 1,
-        "num_sanity_val_steps": 0,
-    }
-    return L.Trainer(**{**settings, **overrides})
-
-
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
     """A pretrained micro model, and a post-trained one started from it with freezing, LoRA and EMA."""
     root = tmp_path_factory.mktemp("stages")
     torch.manual_seed(0)
-    pre_data = data()
+    pre_data = small_data()
     pretrain = PretrainModule(spec=pre_data.spec, network={"size": MICRO}, normalization=pre_data.normalization())
-    run = trainer(root / "pretrain", 3)
+    run = quiet_trainer(root / "pretrain", 3)
     run.fit(pretrain, pre_data)
     run.save_checkpoint(root / "pretrain.ckpt")
 
-    post_data = data(n_obs_steps=2, action_horizon=6, state_norm="quantile", action_norm="quantile")
+    post_data = small_data(n_obs_steps=2, action_horizon=6, state_norm="quantile", action_norm="quantile")
     posttrain = PosttrainModule(
         spec=post_data.spec,
         network={"size": MICRO},
@@ -71,7 +44,7 @@ def stages(tmp_path_factory):
         optimizer={"lr": 1e-2, "warmup_steps": 1},
     )
     # Also written as the recipes write checkpoints: sharded, in the background, at the end of training.
-    run = trainer(root / "posttrain", 4, enable_checkpointing=True, callbacks=[ShardedCheckpoint()])
+    run = quiet_trainer(root / "posttrain", 4, enable_checkpointing=True, callbacks=[ShardedCheckpoint()])
     run.fit(posttrain, post_data)
     run.save_checkpoint(root / "posttrain.ckpt")
     return {"root": root, "pretrain": pretrain, "pre_data": pre_data, "posttrain": posttrain, "post_data": post_data}
@@ -109,9 +82,9 @@ def test_a_research_subclass_round_trips_through_its_checkpoint_with_its_own_arg
     import research_module
 
     module_class = getattr(research_module, module_name)
-    dm = data()
+    dm = small_data()
     module = module_class(spec=dm.spec, network={"size": MICRO}, normalization=dm.normalization(), **argument)
-    run = trainer(tmp_path, 2)
+    run = quiet_trainer(tmp_path, 2)
     run.fit(module, dm)
     run.save_checkpoint(tmp_path / "research.ckpt")
     source = read_checkpoint(tmp_path / "research.ckpt")
@@ -201,7 +174,7 @@ def test_policy_acts_in_robot_units_batched(stages):
 
 
 def test_validation_reports_action_errors_token_accuracy_and_closed_loop_success(stages):
-    metrics = trainer(
+    metrics = quiet_trainer(
         stages["root"] / "validate", 1, callbacks=[ClosedLoopEval(n_episodes=3, execute_steps=6)]
     ).validate(stages["posttrain"], stages["post_data"], verbose=False)[0]
     for name in (
@@ -216,7 +189,7 @@ def test_validation_reports_action_errors_token_accuracy_and_closed_loop_success
         assert name in metrics, sorted(metrics)
     assert metrics["val/success_rate"] in (0.0, 1 / 3, 2 / 3, 1.0)
     assert 0.0 < metrics["val/goal_distance"] < 2.0
-    tokens = trainer(stages["root"] / "test", 1).test(stages["pretrain"], stages["pre_data"], verbose=False)[0]
+    tokens = quiet_trainer(stages["root"] / "test", 1).test(stages["pretrain"], stages["pre_data"], verbose=False)[0]
     assert 0.0 <= tokens["test/token_accuracy"] <= 1.0 and "test/action_mse/dq1" in tokens
 
 
@@ -227,7 +200,7 @@ def test_closed_loop_evaluation_runs_under_bf16_true_and_a_policy_acts_in_its_mo
     import copy
 
     module, dataset = copy.deepcopy(stages[stage]), stages["pre_data" if stage == "pretrain" else "post_data"]
-    metrics = trainer(
+    metrics = quiet_trainer(
         stages["root"] / f"bf16-{stage}", 1, precision="bf16-true", callbacks=[ClosedLoopEval(n_episodes=1)]
     ).validate(module, dataset, verbose=False)[0]
     assert next(module.parameters()).dtype == torch.bfloat16
@@ -252,7 +225,7 @@ def test_closed_loop_evaluation_runs_under_bf16_true_and_a_policy_acts_in_its_mo
 
 def test_predict_writes_every_frame_of_the_split(stages, tmp_path):
     module, dataset = stages["pretrain"], stages["pre_data"]
-    trainer(tmp_path, 1, callbacks=[PredictionWriter(str(tmp_path / "out"))]).predict(
+    quiet_trainer(tmp_path, 1, callbacks=[PredictionWriter(str(tmp_path / "out"))]).predict(
         module, dataset, return_predictions=False
     )
     table = pq.read_table(tmp_path / "out" / "val-rank0.parquet").to_pydict()
@@ -275,7 +248,7 @@ def test_predict_writes_every_frame_of_the_split(stages, tmp_path):
 
 
 def test_midtraining_extends_the_context_from_a_pretrained_checkpoint(stages, caplog):
-    longer = data(n_obs_steps=3, action_horizon=10)
+    longer = small_data(n_obs_steps=3, action_horizon=10)
     module = MidtrainModule(
         spec=longer.spec,
         network={"size": MICRO},

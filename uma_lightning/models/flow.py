@@ -71,31 +71,22 @@ class TimeEmbedding(nn.Module):
         return time_embedding(t, self.width)
 
 
-class RobotFlowTransformer(RobotBase):
-    def __init__(self, cfg: RobotModelConfig, expert: ActionExpertConfig | None = None):
-        super().__init__(cfg, max_seq_len=cfg.prefix_len)
-        self.expert_config = (expert or ActionExpertConfig()).transformer_config(cfg.backbone)
-        width, action_dim = self.expert_config.dim, cfg.spec.action_dim
+class ActionExpert:
+    """pi0's action expert over a prefix cache, shared by the flow models: the noisy chunk's tokens
+    (one per step, the flow time mixed in), a transformer of ``expert_config`` attending to a prefix
+    cache, and the velocity out. A mixin of ``nn.Module``s: its parameter names are the same in each."""
+
+    def build_action_expert(self, expert_config: TransformerConfig, action_dim: int, max_seq_len: int) -> None:
+        self.expert_config = expert_config
+        width = expert_config.dim
         self.action_in = nn.Linear(action_dim, width)
         self.time_embed = TimeEmbedding(width)
         # Mixes each noisy action with the flow time (pi0's action-time MLP).
         self.action_time_mlp = nn.Sequential(nn.Linear(2 * width, width), nn.SiLU(), nn.Linear(width, width))
-        self.expert = Transformer(self.expert_config, max_seq_len=cfg.prefix_len + cfg.spec.action_horizon)
+        self.expert = Transformer(expert_config, max_seq_len=max_seq_len)
         self.action_out = nn.Linear(width, action_dim)
-        self.init_weights()
-        self.freeze_what_gets_no_gradient()
 
-    @property
-    def tokens_per_sample(self) -> int:
-        """Tokens per sample: the backbone's prefix and the expert's action chunk."""
-        return self.cfg.prefix_len + self.cfg.spec.action_horizon
-
-    def set_kernels(self, kernels) -> None:
-        super().set_kernels(kernels)
-        self.expert.set_kernels(kernels)
-
-    def init_weights(self) -> None:
-        super().init_weights()
+    def init_action_expert(self) -> None:
         for module in (self.action_in, self.action_time_mlp[0], self.action_time_mlp[2], self.action_out):
             module.reset_parameters()
         self.expert.init_weights()
@@ -110,6 +101,43 @@ class RobotFlowTransformer(RobotBase):
         # sequence-parallel plan splits across ranks.
         real = torch.ones(noisy_actions.shape[:2], dtype=torch.bool, device=noisy_actions.device)
         return self.action_out(self.expert(tokens, key_padding_mask=real, cache=prefix_cache.copy()))
+
+    def sample_actions(
+        self, cache: KVCache, state: torch.Tensor, steps: int, noise: torch.Tensor | None, noise_scale: float
+    ) -> torch.Tensor:
+        """Normalised action chunk [B, horizon, action_dim]: ``steps`` Euler steps from noise (standard
+        normal times ``noise_scale`` unless given; of ``state``'s batch, device and dtype), all reading
+        one cache of the prefix."""
+        spec = self.cfg.spec
+        if noise is None:
+            shape = (state.shape[0], spec.action_horizon, spec.action_dim)
+            noise = noise_scale * torch.randn(shape, device=state.device, dtype=state.dtype)
+        return euler_sample(lambda x, t: self.velocity(cache, x, t), noise, steps)
+
+
+class RobotFlowTransformer(ActionExpert, RobotBase):
+    def __init__(self, cfg: RobotModelConfig, expert: ActionExpertConfig | None = None):
+        super().__init__(cfg, max_seq_len=cfg.prefix_len)
+        self.build_action_expert(
+            (expert or ActionExpertConfig()).transformer_config(cfg.backbone),
+            cfg.spec.action_dim,
+            max_seq_len=cfg.prefix_len + cfg.spec.action_horizon,
+        )
+        self.init_weights()
+        self.freeze_what_gets_no_gradient()
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens per sample: the backbone's prefix and the expert's action chunk."""
+        return self.cfg.prefix_len + self.cfg.spec.action_horizon
+
+    def set_kernels(self, kernels) -> None:
+        super().set_kernels(kernels)
+        self.expert.set_kernels(kernels)
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        self.init_action_expert()
 
     def freeze_what_gets_no_gradient(self) -> None:
         """The action expert reads only the prefix's keys and values, not its final hidden states: without
@@ -153,8 +181,4 @@ class RobotFlowTransformer(RobotBase):
         """Normalised action chunk [B, horizon, action_dim]: ``steps`` Euler steps from noise (standard
         normal times ``noise_scale`` unless given), all reading one cache of the prefix."""
         _, cache = self.encode_prefix(images, state, text_ids, text_mask)
-        spec = self.cfg.spec
-        if noise is None:
-            shape = (images.shape[0], spec.action_horizon, spec.action_dim)
-            noise = noise_scale * torch.randn(shape, device=state.device, dtype=state.dtype)
-        return euler_sample(lambda x, t: self.velocity(cache, x, t), noise, steps)
+        return self.sample_actions(cache, state, steps, noise, noise_scale)

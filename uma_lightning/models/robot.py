@@ -83,6 +83,15 @@ class LinearCrossEntropy(nn.Module):
         return linear_cross_entropy(hidden, weight, targets, backend=backend, per_sample=True)
 
 
+def embed_action_tokens(
+    action_embed: nn.Embedding, action_dim_embed: nn.Embedding, action_tokens: torch.Tensor, start: int = 0
+) -> torch.Tensor:
+    """[B, n, dim]: each action-bin id's embedding plus that of its action dimension (token positions
+    start.. of the flattened chunk, one dimension after another)."""
+    positions = torch.arange(start, start + action_tokens.shape[1], device=action_tokens.device)
+    return action_embed(action_tokens) + action_dim_embed(positions % action_dim_embed.num_embeddings)
+
+
 class RobotBase(nn.Module):
     """The modality tokenizers and the backbone every robot model shares; subclasses add an action head.
 
@@ -191,8 +200,7 @@ class RobotTransformer(RobotBase):
     def embed_actions(self, action_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """[B, n, dim] from flattened action-bin ids [B, n] at token positions start.. of the chunk;
         the dimension index is added per token."""
-        positions = torch.arange(start, start + action_tokens.shape[1], device=action_tokens.device)
-        return self.action_embed(action_tokens) + self.action_dim_embed(positions % self.cfg.spec.action_dim)
+        return embed_action_tokens(self.action_embed, self.action_dim_embed, action_tokens, start)
 
     def forward(
         self,
