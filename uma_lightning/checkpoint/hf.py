@@ -1,0 +1,254 @@
+"""Hugging Face model directories (what ``transformers``' ``save_pretrained`` writes: ``config.json``,
+safetensors weights in one file or in shards listed by an index, the tokenizer and processor files):
+weights in, for ``init_from``, and out, for ``uma ckpt export --format hf``.
+
+A network that holds a ``transformers`` model names where with ``hf_prefix``, the attribute path of
+that model inside it ("" for the network itself), whose ``state_dict()`` keys are the safetensors keys.
+
+Loading streams: one shard file open at a time (memory-mapped), and from each tensor only the part
+this process holds: the whole tensor into a plain parameter, this rank's block into a DTensor sharded
+by FSDP or tensor parallelism. So a process holds at most its own parameters plus one shard file.
+Parameters outside the prefix (an action head, a state projection) keep their initialisation.
+
+Nothing here imports ``transformers`` but the export, which needs it to write the model back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from uma_lightning.progress import Progress
+
+log = logging.getLogger("uma_lightning")
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    file: str  # the shard file's name inside the directory
+    shape: tuple[int, ...]
+    dtype: str  # as safetensors names it: F32, BF16...
+
+
+@dataclass(frozen=True)
+class HFDirectory:
+    path: Path
+    model_type: str | None  # config.json's, e.g. "paligemma"
+    tensors: dict[str, SavedTensor]  # every saved tensor by name, from the shard headers alone
+
+    def files(self) -> list[str]:
+        return sorted({saved.file for saved in self.tensors.values()})
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    """Whether ``path`` is a Hugging Face model directory: a ``config.json`` beside safetensors weights."""
+    path = Path(path)
+    return path.is_dir() and (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors"))
+
+
+def read_hf_directory(path: str | Path) -> HFDirectory:
+    """The config's model type and every tensor's file, shape and dtype, read from the headers only.
+    Raises ValueError naming the file that is unreadable or missing."""
+    path = Path(path)
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path / CONFIG_FILE}: unreadable ({err})") from None
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise ValueError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
+    else:
+        files = sorted(file.name for file in path.glob("*.safetensors"))
+    tensors: dict[str, SavedTensor] = {}
+    for name in files:
+        try:
+            with safe_open(str(path / name), "pt") as file:
+                for key in file.keys():
+                    view = file.get_slice(key)
+                    tensors[key] = SavedTensor(name, tuple(view.get_shape()), view.get_dtype())
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{path / name}: not a readable safetensors file ({err})") from None
+    return HFDirectory(path, config.get("model_type"), tensors)
+
+
+def hf_prefix(model: nn.Module) -> str:
+    """The attribute path of the ``transformers`` model inside ``model``; ValueError when it holds none."""
+    prefix = getattr(model, "hf_prefix", None)
+    if prefix is None:
+        raise ValueError(
+            f"{type(model).__name__} holds no Hugging Face model (it has no hf_prefix naming one), "
+            "so it cannot start from a Hugging Face directory"
+        )
+    return prefix
+
+
+def hf_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The parameters and persistent buffers of ``model``'s ``transformers`` model by safetensors name
+    (plain tensors or DTensors, as the strategy laid them out), and the names of tied weights (an output
+    projection sharing the input embedding): those appear once, under their first name, as
+    ``save_pretrained`` writes them."""
+    prefix = hf_prefix(model)
+    start = f"{prefix}." if prefix else ""
+    state = {
+        name.removeprefix(start): tensor
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if name.startswith(start)
+    }
+    return untied(state)
+
+
+def untied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``state`` with each tensor under its first name only, and the other names (tied weights)."""
+    seen: set[int] = set()
+    unique: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            unique[name] = tensor
+    return unique, set(state) - set(unique)
+
+
+def check_hf_weights(model: nn.Module, source: HFDirectory) -> None:
+    """Raise a one-line ValueError naming the first key (and its file) that does not map between
+    ``source`` and ``model``'s ``transformers`` model: another family, a missing key, an unexpected
+    key, a shape that differs. ``model`` may be on the meta device."""
+    prefix = hf_prefix(model)
+    held = model.get_submodule(prefix)
+    model_type = getattr(getattr(held, "config", None), "model_type", None)
+    if model_type and source.model_type != model_type:
+        raise ValueError(
+            f"{source.path / CONFIG_FILE}: model_type {source.model_type!r}, but {type(model).__name__} holds a "
+            f"{model_type!r} model (another family)"
+        )
+    targets, tied = hf_targets(model)
+    problems = []
+    missing = [key for key in targets if key not in source.tensors]
+    if missing:
+        problems.append(f"{_first(missing)} is missing from {source.path} (the model's {_named(prefix, missing[0])})")
+    unexpected = [key for key in source.tensors if key not in targets and key not in tied]
+    if unexpected:
+        saved = source.tensors[unexpected[0]]
+        problems.append(f"{_first(unexpected)} of {source.path / saved.file} is not in {type(model).__name__}")
+    for key, target in targets.items():
+        saved = source.tensors.get(key)
+        if saved is not None and saved.shape != tuple(target.shape):
+            problems.append(
+                f"{key} of {source.path / saved.file} has shape {list(saved.shape)}, the model's "
+                f"{_named(prefix, key)} {list(target.shape)}"
+            )
+            break
+    if problems:
+        raise ValueError(f"{source.path}: cannot initialise {type(model).__name__} from it: " + "; ".join(problems))
+
+
+def load_hf_weights(model: nn.Module, source: HFDirectory) -> None:
+    """Copy ``source``'s weights into ``model``'s ``transformers`` model, one shard file at a time,
+    each process reading only the block of each tensor it holds (``check_hf_weights`` first)."""
+    check_hf_weights(model, source)
+    targets, _ = hf_targets(model)
+    sizes = {name: (source.path / name).stat().st_size for name in source.files()}
+    with Progress(sum(sizes.values()), f"load {source.path.name}:", "B", byte_counts=True) as progress:
+        for name in source.files():
+            with safe_open(str(source.path / name), "pt") as file, torch.no_grad():
+                for key in file.keys():
+                    if key in targets:
+                        _copy_into(targets[key], file.get_slice(key))
+            progress.advance(sizes[name])
+    log.info(
+        "initialised %s from the Hugging Face model %s: %d tensors from %d files",
+        type(model).__name__,
+        source.path,
+        len(targets),
+        len(sizes),
+    )
+
+
+def _copy_into(target: torch.Tensor, saved) -> None:
+    """Copy the part of a saved tensor (a safetensors slice, read lazily) that ``target`` holds: all
+    of it, or a DTensor's local block."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(target, DTensor):
+        target.copy_(saved[:])
+        return
+    local = target.to_local()
+    if all(isinstance(placement, (Replicate, Shard)) for placement in target.placements):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        if tuple(shape) == tuple(local.shape):
+            if local.numel():
+                local.copy_(saved[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+            return
+    # A layout that is no block of the tensor (FSDP over a tp shard of the same dimension): this rank's
+    # part of the whole tensor, split as the strategy split it, without communication.
+    from torch.distributed.tensor import distribute_tensor
+
+    whole = distribute_tensor(saved[:], target.device_mesh, target.placements, src_data_rank=None)
+    local.copy_(whole.to_local())
+
+
+def _first(keys: list[str]) -> str:
+    return keys[0] + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
+
+
+def _named(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+# ---- out: a Hugging Face directory from one of our checkpoints -------------------------------------
+
+#: What ``save_pretrained`` writes itself; every other file of the source directory (tokenizer,
+#: processor, chat template) is copied as it is.
+WRITTEN_BY_TRANSFORMERS = (CONFIG_FILE, INDEX_FILE, "generation_config.json")
+
+
+def export_hf_directory(
+    weights: dict[str, torch.Tensor], source: Path, output: Path, max_shard_size: str = "5GB"
+) -> int:
+    """Write ``weights`` (names of the ``transformers`` model) as a directory ``from_pretrained`` loads:
+    the model class and config of ``source`` (its ``config.json``), the weights as safetensors shards,
+    and ``source``'s tokenizer and processor files. Returns the number of tensors written. Raises
+    ValueError naming a key that does not map to that model."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(source)
+    architecture = (config.architectures or [None])[0]
+    model_class = getattr(transformers, architecture or "", None)
+    if model_class is None:
+        raise ValueError(f"{source / CONFIG_FILE}: names no transformers model class (architectures: {architecture})")
+    with torch.device("meta"):
+        model = model_class(config)
+    expected, tied = untied(model.state_dict(keep_vars=True))
+    missing = [key for key in expected if key not in weights]
+    unexpected = [key for key in weights if key not in expected and key not in tied]
+    if missing or unexpected:
+        found = f"{_first(missing)} is missing" if missing else f"{_first(unexpected)} is not in {architecture}"
+        raise ValueError(f"{source / CONFIG_FILE}: the checkpoint does not fit {architecture}: {found}")
+    for key, tensor in expected.items():
+        if tuple(weights[key].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{source / CONFIG_FILE}: {key} has shape {list(weights[key].shape)} in the checkpoint, "
+                f"{list(tensor.shape)} in {architecture}"
+            )
+    model.load_state_dict({key: weights[key] for key in expected}, strict=False, assign=True)
+    model.tie_weights()
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output, max_shard_size=max_shard_size)
+    for file in sorted(source.iterdir()):
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in WRITTEN_BY_TRANSFORMERS:
+            shutil.copy2(file, output / file.name)
+    return len(expected)
