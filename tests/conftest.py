@@ -156,6 +156,18 @@ def pretrained(tmp_path_factory) -> SimpleNamespace:
     )  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def tiny_vlms(tmp_path_factory) -> dict:
+    """A directory per family of ``hf_models.FAMILIES``: a tiny random vision-language model as
+    ``save_pretrained`` writes it. Written once per test run, under a lock; read-only."""
+    from hf_models import FAMILIES, tiny_vlm_dir
+
+    folder = run_folder(tmp_path_factory) / "vlms"
+    folder.mkdir(exist_ok=True)
+    with locked(folder.with_name("vlms.lock")):
+        return {family: tiny_vlm_dir(family, folder) for family in FAMILIES}
+
+
 @pytest.fixture
 def s3():
     """A local S3-compatible server (moto) with a bucket `robots`: (its s3fs filesystem, fsspec options)."""

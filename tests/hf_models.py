@@ -1,0 +1,135 @@
+"""Tiny random vision-language models of real Hugging Face families, built locally from their configs.
+
+Each is what ``save_pretrained`` writes for a real checkpoint: ``config.json``, safetensors weights, the
+tokenizer files and the image processor's config, in one directory. Nothing is downloaded: the
+tokenizer is a word-level vocabulary trained here on a few sentences (the ``tokenizers`` library),
+wrapped as the fast tokenizer the family's processor takes, and the weights are random.
+
+``tiny_vlm_dir(family, path)`` writes one (or reuses one already written there) and returns the
+directory. The families, by their ``model_type``: ``idefics3`` (SmolVLM's architecture: a SigLIP-style
+vision tower, a pixel-shuffle connector, a Llama language model) and ``paligemma`` (a SigLIP vision
+tower, a linear projector, a Gemma language model). Images are 32x32 in patches of 8.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: The families a tiny model can be built of.
+FAMILIES = ("idefics3", "paligemma")
+
+IMAGE_SIZE = 32
+PATCH_SIZE = 8
+
+#: What the tokenizer learns its words from: the instructions of the generated robot data and a few more.
+SENTENCES = (
+    "pick up the red cube and place it in the bowl",
+    "push the blue block to the left of the green one",
+    "open the drawer then close it",
+    "move the arm up and down slowly",
+    "reach the target with the gripper",
+    "stack the yellow block on top of the red block",
+)
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<image>", "<fake_token_around_image>", "<global-img>",
+                  "<end_of_utterance>")  # fmt: skip
+
+
+def trained_tokenizer(sentences=SENTENCES):
+    """A fast tokenizer (``PreTrainedTokenizerFast``) over a word-level vocabulary trained on
+    ``sentences``: lower-cased whitespace words, with the special tokens both families use."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from tokenizers.trainers import WordLevelTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(WordLevel(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(sentences, WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS)))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
+def tiny_vlm_dir(family: str, path) -> Path:
+    """A directory under ``path`` holding a tiny random model of ``family`` (one of ``FAMILIES``), its
+    tokenizer and image processor, as ``save_pretrained`` writes them; written once, then reused."""
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny model of family {family!r}: one of {FAMILIES}")
+    directory = Path(path) / f"tiny-{family}"
+    if (directory / "model.safetensors").exists():
+        return directory
+    import torch
+
+    model, processor = _BUILDERS[family]()
+    directory.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(directory)
+    with torch.random.fork_rng():
+        model.save_pretrained(directory)
+    return directory
+
+
+def _idefics3():
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tokenizer = trained_tokenizer()
+    scale_factor = 2
+    config = Idefics3Config(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE},
+        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 512, "pad_token_id": tokenizer.pad_token_id},
+        scale_factor=scale_factor,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=False
+    )
+    tokens_per_image = (IMAGE_SIZE // PATCH_SIZE) ** 2 // scale_factor**2
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=tokens_per_image)
+    torch.manual_seed(0)
+    return Idefics3ForConditionalGeneration(config).eval(), processor
+
+
+def _paligemma():
+    import torch
+    from transformers import (
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        PaliGemmaProcessor,
+        SiglipImageProcessorPil,
+    )
+
+    tokenizer = trained_tokenizer()
+    image_processor = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    image_processor.image_seq_length = (IMAGE_SIZE // PATCH_SIZE) ** 2
+    processor = PaliGemmaProcessor(image_processor, tokenizer)  # adds its location and segmentation words
+    config = PaliGemmaConfig(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "projection_dim": 64},
+        text_config={"model_type": "gemma", "vocab_size": len(processor.tokenizer), "hidden_size": 64,
+                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 512,
+                     "pad_token_id": tokenizer.pad_token_id},
+        image_token_id=processor.image_token_id,
+        projection_dim=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return PaliGemmaForConditionalGeneration(config).eval(), processor
+
+
+_BUILDERS = {"idefics3": _idefics3, "paligemma": _paligemma}
+
+
+def config_of(directory) -> dict:
+    """The ``config.json`` of a model directory."""
+    return json.loads((Path(directory) / "config.json").read_text())
