@@ -95,19 +95,61 @@ def hf_prefix(model: nn.Module) -> str:
     return prefix
 
 
-def hf_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The parameters and persistent buffers of ``model``'s ``transformers`` model by safetensors name
-    (plain tensors or DTensors, as the strategy laid them out), and the names of tied weights (an output
-    projection sharing the input embedding): those appear once, under their first name, as
-    ``save_pretrained`` writes them."""
+def hf_source_directory(model: nn.Module, init_from: str | None = None) -> str | None:
+    """The Hugging Face directory ``model``'s ``transformers`` model comes from: its config's
+    ``name_or_path`` (``from_pretrained`` sets it), else ``init_from`` when that is one; None when neither is."""
+    config = getattr(model.get_submodule(hf_prefix(model)), "config", None)
+    for candidate in (getattr(config, "name_or_path", None), init_from):
+        if candidate and is_hf_directory(candidate):
+            return str(Path(candidate).resolve())
+    return None
+
+
+def hf_targets(model: nn.Module, saved: HFDirectory) -> tuple[dict[str, torch.Tensor], dict[str, str], set[str]]:
+    """The parameters and persistent buffers of ``model``'s ``transformers`` model (plain tensors or
+    DTensors, as the strategy laid them out) by the name ``saved`` gives each, that name's name in
+    ``model``, and the saved names of tied weights (an output projection sharing the input embedding):
+    those appear once, under their first name, as ``save_pretrained`` writes them.
+
+    A saved name is the model's own, or what transformers' checkpoint conversion renames it to when
+    it saves (PaliGemma's file says ``language_model.model.*`` for ``model.language_model.*``)."""
     prefix = hf_prefix(model)
+    held = model.get_submodule(prefix)
     start = f"{prefix}." if prefix else ""
     state = {
         name.removeprefix(start): tensor
         for name, tensor in model.state_dict(keep_vars=True).items()
         if name.startswith(start)
     }
-    return untied(state)
+    rename = _saved_name_of(held)
+    saved_names = {name: rename(name) if rename(name) in saved.tensors else name for name in state}
+    unique, tied = untied(state)
+    targets = {saved_names[name]: tensor for name, tensor in unique.items()}
+    return targets, {saved_names[name]: start + name for name in state}, {saved_names[name] for name in tied}
+
+
+def _saved_name_of(held: nn.Module):
+    """The function from a parameter name of a ``transformers`` model to the name its ``save_pretrained``
+    writes (the identity for other modules): the model's checkpoint renamings, reversed. A conversion
+    that changes tensors (fused or split weights) is refused: streaming copies tensors as they are."""
+    if not hasattr(held, "config") or not hasattr(held, "save_pretrained"):
+        return lambda name: name
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+
+    conversions = getattr(held, "_weight_conversions", None) or [
+        conversion
+        for conversion in get_model_conversion_mapping(held, add_legacy=False)
+        if not isinstance(conversion, PrefixChange)  # as save_pretrained does for a model built from a config
+    ]
+    reversed_ = [conversion.reverse_transform() for conversion in conversions[::-1]]
+    converting = [conversion for conversion in reversed_ if not isinstance(conversion, WeightRenaming)]
+    if converting:
+        raise ValueError(
+            f"{type(held).__name__} converts tensors when it loads ({type(converting[0]).__name__} of "
+            f"{converting[0].source_patterns}); loading it shard by shard copies tensors as they are saved"
+        )
+    return lambda name: apply_renamings(name, reversed_)
 
 
 def untied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -133,11 +175,11 @@ def check_hf_weights(model: nn.Module, source: HFDirectory) -> None:
             f"{source.path / CONFIG_FILE}: model_type {source.model_type!r}, but {type(model).__name__} holds a "
             f"{model_type!r} model (another family)"
         )
-    targets, tied = hf_targets(model)
+    targets, names, tied = hf_targets(model, source)
     problems = []
     missing = [key for key in targets if key not in source.tensors]
     if missing:
-        problems.append(f"{_first(missing)} is missing from {source.path} (the model's {_named(prefix, missing[0])})")
+        problems.append(f"{_first(missing)} is missing from {source.path} (the model's {names[missing[0]]})")
     unexpected = [key for key in source.tensors if key not in targets and key not in tied]
     if unexpected:
         saved = source.tensors[unexpected[0]]
@@ -147,7 +189,7 @@ def check_hf_weights(model: nn.Module, source: HFDirectory) -> None:
         if saved is not None and saved.shape != tuple(target.shape):
             problems.append(
                 f"{key} of {source.path / saved.file} has shape {list(saved.shape)}, the model's "
-                f"{_named(prefix, key)} {list(target.shape)}"
+                f"{names[key]} {list(target.shape)}"
             )
             break
     if problems:
@@ -158,7 +200,7 @@ def load_hf_weights(model: nn.Module, source: HFDirectory) -> None:
     """Copy ``source``'s weights into ``model``'s ``transformers`` model, one shard file at a time,
     each process reading only the block of each tensor it holds (``check_hf_weights`` first)."""
     check_hf_weights(model, source)
-    targets, _ = hf_targets(model)
+    targets, _, _ = hf_targets(model, source)
     sizes = {name: (source.path / name).stat().st_size for name in source.files()}
     with Progress(sum(sizes.values()), f"load {source.path.name}:", "B", byte_counts=True) as progress:
         for name in source.files():
@@ -203,10 +245,6 @@ def _copy_into(target: torch.Tensor, saved) -> None:
 
 def _first(keys: list[str]) -> str:
     return keys[0] + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
-
-
-def _named(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
 
 
 # ---- out: a Hugging Face directory from one of our checkpoints -------------------------------------

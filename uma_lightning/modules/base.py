@@ -31,7 +31,8 @@ accuracy where there are tokens, and the errors of predicted action chunks in ro
 L1 per action dimension and per chunk step). Predicted chunks come from ``policy()``, the same
 ``Policy`` object that ``uma predict``, closed-loop evaluation and RL actors use.
 
-``init_from`` starts the model from another stage's checkpoint (see ``checkpoint/weights.py``).
+``init_from`` starts the model from another stage's checkpoint (see ``checkpoint/weights.py``), or
+a network holding a ``transformers`` model from a Hugging Face directory (``checkpoint/hf.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from uma_lightning.checkpoint.hf import (
+    check_hf_weights,
+    hf_prefix,
+    hf_source_directory,
+    is_hf_directory,
+    load_hf_weights,
+    read_hf_directory,
+)
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
@@ -124,7 +133,8 @@ class StageModule(L.LightningModule):
                 (see ``NetworkConfig``).
             optimizer: AdamW and learning-rate schedule settings.
             init_from: Checkpoint of an earlier stage to start from (weights only: the optimizer,
-                schedule and step start afresh). None starts from random weights.
+                schedule and step start afresh), or a Hugging Face model directory (``config.json`` and
+                safetensors) for a network that holds a ``transformers`` model. None starts from random weights.
             normalization: State and action normalisation of the data (mode, offset, scale, names);
                 ``uma`` links it from the data module, and checkpoints keep it for inference.
         """
@@ -260,7 +270,9 @@ class StageModule(L.LightningModule):
         if self.model is not None:
             return
         self.model = self.build_model()
-        if self.init_from:
+        if self.init_from and is_hf_directory(self.init_from):
+            load_hf_weights(self.model, read_hf_directory(self.init_from))
+        elif self.init_from:
             source = read_checkpoint(self.init_from)
             load_weights(self.model, source, self.key_mapping)
             self.log_context_change(source.hparams)
@@ -284,7 +296,10 @@ class StageModule(L.LightningModule):
             return
         with torch.device("meta"):
             model = self.build_model()
-        check_weights(model.state_dict(), read_checkpoint(self.init_from), self.key_mapping, type(model).__name__)
+        if is_hf_directory(self.init_from):
+            check_hf_weights(model, read_hf_directory(self.init_from))
+        else:
+            check_weights(model.state_dict(), read_checkpoint(self.init_from), self.key_mapping, type(model).__name__)
 
     def log_context_change(self, source_hparams: dict) -> None:
         """Say how the context (history frames, chunk length) and the rotary position range changed."""
@@ -421,6 +436,10 @@ class StageModule(L.LightningModule):
         builder = recorded_builder(type(self))
         if builder is not None:
             checkpoint["network_builder"] = builder
+        if getattr(self.model, "hf_prefix", None) is not None:
+            # Where the network's transformers model came from, for `uma ckpt export --format hf`.
+            checkpoint["hf_prefix"] = hf_prefix(self.model)
+            checkpoint["hf_directory"] = hf_source_directory(self.model, self.init_from)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Always measure the norm (the first sign of divergence); clip only when the trainer asks to.
