@@ -62,6 +62,9 @@ def tiny_vlm_dir(family: str, path) -> Path:
         return directory
     import torch
 
+    from uma_lightning.models.vlm import import_transformers
+
+    import_transformers()  # before any `from transformers import`, which would find it shadowed here
     model, processor = _BUILDERS[family]()
     directory.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(directory)

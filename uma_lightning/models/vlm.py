@@ -33,7 +33,9 @@ the model's own fast tokenizer, padded or cut to ``max_text_len`` tokens.
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,12 +112,27 @@ class VLMModelConfig:
         return read_config(self.directory)["model_type"]
 
 
-def _transformers():
+def import_transformers():
+    """The ``transformers`` module. In a source checkout, the repository's ``kernels/`` folder (the
+    source of ``uma_lightning.kernels``) would shadow the ``kernels`` distribution that transformers
+    imports (lazily, when a model class is first used) wherever Python runs from the repository's root
+    (``python -m ...``): that distribution is imported first, with the root off ``sys.path``."""
+    ours = Path(__file__).resolve().parents[2] / "kernels"
+    loaded = sys.modules.get("kernels")
+    if loaded is None or Path(getattr(loaded, "__file__", None) or ".").resolve().parent == ours:
+        sys.modules.pop("kernels", None)
+        shadowing = [entry for entry in sys.path if Path(entry or ".").resolve() / "kernels" == ours]
+        sys.path[:] = [entry for entry in sys.path if entry not in shadowing]
+        try:
+            importlib.import_module("kernels")
+        except ImportError:  # transformers runs without it
+            pass
+        finally:
+            sys.path[:0] = shadowing
     try:
-        import transformers
-    except ImportError as err:  # pragma: no cover - the hf extra is in dev
+        return importlib.import_module("transformers")
+    except ImportError as err:
         raise ValueError("network.pretrained needs transformers: pip install 'uma-lightning[hf]'") from err
-    return transformers
 
 
 class VLMBase(nn.Module):
@@ -128,7 +145,7 @@ class VLMBase(nn.Module):
 
     def __init__(self, cfg: VLMModelConfig):
         super().__init__()
-        transformers = _transformers()
+        transformers = import_transformers()
         self.cfg = cfg
         directory = Path(cfg.directory).expanduser()
         config = transformers.AutoConfig.from_pretrained(directory)
