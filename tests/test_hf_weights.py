@@ -18,9 +18,10 @@ from torch import nn
 
 from uma_lightning.checkpoint.hf import INDEX_FILE, check_hf_weights, load_hf_weights, read_hf_directory
 from uma_lightning.cli import UmaCLI
+from uma_lightning.models.vlm import import_transformers
 from uma_lightning.policy import Policy
 
-transformers = pytest.importorskip("transformers")
+transformers = import_transformers()
 
 
 class Holder(nn.Module):
@@ -94,7 +95,7 @@ def drop(tensors, key):
 
 
 def add(tensors, key):
-    tensors[key.replace("q_proj", "extra_proj")] = tensors[key]
+    tensors[key.replace("q_proj", "extra_proj")] = tensors[key].clone()
 
 
 def reshape(tensors, key):

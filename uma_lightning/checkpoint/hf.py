@@ -261,8 +261,9 @@ def export_hf_directory(
     the model class and config of ``source`` (its ``config.json``), the weights as safetensors shards,
     and ``source``'s tokenizer and processor files. Returns the number of tensors written. Raises
     ValueError naming a key that does not map to that model."""
-    import transformers
+    from uma_lightning.models.vlm import import_transformers
 
+    transformers = import_transformers()
     config = transformers.AutoConfig.from_pretrained(source)
     architecture = (config.architectures or [None])[0]
     model_class = getattr(transformers, architecture or "", None)

@@ -184,9 +184,7 @@ def export_hf(path: Path, output: Path, hf_source: Path | None, max_shard_size: 
         weights = {key.removeprefix(start): value for key, value in tensors.items() if key.startswith(start)}
         try:
             count = export_hf_directory(weights, Path(source), output, max_shard_size)
-        except ImportError as err:
-            problem = f"--format hf needs transformers ({err}): pip install 'uma-lightning[hf]'"
-        except ValueError as err:
+        except ValueError as err:  # the checkpoint does not fit the directory's model, or no transformers
             problem = str(err)
     if problem is not None:
         print(f"uma ckpt: error: {problem}", file=sys.stderr)
