@@ -4,6 +4,8 @@ layout (plain, FSDP, tensor parallel) and within the memory of this rank's param
 file; a directory that does not fit stopped in one line naming the key; and a run's checkpoint
 exported back to a directory ``from_pretrained`` loads, with the logits of our model."""
 
+import ctypes
+import gc
 import json
 import os
 import shutil
@@ -173,27 +175,8 @@ def _sharded_load(rank: int, world_size: int, port: int, directory: str, results
         assert loaded.keys() == saved.keys(), layout
         assert [key for key in saved if not torch.equal(loaded[key], saved[key])] == [], layout
 
-    # FSDP: the model built on the meta device, sharded, then given this rank's memory only.
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
-    before = _memory_kb("VmRSS")
-    with torch.device("meta"):
-        network = LanguageHolder()
-    for layer in network.lm.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(network, mesh=mesh)
-    network.to_empty(device="cpu")
-    load_hf_weights(network, source)
-    peak = _memory_kb("VmHWM") - before
-    expect_saved(network, "fsdp")
-    whole_read = None
-    if rank == 0:  # what the bound rules out: the whole directory read at once beside this rank's shards
-        Path("/proc/self/clear_refs").write_text("5")
-        start = _memory_kb("VmRSS")
-        everything = saved_tensors(directory)
-        whole_read = _memory_kb("VmHWM") - start + peak
-        del everything
-
     # Tensor parallel: each rank reads its column or row block of the attention and MLP projections.
+    # First, so that what the first load imports and caches is not counted under FSDP below.
     with torch.device("meta"):
         network = LanguageHolder()
     plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -204,7 +187,32 @@ def _sharded_load(rank: int, world_size: int, port: int, directory: str, results
     network.to_empty(device="cpu")
     load_hf_weights(network, source)
     expect_saved(network, "tp")  # the projections as DTensors, the embeddings and norms as plain tensors
-    Path(results, f"rank{rank}.json").write_text(json.dumps({"peak_kb": peak, "whole_read_kb": whole_read}))
+    # FSDP: the model built on the meta device, sharded, then given this rank's memory only; measured
+    # from the memory before it, with what the allocator kept of the tensor-parallel model handed back.
+    del network
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
+    before = _memory_kb("VmRSS")
+    with torch.device("meta"):
+        network = LanguageHolder()
+    for layer in network.lm.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(network, mesh=mesh)
+    network.to_empty(device="cpu")
+    load_hf_weights(network, source)
+    peak = _memory_kb("VmHWM") - before
+    held = _memory_kb("VmRSS") - before  # this rank's parameters, every page of them written by the load
+    expect_saved(network, "fsdp")
+    whole_read = None
+    if rank == 0:  # what the bound rules out: the whole directory read at once beside this rank's shards
+        Path("/proc/self/clear_refs").write_text("5")
+        start = _memory_kb("VmRSS")
+        everything = {key: value.clone() for key, value in saved_tensors(directory).items()}
+        whole_read = _memory_kb("VmHWM") - start + held
+        del everything
+
+    Path(results, f"rank{rank}.json").write_text(json.dumps({"peak_kb": peak, "held_kb": held, "whole_read_kb": whole_read}))
     dist.barrier()
     dist.destroy_process_group()
 
