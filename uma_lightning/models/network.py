@@ -8,6 +8,9 @@ rebuilds exactly the trained network from the checkpoint alone:
 - ``token_network``: pretraining and mid-training (discrete action tokens; ``n_action_bins``);
 - ``flow_network``: post-training (a flow-matching action expert; ``expert``, ``flow``, ``lora``).
 
+With ``network.pretrained``, both build their model around a Hugging Face vision-language model
+(``models/vlm.py``) instead of the house backbone.
+
 Each takes a module's hyperparameters (``spec``, ``network`` and the stage's own keys) and returns the
 network and the keyword arguments of its ``predict_actions`` at inference.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
@@ -29,6 +32,7 @@ from uma_lightning.models.lora import LoraConfig, add_lora
 from uma_lightning.models.robot import RobotModelConfig, RobotTransformer
 from uma_lightning.models.sizes import ModelSize, load_size
 from uma_lightning.models.tokenizers import VisionConfig
+from uma_lightning.models.vlm import VLMFlowModel, VLMModelConfig, VLMTokenModel, read_config
 
 
 @dataclass
@@ -45,6 +49,13 @@ class NetworkConfig:
         environment_state_weight: Weight of an auxiliary loss, the mean squared error of a linear head on
             the last observation token predicting the data's (normalised) environment state, e.g. where the
             named target is. 0 builds no head. Needs data that records one.
+        pretrained: A local directory holding a Hugging Face vision-language model (``config.json``,
+            safetensors weights, tokenizer files, image processor config: what ``save_pretrained`` writes)
+            whose vision tower and language model are the backbone, and whose tokenizer encodes the
+            instruction (``max_text_len`` tokens); ``size`` and ``vision`` are then unused. Families:
+            idefics3 and smolvlm (SmolVLM), paligemma. None: the house backbone. Needs the ``hf`` extra.
+        freeze_vision: With ``pretrained``: the vision tower and its connector keep their loaded weights,
+            the language model trains.
     """
 
     size: ModelSize = "tiny"
@@ -52,6 +63,8 @@ class NetworkConfig:
     max_text_len: int = 32
     kernels: KernelConfig = field(default_factory=KernelConfig)
     environment_state_weight: float = 0.0
+    pretrained: Optional[str] = None
+    freeze_vision: bool = False
 
     def __post_init__(self) -> None:
         # Saved hyperparameters and Python callers give the sub-sections as dicts.
@@ -62,6 +75,18 @@ class NetworkConfig:
         if self.environment_state_weight < 0:
             raise ValueError(f"network.environment_state_weight must be >= 0, got {self.environment_state_weight}")
         self.environment_state_weight = float(self.environment_state_weight)
+        if self.pretrained is not None:
+            self.pretrained = str(self.pretrained)
+            read_config(self.pretrained)  # one clear line when it is not a model directory of a known family
+            if self.environment_state_weight:
+                raise ValueError("network.environment_state_weight: not available with network.pretrained")
+        elif self.freeze_vision:
+            raise ValueError("network.freeze_vision freezes a pretrained vision tower: set network.pretrained")
+
+    def vlm_config(self, spec: DataSpec, **stage_fields: Any) -> VLMModelConfig:
+        return VLMModelConfig(
+            self.pretrained, spec, self.max_text_len, freeze_vision=self.freeze_vision, **stage_fields
+        )
 
     def robot_config(self, spec: DataSpec, **stage_fields: Any) -> RobotModelConfig:
         if self.environment_state_weight and not spec.environment_state_dim:
@@ -117,7 +142,12 @@ def network_of(hparams: Mapping) -> NetworkConfig:
 def token_network(hparams: Mapping) -> tuple[nn.Module, dict[str, Any]]:
     """Pretraining's and mid-training's network: next-token prediction of discretised actions."""
     network = network_of(hparams)
-    model = RobotTransformer(network.robot_config(spec_of(hparams), n_action_bins=hparams.get("n_action_bins", 256)))
+    bins = hparams.get("n_action_bins", 256)
+    if network.pretrained:
+        model = VLMTokenModel(network.vlm_config(spec_of(hparams), n_action_bins=bins))
+        use_kernels(model, network.kernels, [])
+        return model, {}
+    model = RobotTransformer(network.robot_config(spec_of(hparams), n_action_bins=bins))
     use_kernels(model, network.kernels, [model.backbone])
     return model, {}
 
@@ -126,8 +156,12 @@ def flow_network(hparams: Mapping) -> tuple[nn.Module, dict[str, Any]]:
     """Post-training's network: the backbone with a flow-matching action expert, LoRA adapters where asked."""
     network = network_of(hparams)
     expert = _section(hparams.get("expert"), ActionExpertConfig)
-    model = RobotFlowTransformer(network.robot_config(spec_of(hparams)), expert)
-    use_kernels(model, network.kernels, [model.backbone, model.expert])
+    if network.pretrained:
+        model = VLMFlowModel(network.vlm_config(spec_of(hparams)), expert)
+        use_kernels(model, network.kernels, [model.expert])
+    else:
+        model = RobotFlowTransformer(network.robot_config(spec_of(hparams)), expert)
+        use_kernels(model, network.kernels, [model.backbone, model.expert])
     lora = _section(hparams.get("lora"), LoraConfig) if hparams.get("lora") is not None else None
     if lora and lora.targets:
         add_lora(model, lora.targets, lora.rank, lora.alpha)

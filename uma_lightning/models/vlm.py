@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from uma_lightning.data.spec import DataSpec
+from uma_lightning.kernels import KernelConfig
 from uma_lightning.models.flow import ActionExpertConfig, TimeEmbedding
 from uma_lightning.models.flow_matching import euler_sample
 from uma_lightning.models.robot import LinearCrossEntropy
@@ -170,9 +171,14 @@ class VLMBase(nn.Module):
         text = config.get_text_config()
         self.dim = text.hidden_size
         self.state_proj = nn.Linear(cfg.spec.state_dim, self.dim)
+        self.kernels = KernelConfig()
         if cfg.freeze_vision:
             self.freeze_vision()
         self._freeze_unused_head()
+
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """The op implementations of the parts of ours (the loss); the VLM runs transformers' own."""
+        self.kernels = kernels
 
     # ---- the pieces of the model contract -------------------------------------------------------
 
@@ -242,10 +248,15 @@ class VLMBase(nn.Module):
         if head is not None and head.weight is not embeddings:
             head.requires_grad_(False)
 
+    @property
+    def language_model(self) -> nn.Module:
+        """The VLM's decoder (Idefics3's ``model.text_model``, PaliGemma's ``model.language_model``)."""
+        return self.vlm.get_decoder()
+
     def freeze_vision(self) -> None:
         """Keep the vision tower and its connector (every part of the VLM but its language model) as loaded."""
-        for name, module in self.vlm.model.named_children():
-            if name not in ("language_model", "text_model"):
+        for module in self.vlm.model.children():
+            if module is not self.language_model:
                 module.requires_grad_(False)
 
 
@@ -293,7 +304,7 @@ class VLMTokenModel(VLMBase):
         hidden = hidden[:, prefix.shape[1] - 1 :]
         if loss_targets is None:
             return self.action_head(hidden)
-        return self.action_loss(hidden, self.action_head.weight, loss_targets)
+        return self.action_loss(hidden, self.action_head.weight, loss_targets, backend=self.kernels.cross_entropy)
 
     def predict_actions(
         self, images: torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
@@ -348,13 +359,14 @@ class VLMFlowModel(VLMBase):
     def tokens_per_sample(self) -> int:
         return self.prefix_len + self.cfg.spec.action_horizon
 
-    def set_kernels(self, kernels) -> None:
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        super().set_kernels(kernels)
         self.expert.set_kernels(kernels)
 
     def freeze_what_gets_no_gradient(self) -> None:
         """The expert reads the prefix's keys and values only: the final norm and, in the last layer,
         what its keys and values do not depend on get no gradient (``RobotFlowTransformer``'s reason)."""
-        language_model = self.vlm.model.language_model
+        language_model = self.language_model
         language_model.norm.requires_grad_(False)
         last = language_model.layers[-1]
         for name, parameter in last.named_parameters():
