@@ -127,8 +127,8 @@ def test_a_directory_that_does_not_fit_stops_in_one_line_naming_the_key_and_file
 
 
 def test_another_familys_directory_stops_init_from_before_training(tiny_vlms, tmp_path, capsys):
-    common = ["fit", "--config", RECIPE, *QUICK, "--model", "hf_stage.VLMPretrain", "--trainer.logger", "false",
-              "--model.init_args.directory", str(tiny_vlms["idefics3"]), "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+    common = ["fit", "--config", RECIPE, *QUICK, "--trainer.logger", "false",
+              "--model.network.pretrained", str(tiny_vlms["idefics3"]), "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
     code, _, err = run_main([*common, "--model.init_from", str(tiny_vlms["paligemma"])], capsys)
     assert_short_error(
         code, err, "uma: error: model.init_from: ", "config.json: model_type 'paligemma'", "holds a 'idefics3' model"
@@ -212,7 +212,9 @@ def _sharded_load(rank: int, world_size: int, port: int, directory: str, results
         whole_read = _memory_kb("VmHWM") - start + held
         del everything
 
-    Path(results, f"rank{rank}.json").write_text(json.dumps({"peak_kb": peak, "held_kb": held, "whole_read_kb": whole_read}))
+    Path(results, f"rank{rank}.json").write_text(
+        json.dumps({"peak_kb": peak, "held_kb": held, "whole_read_kb": whole_read})
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -245,20 +247,28 @@ def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(t
     for file in tiny_vlms["paligemma"].iterdir():  # the tokenizer and processor beside the weights
         if not (source / file.name).exists():
             shutil.copy(file, source / file.name)
-    args = ["fit", "--config", RECIPE, *QUICK, "--model", "hf_stage.VLMPretrain", "--trainer.logger", "false",
-            "--model.init_args.directory", str(source), "--model.init_from", str(source),
+    args = ["fit", "--config", RECIPE, *QUICK, "--trainer.logger", "false",
+            "--model.network.pretrained", str(source), "--model.init_from", str(source),
             "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0"]  # fmt: skip
     UmaCLI(args)
+    checkpoints = tmp_path / "run" / "checkpoints"
     exported = tmp_path / "exported"
-    code, out, err = run_main(["ckpt", "export", str(tmp_path / "run" / "checkpoints"), "--format", "hf",
-                               "--to", str(exported), "--max-shard-size", "200KB"], capsys)  # fmt: skip
+    code, out, err = run_main(["ckpt", "export", str(checkpoints), "--format", "hf", "--to", str(exported),
+                               "--max-shard-size", "200KB"], capsys)  # fmt: skip
     assert code == 0, err
-    assert f"with the config and tokenizer of {source}" in out
+    assert f"with the config and tokenizer of {source.resolve()}" in out
     assert len(list(exported.glob("*.safetensors"))) >= 2
     assert {"tokenizer.json", "processor_config.json"} <= {file.name for file in exported.iterdir()}
+    other = ["ckpt", "export", str(checkpoints), "--format", "hf", "--to", str(tmp_path / "other"),
+             "--hf-source", str(tiny_vlms["idefics3"])]  # fmt: skip
+    code, _, err = run_main(other, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"uma ckpt: error: {tiny_vlms['idefics3'] / 'config.json'}: the checkpoint does not fit "), (
+        err
+    )
 
-    ours = Policy.from_checkpoint(str(tmp_path / "run" / "checkpoints"), use_ema=False).model.vlm
+    ours = Policy.from_checkpoint(str(checkpoints)).model.vlm
     theirs = transformers.AutoModelForImageTextToText.from_pretrained(exported)
     processor = transformers.AutoProcessor.from_pretrained(exported)
     generator = torch.Generator().manual_seed(0)

@@ -95,14 +95,12 @@ def hf_prefix(model: nn.Module) -> str:
     return prefix
 
 
-def hf_source_directory(model: nn.Module, init_from: str | None = None) -> str | None:
-    """The Hugging Face directory ``model``'s ``transformers`` model comes from: its config's
-    ``name_or_path`` (``from_pretrained`` sets it), else ``init_from`` when that is one; None when neither is."""
+def hf_source_directory(model: nn.Module) -> str | None:
+    """The Hugging Face directory ``model``'s ``transformers`` model was built from: its config's
+    ``name_or_path``, which ``from_pretrained`` sets, when that is one; else None."""
     config = getattr(model.get_submodule(hf_prefix(model)), "config", None)
-    for candidate in (getattr(config, "name_or_path", None), init_from):
-        if candidate and is_hf_directory(candidate):
-            return str(Path(candidate).resolve())
-    return None
+    candidate = getattr(config, "name_or_path", None)
+    return str(Path(candidate).resolve()) if candidate and is_hf_directory(candidate) else None
 
 
 def hf_targets(model: nn.Module, saved: HFDirectory) -> tuple[dict[str, torch.Tensor], dict[str, str], set[str]]:

@@ -54,8 +54,6 @@ from torchmetrics import MeanMetric
 
 from uma_lightning.checkpoint.hf import (
     check_hf_weights,
-    hf_prefix,
-    hf_source_directory,
     is_hf_directory,
     load_hf_weights,
     read_hf_directory,
@@ -436,10 +434,6 @@ class StageModule(L.LightningModule):
         builder = recorded_builder(type(self))
         if builder is not None:
             checkpoint["network_builder"] = builder
-        if getattr(self.model, "hf_prefix", None) is not None:
-            # Where the network's transformers model came from, for `uma ckpt export --format hf`.
-            checkpoint["hf_prefix"] = hf_prefix(self.model)
-            checkpoint["hf_directory"] = hf_source_directory(self.model, self.init_from)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Always measure the norm (the first sign of divergence); clip only when the trainer asks to.

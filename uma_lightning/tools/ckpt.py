@@ -165,31 +165,31 @@ def export_weights(path: Path, output: Path, module: str = "model") -> int:
 
 
 def export_hf(path: Path, output: Path, hf_source: Path | None, max_shard_size: str) -> int:
-    """Write the network's ``transformers`` model as a Hugging Face directory: the weights under the
-    network's ``hf_prefix``, with the config, tokenizer and processor files of the directory the run
-    recorded (or ``hf_source``). Exit status 2 with one line when the checkpoint does not fit it."""
-    from uma_lightning.checkpoint.hf import export_hf_directory, is_hf_directory
+    """Write the network's ``transformers`` model (at its ``hf_prefix``) as a Hugging Face directory:
+    the inference weights (the EMA when the checkpoint has them, LoRA adapters folded in, as
+    ``Policy.from_checkpoint`` rebuilds them), with the config, tokenizer and processor files of the
+    directory the network was built from (``network.pretrained``) or ``hf_source``. Exit status 2
+    with one line when the checkpoint or the directory does not fit."""
+    from uma_lightning.checkpoint.hf import export_hf_directory, hf_prefix, hf_source_directory, is_hf_directory
+    from uma_lightning.models.vlm import import_transformers
+    from uma_lightning.policy import Policy
 
-    prefix = f"{MODEL}/model."
-    directory, _, tensors = read_weights(path, (prefix,), show_progress=True)
-    recorded = read_state(directory)[TRAINER].get("hooks") or {}
-    source = hf_source or recorded.get("hf_directory")
-    problem = None
-    if recorded.get("hf_prefix") is None:
-        problem = f"{directory}: its network holds no Hugging Face model (the run recorded no hf_prefix)"
-    elif source is None or not is_hf_directory(source):
-        problem = f"{source or directory}: no Hugging Face directory (config.json and safetensors) to take the config and tokenizer from; give --hf-source DIR"
-    if problem is None:
-        start = f"{prefix}{recorded['hf_prefix']}." if recorded["hf_prefix"] else prefix
-        weights = {key.removeprefix(start): value for key, value in tensors.items() if key.startswith(start)}
-        try:
-            count = export_hf_directory(weights, Path(source), output, max_shard_size)
-        except ValueError as err:  # the checkpoint does not fit the directory's model, or no transformers
-            problem = str(err)
-    if problem is not None:
-        print(f"uma ckpt: error: {problem}", file=sys.stderr)
+    try:
+        # Its bars (loading the model the network is built around, writing the shards) would read as more work.
+        import_transformers().utils.logging.disable_progress_bar()
+        network = Policy.from_checkpoint(str(path)).model
+        held = network.get_submodule(hf_prefix(network))
+        source = hf_source or hf_source_directory(network)
+        if source is None or not is_hf_directory(source):
+            raise ValueError(
+                f"{source or path}: no Hugging Face directory (config.json and safetensors) to take the config "
+                "and tokenizer from; give --hf-source DIR"
+            )
+        count = export_hf_directory(held.state_dict(), Path(source), output, max_shard_size)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"uma ckpt: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(f"exported {count} tensors of {directory} with the config and tokenizer of {source} to {output}")
+    print(f"exported {count} tensors of {path} with the config and tokenizer of {source} to {output}")
     return 0
 
 
