@@ -121,7 +121,7 @@ def _paligemma():
                        "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "projection_dim": 64},
         text_config={"model_type": "gemma", "vocab_size": len(processor.tokenizer), "hidden_size": 64,
                      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 512,
+                     "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
                      "pad_token_id": tokenizer.pad_token_id},
         image_token_id=processor.image_token_id,
         projection_dim=64,

@@ -172,6 +172,7 @@ class VLMBase(nn.Module):
         self.dim = text.hidden_size
         self.state_proj = nn.Linear(cfg.spec.state_dim, self.dim)
         self.kernels = KernelConfig()
+        keep_float64_norms(self.vlm)
         if cfg.freeze_vision:
             self.freeze_vision()
         self._freeze_unused_head()
@@ -179,6 +180,48 @@ class VLMBase(nn.Module):
     def set_kernels(self, kernels: KernelConfig) -> None:
         """The op implementations of the parts of ours (the loss); the VLM runs transformers' own."""
         self.kernels = kernels
+
+    # ---- parallel layouts, as data (read by the generic plan, ``parallel/plans/generic.py``) -------
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What data parallelism wraps one by one: the outermost modules of the classes the family's
+        ``_no_split_modules`` names (its decoder layers, its vision tower's layers)."""
+        classes = set(self.vlm._no_split_modules or ())
+        units, inside = [], []
+        for name, module in self.vlm.named_modules():
+            if name and type(module).__name__ in classes and not name.startswith(tuple(inside)):
+                units.append(module)
+                inside.append(name + ".")
+        return units
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        """The language model's tensor-parallel layout, from its config's ``base_model_tp_plan``; the
+        vision tower is computed whole on every tp rank (replicated)."""
+        text = self.vlm.config.get_text_config()
+        layout = getattr(text, "base_model_tp_plan", None)
+        family = self.vlm.config.model_type
+        if not layout:
+            raise ValueError(f"tp: {family}'s text config has no base_model_tp_plan; train it with ddp or fsdp")
+        unsupported = {key: style for key, style in layout.items() if style not in ("colwise", "rowwise")}
+        if unsupported:
+            key, style = next(iter(unsupported.items()))
+            raise ValueError(
+                f"tp: {family}'s base_model_tp_plan lays out {key} as {style}; only colwise and rowwise are supported"
+            )
+        decoder = next(name for name, module in self.named_modules() if module is self.language_model)
+        return {f"{decoder}.{key}": style for key, style in layout.items()}
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """tp must divide the language model's attention and key/value heads: each rank computes whole heads."""
+        text = self.vlm.config.get_text_config()
+        for what in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(text, what)
+            if heads % tp:
+                raise ValueError(
+                    f"tp {tp} does not divide the {heads} {what.removeprefix('num_').replace('_', ' ')} of "
+                    f"{self.vlm.config.model_type}'s language model ({self.cfg.directory})"
+                )
 
     # ---- the pieces of the model contract -------------------------------------------------------
 
@@ -359,6 +402,22 @@ class VLMFlowModel(VLMBase):
     def tokens_per_sample(self) -> int:
         return self.prefix_len + self.cfg.spec.action_horizon
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The VLM's units but its last decoder layer, then the expert's blocks. Only that layer's keys and
+        values reach the loss, through the family's cache rather than the layer's outputs, where data
+        parallel wrappers hook the gathering of a unit's weights for backward: its weights stay with
+        the root's."""
+        last = self.language_model.layers[-1]
+        return [unit for unit in super().fsdp_units() if unit is not last] + list(self.expert.layers)
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        """The language model's layout, and Megatron's split of the expert's attention and feed-forwards
+        (its heads follow the language model's key/value heads, which its queries attend to)."""
+        expert = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+                  "ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise"}  # fmt: skip
+        return {**super().tp_plan, **{f"expert.layers.*.{key}": style for key, style in expert.items()}}
+
     def set_kernels(self, kernels: KernelConfig) -> None:
         super().set_kernels(kernels)
         self.expert.set_kernels(kernels)
@@ -417,6 +476,32 @@ class VLMFlowModel(VLMBase):
             shape = (images.shape[0], spec.action_horizon, spec.action_dim)
             noise = noise_scale * torch.randn(shape, device=state.device, dtype=state.dtype)
         return euler_sample(lambda x, t: self.velocity(cache, x, t), noise, steps)
+
+
+class _Float64GemmaNorm:
+    """Gemma's RMS norm, computed in float64 when its input is (``uma parity``): transformers'
+    computes it in float32 whatever the model's dtype, weight gradient included, whose sum over the
+    batch then depends on how the batch is split. Other dtypes take transformers' own path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float64:
+            return super().forward(x)
+        return self._norm(x) * (1.0 + self.weight)
+
+
+#: Norm classes of the families that compute in float32 whatever the model's dtype, and their float64 forms.
+_FLOAT64_FORMS = {"GemmaRMSNorm": _Float64GemmaNorm}
+
+
+def keep_float64_norms(model: nn.Module) -> None:
+    """Give ``model``'s norms that compute in float32 a forward that keeps float64 inputs in float64."""
+    forms: dict[type, type] = {}
+    for module in model.modules():
+        form = _FLOAT64_FORMS.get(type(module).__name__)
+        if form is not None:
+            kind = type(module)
+            forms.setdefault(kind, type(kind.__name__, (form, kind), {"__module__": kind.__module__}))
+            module.__class__ = forms[kind]
 
 
 def _rope_theta(text_config) -> float:

@@ -12,7 +12,8 @@ wrap one by one, found in this order:
 Tensor parallelism takes a layout declared as data: ``tp_plan``, a mapping from module-name
 patterns (``fnmatch``, one dotted level per part: "blocks.*.fc1") to "colwise" (a linear layer's
 output features split over the tp ranks) or "rowwise" (its input features; the partial results
-summed), applied with ``parallelize_module``. A column-wise layer takes a plain (whole) input and
+summed), applied with ``parallelize_module``; a network may also refuse a tp size itself, in
+``check_tensor_parallel(tp)`` (e.g. key/value heads that tp does not divide). A column-wise layer takes a plain (whole) input and
 gives its slice of the features; the row-wise layer after it takes that slice and gives the whole
 output, so a pair leaves plain tensors around it. Modules outside the layout stay plain tensors,
 computed whole on every tp rank.
@@ -93,6 +94,9 @@ def check_generic(model: nn.Module, shape: MeshShape, config: ParallelConfig) ->
             f"tp {shape.tp}: {network} has no registered plan and declares no tensor-parallel layout; give it "
             f"tp_plan = {{module-name pattern: 'colwise' or 'rowwise'}}, e.g. {TP_PLAN_EXAMPLE}"
         )
+    check_split = getattr(model, "check_tensor_parallel", None)
+    if callable(check_split):
+        check_split(shape.tp)
     modules = dict(model.named_modules())
     for pattern, style in layout.items():
         if style not in TP_STYLES:
