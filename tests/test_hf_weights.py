@@ -219,7 +219,7 @@ def _sharded_load(rank: int, world_size: int, port: int, directory: str, results
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 def test_fsdp_and_tp_ranks_load_their_own_blocks_within_their_shards_plus_one_shard_file(tmp_path):
     config = transformers.LlamaConfig(vocab_size=4000, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +206,7 @@ def load_hf_weights(model: nn.Module, source: HFDirectory) -> None:
             with safe_open(str(source.path / name), "pt") as file, torch.no_grad():
                 for key in file.keys():
                     if key in targets:
-                        _copy_into(targets[key], file.get_slice(key))
+                        _copy_into(targets[key], file.get_slice(key), key)
             progress.advance(sizes[name])
     log.info(
         "initialised %s from the Hugging Face model %s: %d tensors from %d files",
@@ -216,29 +217,21 @@ def load_hf_weights(model: nn.Module, source: HFDirectory) -> None:
     )
 
 
-def _copy_into(target: torch.Tensor, saved) -> None:
+def _copy_into(target: torch.Tensor, saved, name: str) -> None:
     """Copy the part of a saved tensor (a safetensors slice, read lazily) that ``target`` holds: all
-    of it, or a DTensor's local block."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    of it, or a DTensor's local block (FSDP's and tensor parallelism's shards, alone or together)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(target, DTensor):
         target.copy_(saved[:])
         return
     local = target.to_local()
-    if all(isinstance(placement, (Replicate, Shard)) for placement in target.placements):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        if tuple(shape) == tuple(local.shape):
-            if local.numel():
-                local.copy_(saved[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
-            return
-    # A layout that is no block of the tensor (FSDP over a tp shard of the same dimension): this rank's
-    # part of the whole tensor, split as the strategy split it, without communication.
-    from torch.distributed.tensor import distribute_tensor
-
-    whole = distribute_tensor(saved[:], target.device_mesh, target.placements, src_data_rank=None)
-    local.copy_(whole.to_local())
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise ValueError(f"{name}: its layout {target.placements} holds no block of the tensor; it cannot be streamed")
+    if local.numel():
+        local.copy_(saved[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
 
 
 def _first(keys: list[str]) -> str:
@@ -257,8 +250,11 @@ def export_hf_directory(
 ) -> int:
     """Write ``weights`` (names of the ``transformers`` model) as a directory ``from_pretrained`` loads:
     the model class and config of ``source`` (its ``config.json``), the weights as safetensors shards,
-    and ``source``'s tokenizer and processor files. Returns the number of tensors written. Raises
-    ValueError naming a key that does not map to that model."""
+    and ``source``'s tokenizer and processor files, all at once (renamed into place when written).
+    Returns the number of tensors written. Raises ValueError naming a key that does not map to that
+    model, or when ``output`` exists and is not empty."""
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"{output}: exists and is not empty; export to a new directory")
     from uma_lightning.models.vlm import import_transformers
 
     transformers = import_transformers()
@@ -283,9 +279,13 @@ def export_hf_directory(
             )
     model.load_state_dict({key: weights[key] for key in expected}, strict=False, assign=True)
     model.tie_weights()
-    output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output, max_shard_size=max_shard_size)
+    staging = output.with_name(output.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, max_shard_size=max_shard_size)
     for file in sorted(source.iterdir()):
         if file.is_file() and file.suffix != ".safetensors" and file.name not in WRITTEN_BY_TRANSFORMERS:
-            shutil.copy2(file, output / file.name)
+            shutil.copy2(file, staging / file.name)
+    if output.exists():
+        output.rmdir()  # empty, checked above
+    os.replace(staging, output)
     return len(expected)
