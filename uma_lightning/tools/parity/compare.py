@@ -12,7 +12,7 @@ from uma_lightning.tools.parity.layouts import Tolerance
 def compare(tol: Tolerance, whole_batch: dict, accumulated: dict, run: dict) -> dict:
     steps = len(whole_batch["losses"])
     loss_diffs = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(run["losses"], whole_batch["losses"])]
-    grad_diffs = gradient_diffs(whole_batch["grads"], run["grads"])
+    grad_diffs = gradient_diffs(whole_batch["grads"], run["grads"], tol.grad)
     divergence = first_divergence(grad_diffs, tol.grad)
     update_diffs = [
         _relative_update_diff(run["params"][k], whole_batch["params"][k], whole_batch["params"][k - 1])
@@ -114,14 +114,19 @@ def _relative_update_diff(params: dict, reference: dict, start: dict) -> float:
     return math.sqrt(diff / update) if update else (0.0 if diff == 0 else math.inf)
 
 
-def gradient_diffs(reference: list[dict], run: list[dict]) -> list[dict[str, dict]]:
-    """Per step, per parameter (model order): max abs gradient difference, and that as a fraction of the reference's largest element."""
+def gradient_diffs(reference: list[dict], run: list[dict], rtol: float) -> list[dict[str, dict]]:
+    """Per step, per parameter (model order): max abs gradient difference, and that as a fraction of the
+    reference's largest element. A gradient whose largest element is below ``rtol`` times the step's
+    largest is rounding noise (e.g. an attention key's bias: softmax ignores a shift shared by a row
+    of scores, so its true gradient is zero): it is measured against the step's largest instead."""
     steps = []
     for ref_grads, grads in zip(reference, run):
         step = {}
+        largest = max((float(ref.abs().max()) for ref in ref_grads.values() if ref.numel()), default=0.0)
         for name, ref in ref_grads.items():
             diff = _max_abs_diff(grads[name], ref) if name in grads else math.inf
-            scale = float(ref.abs().max())
+            scale = float(ref.abs().max()) if ref.numel() else 0.0
+            scale = scale if scale >= rtol * largest else largest
             step[name] = {"max_abs_diff": diff, "relative": diff / scale if scale else (0.0 if diff == 0 else math.inf)}
         steps.append(step)
     return steps
