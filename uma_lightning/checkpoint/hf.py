@@ -219,7 +219,7 @@ def load_hf_weights(model: nn.Module, source: HFDirectory) -> None:
 
 def _copy_into(target: torch.Tensor, saved, name: str) -> None:
     """Copy the part of a saved tensor (a safetensors slice, read lazily) that ``target`` holds: all
-    of it, or a DTensor's local block (FSDP's and tensor parallelism's shards, alone or together)."""
+    of it, or a DTensor's local block (FSDP's or tensor parallelism's shard)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
