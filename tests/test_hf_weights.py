@@ -15,11 +15,12 @@ import forked_cli
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from suite import QUICK, RECIPE, assert_short_error, free_port, run_main
+from suite import QUICK, RECIPE, assert_short_error, free_port, run_main, small_config
 from torch import nn
 
 from uma_lightning.checkpoint.hf import INDEX_FILE, check_hf_weights, load_hf_weights, read_hf_directory
 from uma_lightning.cli import UmaCLI
+from uma_lightning.models import RobotTransformer
 from uma_lightning.models.vlm import import_transformers
 from uma_lightning.policy import Policy
 
@@ -124,6 +125,13 @@ def test_a_directory_that_does_not_fit_stops_in_one_line_naming_the_key_and_file
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"{broken}: cannot initialise Holder from it: ")
     assert all(fragment in message for fragment in fragments), message
+
+
+def test_a_network_without_a_transformers_model_is_told_so(tiny_vlms):
+    with torch.device("meta"):
+        network = RobotTransformer(small_config())
+    with pytest.raises(ValueError, match=r"^RobotTransformer holds no Hugging Face model \(it has no hf_prefix"):
+        check_hf_weights(network, read_hf_directory(tiny_vlms["idefics3"]))
 
 
 def test_another_familys_directory_stops_init_from_before_training(tiny_vlms, tmp_path, capsys):
