@@ -18,7 +18,13 @@ from safetensors.torch import load_file, save_file
 from suite import QUICK, RECIPE, assert_short_error, free_port, run_main, small_config
 from torch import nn
 
-from uma_lightning.checkpoint.hf import INDEX_FILE, check_hf_weights, load_hf_weights, read_hf_directory
+from uma_lightning.checkpoint.hf import (
+    INDEX_FILE,
+    check_hf_weights,
+    export_hf_directory,
+    load_hf_weights,
+    read_hf_directory,
+)
 from uma_lightning.cli import UmaCLI
 from uma_lightning.models import RobotTransformer
 from uma_lightning.models.vlm import import_transformers
@@ -247,6 +253,22 @@ def test_fsdp_and_tp_ranks_load_their_own_blocks_within_their_shards_plus_one_sh
 
 
 # ---- out: a run's checkpoint as a Hugging Face directory ----------------------------------------
+
+
+@pytest.mark.parametrize("family", ["idefics3", "paligemma"])
+def test_each_family_exports_to_a_directory_from_pretrained_loads_bitwise(tiny_vlms, tmp_path, family):
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tiny_vlms[family])
+    with torch.no_grad():  # other weights than the source directory's
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    written = export_hf_directory(model.state_dict(), tiny_vlms[family], tmp_path / "out", max_shard_size="100KB")
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) >= 3 and not (tmp_path / "out.partial").exists()
+    loaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out").state_dict()
+    expected = model.state_dict()
+    assert written == len({value.data_ptr() for value in expected.values()}) and loaded.keys() == expected.keys()
+    assert [key for key in expected if not torch.equal(loaded[key], expected[key])] == []
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'out'}: exists and is not empty"):
+        export_hf_directory(model.state_dict(), tiny_vlms[family], tmp_path / "out")
 
 
 @pytest.mark.slow
