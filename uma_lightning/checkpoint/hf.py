@@ -3,14 +3,16 @@ safetensors weights in one file or in shards listed by an index, the tokenizer a
 weights in, for ``init_from``, and out, for ``uma ckpt export --format hf``.
 
 A network that holds a ``transformers`` model names where with ``hf_prefix``, the attribute path of
-that model inside it ("" for the network itself), whose ``state_dict()`` keys are the safetensors keys.
+that model inside it ("" for the network itself). The safetensors keys are that model's
+``state_dict()`` keys as ``save_pretrained`` writes them: through the family's checkpoint renamings,
+and each tied weight once.
 
 Loading streams: one shard file open at a time (memory-mapped), and from each tensor only the part
 this process holds: the whole tensor into a plain parameter, this rank's block into a DTensor sharded
 by FSDP or tensor parallelism. So a process holds at most its own parameters plus one shard file.
 Parameters outside the prefix (an action head, a state projection) keep their initialisation.
 
-Nothing here imports ``transformers`` but the export, which needs it to write the model back.
+Only a network holding a ``transformers`` model, and the export, bring ``transformers`` in.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ INDEX_FILE = "model.safetensors.index.json"
 class SavedTensor:
     file: str  # the shard file's name inside the directory
     shape: tuple[int, ...]
-    dtype: str  # as safetensors names it: F32, BF16...
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def is_hf_directory(path: str | Path) -> bool:
 
 
 def read_hf_directory(path: str | Path) -> HFDirectory:
-    """The config's model type and every tensor's file, shape and dtype, read from the headers only.
+    """The config's model type and every tensor's file and shape, read from the headers only.
     Raises ValueError naming the file that is unreadable or missing."""
     path = Path(path)
     try:
@@ -78,8 +79,7 @@ def read_hf_directory(path: str | Path) -> HFDirectory:
         try:
             with safe_open(str(path / name), "pt") as file:
                 for key in file.keys():
-                    view = file.get_slice(key)
-                    tensors[key] = SavedTensor(name, tuple(view.get_shape()), view.get_dtype())
+                    tensors[key] = SavedTensor(name, tuple(file.get_slice(key).get_shape()))
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{path / name}: not a readable safetensors file ({err})") from None
     return HFDirectory(path, config.get("model_type"), tensors)
