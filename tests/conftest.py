@@ -196,13 +196,26 @@ def s3():
 FAULT = "parallel_faults.InjectedFault"
 
 
+def vlm_parity_case(label: str, strategies: str, directory, stage: str):
+    """A ``uma parity`` case of a tiny pretrained VLM (``tiny_vlms``) as the backbone of ``stage``
+    (pretrain: the token head; posttrain: the flow expert, 32 wide)."""
+    from suite import parity_case, recipe
+
+    vlm = ["--model.network.pretrained", str(directory), "--model.network.max_text_len", "8"]
+    expert = ["--model.init_from", "null", "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}),
+              "--data.action_horizon", "4"] if stage == "posttrain" else []  # fmt: skip
+    return parity_case(label, strategies, *vlm, *expert, config=recipe(stage))
+
+
 @pytest.fixture(scope="session")
-def parity_on_two_processes():
+def parity_on_two_processes(tiny_vlms):
     """Results (case label -> strategy -> result) of one launch of two processes: the small model
     with every second block checkpointed and the environment-state head; the FiLM keypoint
     tokenizer under tp; post-training's flow model (backbone and action expert) with its EMA; two
     model shapes drawn at random; the pipeline with two interleaved stages per rank; a mixture of
-    experts under ep, in 1F1B pipeline stages and under tp; and one injected bug per case."""
+    experts under ep, in 1F1B pipeline stages and under tp; tiny pretrained VLMs as backbones
+    (SmolVLM's family with the token head, PaliGemma's with the flow expert); and one injected bug
+    per case."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case, recipe
 
     from uma_lightning.parallel import ParallelConfig, PipelineConfig
@@ -257,18 +270,21 @@ def parity_on_two_processes():
         fault("wrong_rank", "ep", *PARITY_MOE),
         parity_case("experts tp", "tp", *PARITY_MOE_TP),
         fault("unsummed_experts", "tp", *PARITY_MOE_TP),
+        vlm_parity_case("vlm idefics3 pretrain", "ddp,fsdp,tp", tiny_vlms["idefics3"], "pretrain"),
+        vlm_parity_case("vlm paligemma posttrain", "ddp,fsdp,tp", tiny_vlms["paligemma"], "posttrain"),
     ]
     return check_parity(cases)
 
 
 @pytest.fixture(scope="session")
-def parity_on_four_processes():
+def parity_on_four_processes(tiny_vlms):
     """As ``parity_on_two_processes`` for the 2-D meshes: compiled, checkpointed blocks with FSDP
     keeping gathered blocks until backward and state offloaded to the CPU (aot_eager traces and
     runs the compiled graph like inductor, without generating kernels, which takes minutes on a
     CPU); a model shape drawn at random; a mixture of experts under ep_fsdp (experts over 2 ranks,
     each rank's experts FSDP-sharded over 2), pp_fsdp, fsdp_tp and pp_fsdp_tp; gradients averaged over the wrong group; pipeline
-    stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule)."""
+    stages sharded by FSDP (Interleaved1F1B), and tensor-parallel (the zero-bubble V schedule); the
+    tiny pretrained VLMs under fsdp_tp, each with the other stage's head than on two processes."""
     from suite import PARITY_MOE, PARITY_MOE_TP, PARITY_SIZE, parity_case
 
     from uma_lightning.parallel import ParallelConfig, PipelineConfig
@@ -301,6 +317,8 @@ def parity_on_four_processes():
             json.dumps({**PARITY_SIZE, "n_layers": 4}),
             pipeline=PipelineConfig(schedule="ZBVZeroBubble", virtual_stages=2, microbatches=2),
         ),
+        vlm_parity_case("vlm paligemma pretrain", "fsdp_tp", tiny_vlms["paligemma"], "pretrain"),
+        vlm_parity_case("vlm idefics3 posttrain", "fsdp_tp", tiny_vlms["idefics3"], "posttrain"),
     ]
     return check_parity(cases)
 

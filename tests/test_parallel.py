@@ -540,6 +540,28 @@ def test_tp_runs_the_instruction_conditioned_keypoint_tokenizer_and_the_environm
     assert_within_tolerance("tp", parity_on_two_processes["keypoints"]["tp"])
 
 
+@pytest.mark.slow
+def test_pretrained_vlm_backbones_match_one_process_under_every_strategy(
+    parity_on_two_processes, parity_on_four_processes
+):
+    """Tiny SmolVLM (Idefics3) and PaliGemma models as backbones, laid out from their own metadata
+    (units from _no_split_modules, tp from base_model_tp_plan, the vision tower replicated), in
+    float64, with the token head or the flow expert: ddp, fsdp, tp on two processes, fsdp_tp on four."""
+    runs = {label: results for label, results in {**parity_on_two_processes, **parity_on_four_processes}.items()
+            if label.startswith("vlm ")}  # fmt: skip
+    assert {label: list(results) for label, results in runs.items()} == {
+        "vlm idefics3 pretrain": ["ddp", "fsdp", "tp"],
+        "vlm paligemma posttrain": ["ddp", "fsdp", "tp"],
+        "vlm paligemma pretrain": ["fsdp_tp"],
+        "vlm idefics3 posttrain": ["fsdp_tp"],
+    }
+    for label, results in runs.items():
+        for name, result in results.items():
+            assert_within_tolerance(name, result)
+        if "ddp" in results:
+            assert results["ddp"]["bitwise_vs_accumulation"], label
+
+
 @pytest.mark.slow(seconds=55)
 @pytest.mark.crowd  # the first to ask for the four-rank parity runs
 def test_hsdp_and_fsdp_tp_match_one_process_with_the_other_switches(parity_on_four_processes):
