@@ -31,7 +31,8 @@ accuracy where there are tokens, and the errors of predicted action chunks in ro
 L1 per action dimension and per chunk step). Predicted chunks come from ``policy()``, the same
 ``Policy`` object that ``uma predict``, closed-loop evaluation and RL actors use.
 
-``init_from`` starts the model from another stage's checkpoint (see ``checkpoint/weights.py``).
+``init_from`` starts the model from another stage's checkpoint (see ``checkpoint/weights.py``), or
+a network holding a ``transformers`` model from a Hugging Face directory (``checkpoint/hf.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from uma_lightning.checkpoint.hf import (
+    check_hf_weights,
+    is_hf_directory,
+    load_hf_weights,
+    read_hf_directory,
+)
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.hyperparameters import constructor_arguments, plain
@@ -125,7 +132,8 @@ class StageModule(L.LightningModule):
                 (see ``NetworkConfig``).
             optimizer: AdamW and learning-rate schedule settings.
             init_from: Checkpoint of an earlier stage to start from (weights only: the optimizer,
-                schedule and step start afresh). None starts from random weights.
+                schedule and step start afresh), or a Hugging Face model directory (``config.json`` and
+                safetensors) for a network that holds a ``transformers`` model. None starts from random weights.
             normalization: State and action normalisation of the data (mode, offset, scale, names);
                 ``uma`` links it from the data module, and checkpoints keep it for inference.
         """
@@ -261,7 +269,9 @@ class StageModule(L.LightningModule):
         if self.model is not None:
             return
         self.model = self.build_model()
-        if self.init_from:
+        if self.init_from and is_hf_directory(self.init_from):
+            load_hf_weights(self.model, read_hf_directory(self.init_from))
+        elif self.init_from:
             source = read_checkpoint(self.init_from)
             load_weights(self.model, source, self.key_mapping)
             self.log_context_change(source.hparams)
@@ -285,7 +295,10 @@ class StageModule(L.LightningModule):
             return
         with torch.device("meta"):
             model = self.build_model()
-        check_weights(model.state_dict(), read_checkpoint(self.init_from), self.key_mapping, type(model).__name__)
+        if is_hf_directory(self.init_from):
+            check_hf_weights(model, read_hf_directory(self.init_from))
+        else:
+            check_weights(model.state_dict(), read_checkpoint(self.init_from), self.key_mapping, type(model).__name__)
 
     def log_context_change(self, source_hparams: dict) -> None:
         """Say how the context (history frames, chunk length) and the rotary position range changed."""

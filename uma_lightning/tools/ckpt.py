@@ -5,6 +5,8 @@
     uma ckpt export PATH --format mlflow [--register NAME]
                                                   the policy as an MLflow Model (servable), in the run
                                                   that trained it or a new one
+    uma ckpt export PATH --format hf --to DIR     the network's transformers model as a Hugging Face
+                                                  directory (``from_pretrained`` loads it)
 
 PATH is one checkpoint directory (``.../checkpoints/step-000000100``) or a run's checkpoints
 directory, which means its newest valid checkpoint. Nothing is unpickled (see ``storage.py``).
@@ -39,11 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--format",
-        choices=("safetensors", "mlflow"),
+        choices=("safetensors", "mlflow", "hf"),
         default="safetensors",
-        help="safetensors: weights to --to; mlflow: the policy as the MLflow Model 'model' of a run (default: safetensors)",
+        help="safetensors: weights to --to; mlflow: the policy as the MLflow Model 'model' of a run; hf: the "
+        "network's transformers model as a Hugging Face directory --to (default: safetensors)",
     )
-    export.add_argument("--to", type=Path, help="output .safetensors file (--format safetensors)")
+    export.add_argument(
+        "--to", type=Path, help="output .safetensors file (--format safetensors), or directory (--format hf)"
+    )
+    export.add_argument(
+        "--hf-source",
+        type=Path,
+        help="--format hf: the Hugging Face directory whose config.json and tokenizer and processor files to "
+        "write beside the weights (default: the one the run recorded)",
+    )
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="--format hf: the largest safetensors file (default: 5GB)"
+    )
     export.add_argument(
         "--module",
         default="model",
@@ -71,13 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "export" and args.format == "safetensors" and args.to is None:
-        parser.error("export --format safetensors needs --to FILE")
+    if args.command == "export" and args.format in ("safetensors", "hf") and args.to is None:
+        parser.error(f"export --format {args.format} needs --to {'FILE' if args.format == 'safetensors' else 'DIR'}")
     try:
         if args.command == "inspect":
             return inspect_checkpoints(args.path, args.all)
         if args.format == "mlflow":
             return export_mlflow_model(args)
+        if args.format == "hf":
+            return export_hf(args.path, args.to, args.hf_source, args.max_shard_size)
         return export_weights(args.path, args.to, args.module)
     except CheckpointError as err:
         print(f"uma ckpt: error: {err}", file=sys.stderr)
@@ -145,6 +161,35 @@ def export_weights(path: Path, output: Path, module: str = "model") -> int:
         output, {key.removeprefix(prefix): value for key, value in tensors.items()}, hyperparameters, metadata
     )
     print(f"exported {len(tensors)} tensors of step {manifest['step']} from {directory} to {output}")
+    return 0
+
+
+def export_hf(path: Path, output: Path, hf_source: Path | None, max_shard_size: str) -> int:
+    """Write the network's ``transformers`` model (at its ``hf_prefix``) as a Hugging Face directory:
+    the inference weights (the EMA when the checkpoint has them, LoRA adapters folded in, as
+    ``Policy.from_checkpoint`` rebuilds them), with the config, tokenizer and processor files of the
+    directory the network was built from (``network.pretrained``) or ``hf_source``. Exit status 2
+    with one line when the checkpoint or the directory does not fit."""
+    from uma_lightning.checkpoint.hf import export_hf_directory, hf_prefix, hf_source_directory, is_hf_directory
+    from uma_lightning.models.vlm import import_transformers
+    from uma_lightning.policy import Policy
+
+    try:
+        # Its bars (loading the model the network is built around, writing the shards) would read as more work.
+        import_transformers().utils.logging.disable_progress_bar()
+        network = Policy.from_checkpoint(str(path)).model
+        held = network.get_submodule(hf_prefix(network))
+        source = hf_source or hf_source_directory(network)
+        if source is None or not is_hf_directory(source):
+            raise ValueError(
+                f"{source or path}: no Hugging Face directory (config.json and safetensors) to take the config "
+                "and tokenizer from; give --hf-source DIR"
+            )
+        count = export_hf_directory(held.state_dict(), Path(source), output, max_shard_size)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"uma ckpt: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"exported {count} tensors of {path} with the config and tokenizer of {source} to {output}")
     return 0
 
 
