@@ -78,7 +78,7 @@ class Moment:
     def describe(self) -> str:
         where = {"forward": f"module call {self.call}", "backward": f"module call {self.call}", "write": "its files",
                  "commit": "before the rename" if self.call == 0 else "after the rename"}[self.phase]  # fmt: skip
-        return f"{self.phase} of step {self.step}, rank {self.rank}, {where}"
+        return f"{self.phase} (rank {self.rank}, {where})"
 
 
 def draw_moments(seed: int, count: int, cases: list[tuple[str, str]] | None = None) -> list[Moment]:
@@ -241,7 +241,7 @@ class Outcome:
 
     @property
     def bitwise(self) -> bool:
-        return self.resumed_as_expected and not self.different
+        return not self.different
 
     def to_json(self) -> dict:
         return {**asdict(self), "bitwise": self.bitwise}
@@ -266,7 +266,7 @@ def kill_and_rerun(moment: Moment, folder: Path, reference_checkpoint: Path, tim
         rank.join()
     logs = "".join(forked_cli.rank_log(folder / "killed.log", r).read_text() for r in range(len(ranks)))
     if not record.exists() or ranks[moment.rank].exitcode != -signal.SIGKILL:
-        raise RuntimeError(f"not killed at {moment.describe()}: exit statuses {[r.exitcode for r in ranks]}\n{logs[-3000:]}")  # fmt: skip
+        raise RuntimeError(f"not killed at step {moment.step}, {moment.describe()}: exit statuses {[r.exitcode for r in ranks]}\n{logs[-3000:]}")  # fmt: skip
     checkpoints = folder / "run" / "checkpoints"
     corrupt = [str(path) for _, path in committed(checkpoints) if verify(path)]
     if corrupt:
