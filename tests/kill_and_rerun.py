@@ -137,7 +137,7 @@ class KillAt(Callback):
             def save_then_die(tensors, directory, *args, **kwargs):
                 written = save_tensors(tensors, directory, *args, **kwargs)
                 if Path(directory).name == staging:
-                    self._kill(f"{len(written)} files written to {directory}")
+                    self._kill(f"write: {len(written)} files written to {directory}")
                 return written
 
             writer.save_tensors = save_then_die
@@ -146,10 +146,10 @@ class KillAt(Callback):
 
             def commit_and_die(staging_dir, final_dir):
                 if Path(final_dir).name == final and self.call == 0:
-                    self._kill(f"before renaming {staging_dir}")
+                    self._kill(f"commit: before renaming {staging_dir}")
                 commit(staging_dir, final_dir)
                 if Path(final_dir).name == final:
-                    self._kill(f"after renaming to {final_dir}")
+                    self._kill(f"commit: after renaming to {final_dir}")
 
             writer.commit = commit_and_die
 
@@ -170,11 +170,11 @@ class KillAt(Callback):
             return
         name = type(module).__name__
         if self.phase == "forward":
-            self._kill(f"forward, call {self._calls} ({name})")
+            self._kill(f"forward: call {self._calls} ({name})")
         first = next((t for t in (output if isinstance(output, (tuple, list)) else [output])
                       if isinstance(t, torch.Tensor) and t.requires_grad), None)  # fmt: skip
         if first is not None:  # else the next call's output: one that a gradient will reach
-            first.register_hook(lambda grad: self._kill(f"backward, the gradient of call {self._calls} ({name})"))
+            first.register_hook(lambda grad: self._kill(f"backward: the gradient of call {self._calls} ({name})"))
             self._hook.remove()
 
 
@@ -230,6 +230,15 @@ def reference(strategy: str, stage: str, cache: Path) -> Path:
     return _final(folder)
 
 
+def different_tensors(checkpoint: Path, expected: Path) -> list[str]:
+    """The model and optimizer tensors of ``checkpoint`` that are not bit for bit those of ``expected``
+    (or that only one of them holds)."""
+    actual, wanted = checkpoint_tensors(checkpoint), checkpoint_tensors(expected)
+    return sorted(set(actual) ^ set(wanted)) + [
+        key for key in wanted if key in actual and not torch.equal(actual[key], wanted[key])
+    ]
+
+
 @dataclass
 class Outcome:
     moment: Moment
@@ -282,9 +291,6 @@ def kill_and_rerun(moment: Moment, folder: Path, reference_checkpoint: Path, tim
     else:
         expected = None
     resumed = expected in log if expected else "resumed from" not in log
-    actual, wanted = checkpoint_tensors(_final(folder)), checkpoint_tensors(reference_checkpoint)
-    different = sorted(set(actual) ^ set(wanted)) + [
-        key for key in wanted if key in actual and not torch.equal(actual[key], wanted[key])
-    ]
+    different = different_tensors(_final(folder), reference_checkpoint)
     killed_at = json.loads(record.read_text())["at"]
     return Outcome(moment, killed_at, newest, resumed, different, round(time.monotonic() - began, 1))
