@@ -6,7 +6,8 @@ A moment is a phase of one step on one rank:
 
 - ``forward``: at the k-th module call of that step's forward pass;
 - ``backward``: when the gradient reaches the output of that k-th module call;
-- ``write``: once that rank has written its files of the step's checkpoint, before the manifest;
+- ``write``: at that rank's k-th write into the files of the step's checkpoint (a file left half
+  written), or after its last where it makes fewer;
 - ``commit``: on rank 0, which commits, just before (k = 0) or just after (k = 1) the checkpoint's
   rename into place (after: before older checkpoints are pruned).
 
@@ -44,7 +45,7 @@ PHASES = ("forward", "backward", "write", "commit")
 UNSUPPORTED = {("pp", "posttrain")}
 MAX_STEPS = 8
 EVERY_N_STEPS = 2
-MODULE_CALLS = 24  # a forward or backward kill comes at one of the step's first this many module calls
+CALLS = 24  # a forward, backward or write kill comes at one of the first this many module calls or writes
 
 # Two layers (pp splits them), as many key/value heads as heads (tp splits both).
 DENSE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
@@ -76,7 +77,7 @@ class Moment:
     call: int
 
     def describe(self) -> str:
-        where = {"forward": f"module call {self.call}", "backward": f"module call {self.call}", "write": "its files",
+        where = {"forward": f"module call {self.call}", "backward": f"module call {self.call}", "write": f"write {self.call}",
                  "commit": "before the rename" if self.call == 0 else "after the rename"}[self.phase]  # fmt: skip
         return f"{self.phase} (rank {self.rank}, {where})"
 
@@ -98,7 +99,7 @@ def draw_moments(seed: int, count: int, cases: list[tuple[str, str]] | None = No
         else:
             step = chooser.randint(1, MAX_STEPS)
         rank = 0 if phase == "commit" else chooser.randrange(world_size(strategy))
-        call = chooser.randint(0, 1) if phase == "commit" else chooser.randint(1, MODULE_CALLS)
+        call = chooser.randint(0, 1) if phase == "commit" else chooser.randint(1, CALLS)
         moments.append(Moment(strategy, stage, phase, step, rank, call))
     return moments
 
@@ -132,15 +133,28 @@ class KillAt(Callback):
 
         staging, final = f".staging-{step_dirname(self.step)}", step_dirname(self.step)
         if self.phase == "write":
-            save_tensors = writer.save_tensors
+            from uma_lightning.checkpoint import storage
 
-            def save_then_die(tensors, directory, *args, **kwargs):
-                written = save_tensors(tensors, directory, *args, **kwargs)
-                if Path(directory).name == staging:
-                    self._kill(f"write: {len(written)} files written to {directory}")
+            write, save_tensors = storage._ChecksummedFile.write, writer.save_tensors
+            writes = 0
+
+            def write_then_die(file, data):
+                nonlocal writes
+                written = write(file, data)
+                path = Path(file._file.name)
+                if path.parent.name == staging:
+                    writes += 1
+                    if writes == self.call:
+                        self._kill(f"write: {writes} writes into the checkpoint's files, {path.name} still open")
                 return written
 
-            writer.save_tensors = save_then_die
+            def save_then_die(tensors, directory, *args, **kwargs):  # fewer writes than drawn: after the last
+                written = save_tensors(tensors, directory, *args, **kwargs)
+                if Path(directory).name == staging:
+                    self._kill(f"write: all {writes} writes into {', '.join(written)} done, no manifest yet")
+                return written
+
+            storage._ChecksummedFile.write, writer.save_tensors = write_then_die, save_then_die
         else:
             commit = writer.commit
 

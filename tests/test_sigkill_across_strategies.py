@@ -9,7 +9,7 @@ from kill_and_rerun import MAX_STEPS, different_tensors, draw_moments, kill_and_
 
 from uma_lightning.checkpoint import step_dirname
 
-SEED = 38
+SEED = 36
 MOMENTS = draw_moments(SEED, 3, cases=[("tp", "pretrain"), ("tp", "posttrain"), ("ep", "posttrain")])
 
 
