@@ -36,6 +36,7 @@ from lightning.pytorch import Callback
 from suite import REPO, recipe
 
 from uma_lightning.checkpoint import committed, step_dirname, verify
+from uma_lightning.checkpoint.directory import staging_path
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "ep", "ep_fsdp")
 STAGES = ("pretrain", "posttrain")
@@ -131,7 +132,7 @@ class KillAt(Callback):
         # step ``step`` is where the kill comes, on whichever thread writes it.
         from uma_lightning.checkpoint import writer
 
-        staging, final = f".staging-{step_dirname(self.step)}", step_dirname(self.step)
+        staging, final = staging_path(Path(), self.step).name, step_dirname(self.step)
         if self.phase == "write":
             from uma_lightning.checkpoint import storage
 
@@ -188,7 +189,8 @@ class KillAt(Callback):
         first = next((t for t in (output if isinstance(output, (tuple, list)) else [output])
                       if isinstance(t, torch.Tensor) and t.requires_grad), None)  # fmt: skip
         if first is not None:  # else the next call's output: one that a gradient will reach
-            first.register_hook(lambda grad: self._kill(f"backward: the gradient of call {self._calls} ({name})"))
+            call = self._calls
+            first.register_hook(lambda grad: self._kill(f"backward: the gradient of call {call} ({name})"))
             self._hook.remove()
 
 
