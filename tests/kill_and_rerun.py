@@ -38,11 +38,12 @@ from suite import REPO, recipe
 from uma_lightning.checkpoint import committed, step_dirname, verify
 from uma_lightning.checkpoint.directory import staging_path
 
+# What draw_moments draws from; the harness runs pp_fsdp and pp_fsdp_tp too (pretraining, 4 processes).
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "pp", "ep", "ep_fsdp")
 STAGES = ("pretrain", "posttrain")
 PHASES = ("forward", "backward", "write", "commit")
 # The flow model's action expert attends to every backbone layer's keys: it cannot be cut into stages
-# (uma_lightning/parallel/plans/pipeline.py refuses it).
+# (uma_lightning/parallel/plans/pipeline.py refuses it, under every pp preset).
 UNSUPPORTED = {("pp", "posttrain")}
 MAX_STEPS = 8
 EVERY_N_STEPS = 2
@@ -54,10 +55,13 @@ DENSE = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 64}
 EXPERTS = {**DENSE, "n_kv_heads": 1, "moe": {"n_experts": 4, "top_k": 2, "n_shared": 1, "every_n_layers": 2, "expert_dim": 32}}  # fmt: skip
 DATA = ["--data.generation.n_episodes", "6", "--data.batch_size", "4", "--data.loader.num_workers", "0"]
 # Where a preset on one node of 4 processes would leave an axis of size 1, its own comment's sizes for 4.
+# The pipeline presets that compose pp with another axis set their own sizes for 4.
 FOUR_RANKS = {
     "hsdp": ["--trainer.strategy.init_args.sizes.dp_shard", "2"],
     "fsdp_tp": ["--trainer.strategy.init_args.sizes.tp", "2"],
     "ep_fsdp": ["--trainer.strategy.init_args.sizes.ep", "2"],
+    "pp_fsdp": [],
+    "pp_fsdp_tp": [],
 }
 
 
