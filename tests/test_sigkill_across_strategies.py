@@ -13,7 +13,7 @@ SEED = 36
 MOMENTS = draw_moments(SEED, 3, cases=[("tp", "pretrain"), ("tp", "posttrain"), ("ep", "posttrain")])
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.slow(seconds=25)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("moment", MOMENTS, ids=lambda m: f"{m.strategy}-{m.stage}-{m.phase}")
 def test_a_rerun_after_sigkill_ends_bit_for_bit_as_the_uninterrupted_run(tmp_path, moment):
