@@ -1,0 +1,167 @@
+"""The fault matrix (docs/guides/faults.md): faults injected into a job of two real gloo ranks at a
+random step (the seed is printed; set FAULT_MATRIX_SEED to replay one), and what the job promises
+for each: every rank exits within a stated bound, one line names the failed rank and the fault in
+every rank's log and in MLflow, the checkpoint before the fault verifies, and the rerun resumes.
+
+The faults share one run: each rerun of the same command resumes from the checkpoint the previous
+fault left and goes on to the next fault, and the last rerun finishes. Its final checkpoint must
+be the uninterrupted run's, bit for bit.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import forked_cli
+import pytest
+import yaml
+from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
+from mlflow import MlflowClient
+from suite import RECIPE, TINY
+
+from uma_lightning.checkpoint import committed, verify
+from uma_lightning.checkpoint.directory import step_dirname
+from uma_lightning.data.generate import ensure_dataset
+from uma_lightning.tracking.mlflow_logger import local_store_uri
+
+SEED = int(os.environ.get("FAULT_MATRIX_SEED", random.randrange(10_000)))
+TIMEOUT_S, REPORT_WAIT_S, LOST_PEER_EXIT = 6.0, 2.0, 75
+EXIT_BOUND_S = 20.0  # from the fault to the last rank's exit, for a fault the ranks see at once (loaded 2 cores)
+STOP_BOUND_S = TIMEOUT_S + REPORT_WAIT_S + EXIT_BOUND_S  # a stopped rank: the others wait for the watchdog
+EVERY_N_STEPS = 2
+# (kind, the fault as the line names it, the exit statuses of ranks 0 and 1): rank 0 loses its peer in a
+# collective and exits as the hang watchdog does; rank 1 is where the fault is.
+FAULTS = [
+    ("raise", "RuntimeError: injected fault in step {step}", (LOST_PEER_EXIT, 1)),
+    ("segfault", "Fatal Python error: Segmentation fault", (LOST_PEER_EXIT, -signal.SIGSEGV)),
+    (
+        "worker_segfault",
+        "RuntimeError: DataLoader worker (pid {workers[0]}) is killed by signal: Segmentation fault",
+        (LOST_PEER_EXIT, 1),
+    ),
+    ("stop", "left no record (stopped, or stuck where its watchdog cannot run)", (LOST_PEER_EXIT, LOST_PEER_EXIT)),
+    ("enospc", "[Errno 28] No space left on device", (2, 2)),
+    ("erofs", "[Errno 30] Read-only file system", (2, 2)),
+]
+# Fault k at a step drawn from its own window of checkpoint intervals, after the checkpoint the rerun resumes from.
+STEPS = [EVERY_N_STEPS * (k + 1) + random.Random(SEED + k).randrange(EVERY_N_STEPS) + 1 for k in range(len(FAULTS))]
+MAX_STEPS = STEPS[-1] + EVERY_N_STEPS + 1
+
+
+def write_recipe(path: Path, store: Path, fault: dict | None = None, experiment: str = "fault-matrix") -> str:
+    callbacks = [
+        {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}},
+        {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": EVERY_N_STEPS, "keep_last": 100}},
+        {"class_path": "uma_lightning.callbacks.HangWatchdog", "init_args": {"timeout_s": TIMEOUT_S, "report_wait_s": REPORT_WAIT_S}},
+        *([{"class_path": "faults.FaultAt", "init_args": fault}] if fault else []),
+    ]  # fmt: skip
+    recipe = {
+        "include": [RECIPE],
+        "model": {"init_args": {"network": {"size": TINY}}},
+        "data": {"batch_size": 4, "generation": {"n_episodes": 6}, "loader": {"num_workers": 1}},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "strategy": "ddp",
+            "deterministic": True,
+            "max_steps": MAX_STEPS,
+            "val_check_interval": 1000,
+            "logger": {"init_args": {"store_dir": str(store), "experiment_name": experiment}},
+            "callbacks": callbacks,
+        },
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def run_job(recipe: str, run_dir: Path, log: Path, marker: Path | None = None, stopped: bool = False):
+    """Both ranks of ``uma fit``, to their ends: (exit statuses, seconds from the fault to each exit, logs).
+    A rank that stops itself is continued once the other has exited, as a launcher ends a job's other ranks."""
+    argv = ["fit", "--config", recipe, "--trainer.default_root_dir", str(run_dir)]
+    ranks = forked_cli.start_ranks(argv, log, run_dir.parent)
+    exited_at, deadline = [None, None], time.time() + 300
+    while None in exited_at and time.time() < deadline:
+        for rank, process in enumerate(ranks):
+            if exited_at[rank] is None and process.exitcode is not None:
+                exited_at[rank] = time.time()
+        if stopped and exited_at[0] is not None and exited_at[1] is None and marker.exists():
+            os.kill(json.loads(marker.read_text())["pid"], signal.SIGCONT)
+            stopped = False
+        time.sleep(0.05)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    logs = [forked_cli.rank_log(log, rank).read_text() for rank in range(2)]
+    assert None not in exited_at, f"a rank did not exit:\n{logs[0][-3000:]}\n{logs[1][-3000:]}"
+    started = json.loads(marker.read_text())["time"] if marker else None
+    return [p.exitcode for p in ranks], [t - started if started else None for t in exited_at], logs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mlflow_store):
+    """The uninterrupted run's final checkpoint."""
+    ensure_dataset("planar_arm", 6, 64, 0, None)  # generated once here, not raced by two ranks
+    root = tmp_path_factory.mktemp("reference")
+    codes, _, logs = run_job(
+        write_recipe(root / "recipe.yaml", mlflow_store, experiment="fault-matrix-reference"),
+        root / "run",
+        root / "job.log",
+    )
+    assert codes == [0, 0], logs
+    return root / "run" / "checkpoints" / step_dirname(MAX_STEPS)
+
+
+@pytest.mark.slow(seconds=60)
+@pytest.mark.alone  # exits are timed
+def test_each_fault_is_named_on_every_rank_and_the_reruns_end_as_the_uninterrupted_run(
+    tmp_path, mlflow_store, reference
+):
+    print(f"fault matrix: seed {SEED} (FAULT_MATRIX_SEED), faults at steps {STEPS}")
+    run_dir = tmp_path / "run"
+    client = MlflowClient(local_store_uri(mlflow_store))
+    resumable = None  # the newest checkpoint, which the next rerun must resume from
+    for (kind, fault, statuses), step in zip(FAULTS, STEPS):
+        marker = tmp_path / f"{kind}.json"
+        recipe = write_recipe(
+            tmp_path / f"{kind}.yaml", mlflow_store, {"kind": kind, "step": step, "marker": str(marker)}
+        )
+        codes, exit_s, logs = run_job(recipe, run_dir, tmp_path / f"{kind}.log", marker, stopped=kind == "stop")
+        context = f"{kind} at step {step}: exit statuses {codes}, exits {exit_s} s after the fault\n" + "\n".join(
+            log[-2500:] for log in logs
+        )
+        if resumable is not None:
+            assert f"resumed from {resumable}: step" in logs[0], context
+        assert codes == list(statuses), context
+        bound = STOP_BOUND_S if kind == "stop" else EXIT_BOUND_S
+        assert all(seconds < bound for seconds in exit_s), context
+
+        # One line names rank 1 and the fault, on both ranks and in MLflow. A rank killed by a signal writes
+        # nothing more to its log: its fault handler's dump, which the line quotes, is in faults/.
+        # (PyTorch's loader worker ends its segfault message with a NUL, on the line before: hence not `startswith`.)
+        named = [re.findall(r"fault: (rank 1 failed .*)", log) for log in logs]
+        if kind == "segfault":
+            assert named[1] == [] and fault in (run_dir / "faults" / "fatal_rank1.txt").read_text(), context
+            named[1] = named[0]
+        assert all(len(lines) == 1 and fault.format(**json.loads(marker.read_text())) in lines[0] for lines in named), (
+            context
+        )
+        named = [lines[0] for lines in named]
+        (run,) = client.search_runs([client.get_experiment_by_name("fault-matrix").experiment_id])
+        assert run.data.tags["fault"] == named[0], context
+
+        # The checkpoints before the fault verify, and the newest is where the rerun resumes: the one of the
+        # step the fault hit if its background write was committed, else the one before.
+        saved = committed(run_dir / "checkpoints")
+        assert saved and all(verify(path) == [] for _, path in saved), context
+        resumable = saved[-1][1]
+        assert 0 <= step - saved[-1][0] <= EVERY_N_STEPS + 1, context
+
+    codes, _, logs = run_job(write_recipe(tmp_path / "plain.yaml", mlflow_store), run_dir, tmp_path / "plain.log")
+    assert codes == [0, 0] and f"resumed from {resumable}: step" in logs[0], logs
+    final = run_dir / "checkpoints" / step_dirname(MAX_STEPS)
+    assert_bitwise_equal(checkpoint_tensors(final), checkpoint_tensors(reference))
