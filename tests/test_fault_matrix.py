@@ -21,7 +21,7 @@ import pytest
 import yaml
 from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
 from mlflow import MlflowClient
-from suite import RECIPE, TINY
+from suite import QUICK, RECIPE, TINY
 
 from uma_lightning.checkpoint import committed, verify
 from uma_lightning.checkpoint.directory import step_dirname
@@ -165,3 +165,66 @@ def test_each_fault_is_named_on_every_rank_and_the_reruns_end_as_the_uninterrupt
     assert codes == [0, 0] and f"resumed from {resumable}: step" in logs[0], logs
     final = run_dir / "checkpoints" / step_dirname(MAX_STEPS)
     assert_bitwise_equal(checkpoint_tensors(final), checkpoint_tensors(reference))
+
+
+OUTAGE_STEPS, AWAY_AFTER_STEP, BACK_AT_STEP = 8, 2, 6
+
+
+@pytest.mark.slow(seconds=40)
+def test_a_run_goes_on_while_the_mlflow_server_is_away_and_its_metrics_arrive_when_it_is_back(tmp_path):
+    """The real server is killed after step 2 and started again, on the same address and store, while the run
+    waits at step 6 (however fast it trains, the outage spans steps 3 to 6 and a checkpoint). One process:
+    only rank zero talks to MLflow."""
+    from uma_lightning.tools.mlflow_server import start_mlflow_server
+
+    store, server_log = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "server.log"
+    server, url = start_mlflow_server(store, server_log, artifacts=tmp_path / "artifacts")
+    callbacks = [
+        {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}},
+        {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": 2}},
+        {"class_path": "faults.HoldUntilSignalled", "init_args": {"at_step": BACK_AT_STEP, "signals": ["SIGUSR2"]}},
+    ]
+    argv = ["fit", "--config", RECIPE, *QUICK, "--trainer.max_steps", str(OUTAGE_STEPS),
+            "--trainer.val_check_interval", "1000", "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.logger.init_args.tracking_uri", url, "--trainer.logger.init_args.experiment_name", "outage",
+            "--trainer.callbacks", json.dumps(callbacks)]  # fmt: skip
+    log = tmp_path / "fit.log"
+    run = forked_cli.start(argv, log, tmp_path)
+    try:
+        wait_for_line(log, f"step {AWAY_AFTER_STEP}/{OUTAGE_STEPS}", run)
+        server.kill()
+        server.wait()
+        wait_for_line(log, f"step {BACK_AT_STEP}/{OUTAGE_STEPS}", run)
+        stored_while_away = logged_steps(MlflowClient(store), "train/loss")  # the server's store, read directly
+        server, _ = start_mlflow_server(
+            store, server_log, artifacts=tmp_path / "artifacts", port=int(url.rsplit(":")[-1])
+        )
+        os.kill(run.pid, signal.SIGUSR2)
+        run.join(300)
+        output = log.read_text()
+        assert run.exitcode == 0, output[-5000:]
+        client = MlflowClient(url)
+        (finished,) = client.search_runs([client.get_experiment_by_name("outage").experiment_id])
+        assert finished.info.status == "FINISHED", output[-5000:]
+        # Every step's loss arrived, each once (steps count from 0), those of the outage after it.
+        assert logged_steps(client, "train/loss") == list(range(OUTAGE_STEPS)), output[-5000:]
+        assert len(stored_while_away) < BACK_AT_STEP, stored_while_away
+        assert "Traceback" not in output and "Failed to log" not in output
+    finally:
+        if run.is_alive():
+            run.kill()
+        server.kill()
+        server.wait()
+
+
+def logged_steps(client: MlflowClient, metric: str) -> list[int]:
+    """The steps of ``metric`` in the only run of the experiment ``outage``."""
+    (run,) = client.search_runs([client.get_experiment_by_name("outage").experiment_id])
+    return sorted(m.step for m in client.get_metric_history(run.info.run_id, metric))
+
+
+def wait_for_line(log: Path, text: str, process, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (log.exists() and text in log.read_text()):
+        assert process.is_alive() and time.monotonic() < deadline, f"no {text!r} in {log}"
+        time.sleep(0.05)
