@@ -230,3 +230,26 @@ def _failing_open(code: int):
         return FullDisk(io.FileIO(path, mode))
 
     return open_full
+
+
+class DamageDataAt(Callback):
+    """At the start of step ``step``, truncates to half (``how="truncate"``) or deletes every data and video
+    file of the dataset at ``root`` (a directory or an fsspec URL, reached with ``options``)."""
+
+    def __init__(self, step: int, root: str, how: str, options: Optional[dict] = None):
+        self.step, self.root, self.how, self.options = step, root, how, options or {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(self.root, **self.options)
+        files = [path for path in fs.find(root) if path.endswith((".parquet", ".mp4"))]
+        for path in files:
+            if self.how == "delete":
+                fs.rm(path)
+            else:
+                data = fs.cat_file(path)
+                fs.pipe_file(path, data[: len(data) // 2])
+        print(f"damaged ({self.how}) {len(files)} files of {self.root} at step {self.step}", flush=True)

@@ -25,7 +25,7 @@ from suite import QUICK, RECIPE, TINY
 
 from uma_lightning.checkpoint import committed, verify
 from uma_lightning.checkpoint.directory import step_dirname
-from uma_lightning.data.generate import ensure_dataset
+from uma_lightning.data.generate import ensure_dataset, generate_planar_arm
 from uma_lightning.tracking.mlflow_logger import local_store_uri
 
 SEED = int(os.environ.get("FAULT_MATRIX_SEED", random.randrange(10_000)))
@@ -228,3 +228,47 @@ def wait_for_line(log: Path, text: str, process, timeout_s: float = 120) -> None
     while not (log.exists() and text in log.read_text()):
         assert process.is_alive() and time.monotonic() < deadline, f"no {text!r} in {log}"
         time.sleep(0.05)
+
+
+@pytest.mark.slow(seconds=20)
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_dataset_damaged_mid_run_stops_the_run_naming_the_file_and_the_checkpoint_before_verifies(
+    tmp_path, where, request
+):
+    """Every data and video file truncated (local) or deleted (on the S3 server) at a random step. Nothing
+    reads a file twice while its rows, frames and handle are held: one open file and a small decode cache
+    here (and for S3, a local cache of two files) make the next batch the loader reads meet the damage."""
+    step = random.Random(SEED).randrange(3, 6)
+    print(f"fault matrix: seed {SEED} (FAULT_MATRIX_SEED), data damaged at step {step}")
+    local = generate_planar_arm(tmp_path / "data", n_episodes=6, image_size=32, seed=0)
+    if where == "s3":
+        fs, options = request.getfixturevalue("s3")
+        fs.put(str(local), "robots/damaged", recursive=True)
+        largest = max(p.stat().st_size for p in local.rglob("*") if p.suffix in (".parquet", ".mp4"))
+        root, how = "s3://robots/damaged", "delete"
+        storage = ["--data.storage", json.dumps({"options": options, "cache_dir": str(tmp_path / "cache"),
+                                                  "cache_gb": 2 * largest / 2**30, "prefetch_batches": 0})]  # fmt: skip
+    else:
+        root, how, options, storage = str(local), "truncate", None, []
+    damage = {"step": step, "root": root, "how": how, "options": options}
+    callbacks = [
+        {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": 2}},
+        {"class_path": "faults.DamageDataAt", "init_args": damage},
+    ]
+    argv = ["fit", "--config", RECIPE, *QUICK, "--trainer.max_steps", "12", "--data.root", root, *storage,
+            "--data.loader.max_open_files", "1", "--data.loader.decode_cache_mb", "0.1",
+            "--trainer.val_check_interval", "1000", "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.logger", "false", "--trainer.callbacks", json.dumps(callbacks)]  # fmt: skip
+    log = tmp_path / "fit.log"
+    code = forked_cli.run(argv, log, tmp_path, timeout=300)
+    output = log.read_text()
+    assert code == 2, output[-5000:]
+    (error,) = [line for line in output.splitlines() if line.startswith("uma: error: ")]
+    assert re.match(
+        rf"uma: error: episode \d+: .*{re.escape(root)}/(data|videos)/chunk-000/\S*episode_\d+\.(parquet|mp4)", error
+    ), error
+    assert "Traceback" not in output
+    # Batches read ahead before the damage still train (they are whole): the checkpoints of their steps verify.
+    saved = committed(tmp_path / "run" / "checkpoints")
+    assert saved and all(verify(path) == [] for _, path in saved), output[-5000:]
+    assert output.index(f"damaged ({how})") < output.index("uma: error: ")
