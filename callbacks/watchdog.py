@@ -294,7 +294,7 @@ class HangWatchdog(Callback):
             time.sleep(0.1)
         if timed_out and not silent:
             return f"every rank made no progress for {self.timeout_s:g} s after step {trainer.global_step} (a hang)"
-        names = ", ".join(map(str, silent if timed_out else others))
+        names = ", ".join(map(str, silent or others))
         return (
             f"rank {names} failed at step {trainer.global_step}: left no record "
             f"({'stopped, or stuck where its watchdog cannot run' if timed_out else 'killed by SIGKILL, or stopped'})"
