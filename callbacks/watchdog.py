@@ -40,6 +40,7 @@ dump its trace on a collective timeout, unless they are set already.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -107,17 +108,18 @@ class HangWatchdog(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._dump_dir = Path(trainer.default_root_dir).resolve() / "hang"
         self._faults_dir = Path(trainer.default_root_dir).resolve() / FAULTS_DIR
+        # NCCL's own dump on a collective timeout, for a timeout shorter than this watchdog's.
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(self._dump_dir / "nccl_trace_rank_"))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._trainer = trainer
+        # Only once training starts: a command that stops before (a finished run) leaves the run folder as it was.
         self._faults_dir.mkdir(parents=True, exist_ok=True)
         # A previous attempt's records would name a culprit of the past: each rank clears its own.
         _fault_record(self._faults_dir, trainer.global_rank).unlink(missing_ok=True)
         self._fatal_file = open(_fatal_record(self._faults_dir, trainer.global_rank), "w")
         self._fault_handler_was_on = faulthandler.is_enabled()
         faulthandler.enable(file=self._fatal_file, all_threads=True)
-        # NCCL's own dump on a collective timeout, for a timeout shorter than this watchdog's.
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(self._dump_dir / "nccl_trace_rank_"))
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._trainer = trainer
         self._beat()
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="uma-hang-watchdog", daemon=True)
@@ -145,6 +147,12 @@ class HangWatchdog(Callback):
                 faulthandler.disable()
             self._fatal_file.close()
             self._fatal_file = None
+            # A run without a fatal signal leaves no empty record (nor an empty folder) behind.
+            fatal = _fatal_record(self._faults_dir, trainer.global_rank)
+            with contextlib.suppress(OSError):  # rmdir: other ranks' records, or theirs still to be removed
+                if fatal.stat().st_size == 0:
+                    fatal.unlink()
+                    self._faults_dir.rmdir()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         watching = self._thread is not None
