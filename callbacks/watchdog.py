@@ -159,13 +159,15 @@ class HangWatchdog(Callback):
         self.on_train_end(trainer, pl_module)
         if watching and _is_lost_peer(exception):
             self._report_and_exit(time.monotonic() - self._last_beat, cause=exception)
-        elif watching:  # this rank is where the job failed: the others name it from this record
+        elif watching and not isinstance(exception, (SystemExit, KeyboardInterrupt)):  # a stop (preemption) is no fault
+            # This rank is where the job failed: the others name it from this record.
             # A collective's error names the rank it failed on (a checkpoint save: the rank whose write failed).
             failed_rank = getattr(exception, "failed_rank", None)
             rank = trainer.global_rank if failed_rank is None else failed_rank
             record = {"rank": rank, "step": trainer.global_step, "fault": _first_line(exception)}
-            _write_json(_fault_record(self._faults_dir, trainer.global_rank), record)
-            log.error("fault: %s", _describe(record))
+            if trainer.world_size > 1:  # alone, a process's own error line says it all
+                _write_json(_fault_record(self._faults_dir, trainer.global_rank), record)
+                log.error("fault: %s", _describe(record))
             tagger = threading.Thread(target=self._tag_fault, args=(_describe(record),), daemon=True)
             tagger.start()
             tagger.join(MLFLOW_REPORT_TIMEOUT_S)

@@ -116,7 +116,7 @@ def reference(tmp_path_factory, mlflow_store):
     return root / "run" / "checkpoints" / step_dirname(MAX_STEPS)
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=75)
 @pytest.mark.alone  # exits are timed
 def test_each_fault_is_named_on_every_rank_and_the_reruns_end_as_the_uninterrupted_run(
     tmp_path, mlflow_store, reference
@@ -170,7 +170,7 @@ def test_each_fault_is_named_on_every_rank_and_the_reruns_end_as_the_uninterrupt
 OUTAGE_STEPS, AWAY_AFTER_STEP, BACK_AT_STEP = 8, 2, 6
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=25)
 def test_a_run_goes_on_while_the_mlflow_server_is_away_and_its_metrics_arrive_when_it_is_back(tmp_path):
     """The real server is killed after step 2 and started again, on the same address and store, while the run
     waits at step 6 (however fast it trains, the outage spans steps 3 to 6 and a checkpoint). One process:
@@ -230,7 +230,7 @@ def wait_for_line(log: Path, text: str, process, timeout_s: float = 120) -> None
         time.sleep(0.05)
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.slow(seconds=10)
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_dataset_damaged_mid_run_stops_the_run_naming_the_file_and_the_checkpoint_before_verifies(
     tmp_path, where, request
