@@ -293,7 +293,8 @@ class HangWatchdog(Callback):
         while True:
             records = [record for record in (_read_record(self._faults_dir, rank) for rank in others) if record]
             if records:
-                return "; ".join(_describe(record, trainer.global_step) for record in records)
+                # dict: once each (every rank of a failed collective save names the same rank)
+                return "; ".join(dict.fromkeys(_describe(record, trainer.global_step) for record in records))
             events = [_read_json(self._dump_dir / f"event_rank{rank}.json") for rank in others]
             verdicts = [event["fault"] for event in events if event and "fault" in event]
             if verdicts:
@@ -304,9 +305,10 @@ class HangWatchdog(Callback):
             time.sleep(0.1)
         if timed_out and not silent:
             return f"every rank made no progress for {self.timeout_s:g} s after step {trainer.global_step} (a hang)"
-        names = ", ".join(map(str, silent or others))
+        culprits = silent or others
         return (
-            f"rank {names} failed at step {trainer.global_step}: left no record "
+            f"rank{'s' if len(culprits) > 1 else ''} {', '.join(map(str, culprits))} failed at step "
+            f"{trainer.global_step}: left no record "
             f"({'stopped, or stuck where its watchdog cannot run' if timed_out else 'killed by SIGKILL, or stopped'})"
         )
 

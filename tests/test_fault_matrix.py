@@ -113,6 +113,11 @@ def reference(tmp_path_factory, mlflow_store):
         root / "job.log",
     )
     assert codes == [0, 0], logs
+    # Quiet without a fault: no line, no record left behind, no tag.
+    assert not any("fault: " in log for log in logs) and not (root / "run" / "faults").exists()
+    client = MlflowClient(local_store_uri(mlflow_store))
+    (run,) = client.search_runs([client.get_experiment_by_name("fault-matrix-reference").experiment_id])
+    assert "fault" not in run.data.tags
     return root / "run" / "checkpoints" / step_dirname(MAX_STEPS)
 
 
