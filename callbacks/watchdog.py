@@ -115,8 +115,10 @@ class HangWatchdog(Callback):
         self._trainer = trainer
         # Only once training starts: a command that stops before (a finished run) leaves the run folder as it was.
         self._faults_dir.mkdir(parents=True, exist_ok=True)
-        # A previous attempt's records would name a culprit of the past: each rank clears its own.
+        # A previous attempt's records, and its verdict after a hang, would name a culprit of the past: each
+        # rank clears its own.
         _fault_record(self._faults_dir, trainer.global_rank).unlink(missing_ok=True)
+        _hang_event(self._dump_dir, trainer.global_rank).unlink(missing_ok=True)
         self._fatal_file = open(_fatal_record(self._faults_dir, trainer.global_rank), "w")
         self._fault_handler_was_on = faulthandler.is_enabled()
         faulthandler.enable(file=self._fatal_file, all_threads=True)
@@ -155,11 +157,13 @@ class HangWatchdog(Callback):
                     self._faults_dir.rmdir()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        watching = self._thread is not None
+        # From the start of training to the teardown: the final checkpoint's save, which fails after on_train_end
+        # (Lightning calls the checkpoint callbacks' hooks last), is part of the job.
+        training = self._fatal_file is not None
         self.on_train_end(trainer, pl_module)
-        if watching and _is_lost_peer(exception):
+        if training and _is_lost_peer(exception):
             self._report_and_exit(time.monotonic() - self._last_beat, cause=exception)
-        elif watching and not isinstance(exception, (SystemExit, KeyboardInterrupt)):  # a stop (preemption) is no fault
+        elif training and not isinstance(exception, (SystemExit, KeyboardInterrupt)):  # a stop (preemption) is no fault
             # This rank is where the job failed: the others name it from this record.
             # A collective's error names the rank it failed on (a checkpoint save: the rank whose write failed).
             failed_rank = getattr(exception, "failed_rank", None)
@@ -243,9 +247,9 @@ class HangWatchdog(Callback):
         else:
             event["lost_peer"] = str(cause).splitlines()[0][:500]
             what = f"lost a peer in a collective ({type(cause).__name__})"
-        _write_json(out / f"event_rank{rank}.json", event)
+        _write_json(_hang_event(out, rank), event)
         event["fault"] = self._culprits(trainer, timed_out=cause is None)
-        _write_json(out / f"event_rank{rank}.json", event)  # with what this rank concluded, for the others to adopt
+        _write_json(_hang_event(out, rank), event)  # with what this rank concluded, for the others to adopt
         log.error(
             "hang: rank %d %s after step %d; stacks and collectives in %s; exiting with status %d",
             rank,
@@ -295,7 +299,7 @@ class HangWatchdog(Callback):
             if records:
                 # dict: once each (every rank of a failed collective save names the same rank)
                 return "; ".join(dict.fromkeys(_describe(record, trainer.global_step) for record in records))
-            events = [_read_json(self._dump_dir / f"event_rank{rank}.json") for rank in others]
+            events = [_read_json(_hang_event(self._dump_dir, rank)) for rank in others]
             verdicts = [event["fault"] for event in events if event and "fault" in event]
             if verdicts:
                 return verdicts[0]
@@ -319,6 +323,10 @@ def _fault_record(faults_dir: Path, rank: int) -> Path:
 
 def _fatal_record(faults_dir: Path, rank: int) -> Path:
     return faults_dir / f"fatal_rank{rank}.txt"
+
+
+def _hang_event(dump_dir: Path, rank: int) -> Path:
+    return dump_dir / f"event_rank{rank}.json"
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -170,12 +170,13 @@ class FaultAt(Callback):
     - ``segfault``: reads address 0 in the training step (a real SIGSEGV);
     - ``worker_segfault``: sends SIGSEGV to this rank's loader worker, at the start of the step;
     - ``stop``: stops this rank with SIGSTOP (a stalled host): it neither works nor closes its connections;
+    - ``kill``: kills this rank with SIGKILL (the OOM killer): it leaves no record of its own;
     - ``enospc`` / ``erofs``: from this step on, the checkpoint files this rank writes fail as on a full disk
       (the write raises ENOSPC after some bytes) or a read-only folder (the open raises EROFS). Tests run
       as root, whom neither a full quota nor ``chmod`` stops, so the error is raised where the OS would.
     """
 
-    KINDS = ("raise", "segfault", "worker_segfault", "stop", "enospc", "erofs")
+    KINDS = ("raise", "segfault", "worker_segfault", "stop", "kill", "enospc", "erofs")
 
     def __init__(self, kind: str, step: int, marker: str, rank: int = 1):
         if kind not in self.KINDS:
@@ -193,8 +194,8 @@ class FaultAt(Callback):
         if self.kind == "worker_segfault":
             for worker in workers:
                 os.kill(worker, signal.SIGSEGV)
-        elif self.kind == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.kind in ("stop", "kill"):
+            os.kill(os.getpid(), signal.SIGSTOP if self.kind == "stop" else signal.SIGKILL)
         elif self.kind in ("enospc", "erofs"):
             from uma_lightning.checkpoint import storage
 
