@@ -179,7 +179,7 @@ def test_each_fault_is_named_on_every_rank_and_the_reruns_end_as_the_uninterrupt
 OUTAGE_STEPS, AWAY_AFTER_STEP, OUTAGE_S = 8, 2, 5.0
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=35)
 def test_a_run_waits_at_its_checkpoint_while_the_mlflow_server_is_away_and_loses_no_metric(tmp_path):
     """The real server (and its worker) killed after step 2, started again 5 s later on the same address and
     store. What holds: the checkpoint of step 2 waits for the metrics before it (MLflow's client retries), so
