@@ -142,6 +142,10 @@ class HangWatchdog(Callback):
         faulthandler.cancel_dump_traceback_later()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restore_fault_handler(trainer)
+
+    def _restore_fault_handler(self, trainer: Trainer) -> None:
+        """Fatal signals are reported where they were before training (Lightning skips teardown after an exception)."""
         if self._fatal_file is not None:
             if self._fault_handler_was_on:
                 faulthandler.enable(file=sys.__stderr__, all_threads=True)
@@ -175,6 +179,7 @@ class HangWatchdog(Callback):
             tagger = threading.Thread(target=self._tag_fault, args=(_describe(record),), daemon=True)
             tagger.start()
             tagger.join(MLFLOW_REPORT_TIMEOUT_S)
+        self._restore_fault_handler(trainer)
 
     # Progress: any of these means the rank is not stuck.
     def on_train_batch_start(self, *args) -> None:
