@@ -55,7 +55,9 @@ STEPS = [EVERY_N_STEPS * (k + 1) + random.Random(SEED + k).randrange(EVERY_N_STE
 MAX_STEPS = STEPS[-1] + EVERY_N_STEPS + 1
 
 
-def write_recipe(path: Path, store: Path, fault: dict | None = None, experiment: str = "fault-matrix") -> str:
+def write_recipe(
+    path: Path, store: Path, fault: dict | None = None, experiment: str = "fault-matrix", world_size: int = 2
+) -> str:
     callbacks = [
         {"class_path": "uma_lightning.callbacks.ProgressLog", "init_args": {"every_n_steps": 1}},
         {"class_path": "uma_lightning.callbacks.ShardedCheckpoint", "init_args": {"every_n_steps": EVERY_N_STEPS, "keep_last": 100}},
@@ -68,7 +70,7 @@ def write_recipe(path: Path, store: Path, fault: dict | None = None, experiment:
         "data": {"batch_size": 4, "generation": {"n_episodes": 6}, "loader": {"num_workers": 1}},
         "trainer": {
             "accelerator": "cpu",
-            "devices": 2,
+            "devices": world_size,
             "strategy": "ddp",
             "deterministic": True,
             "max_steps": MAX_STEPS,
@@ -81,17 +83,19 @@ def write_recipe(path: Path, store: Path, fault: dict | None = None, experiment:
     return str(path)
 
 
-def run_job(recipe: str, run_dir: Path, log: Path, marker: Path | None = None, stopped: bool = False):
-    """Both ranks of ``uma fit``, to their ends: (exit statuses, seconds from the fault to each exit, logs).
-    A rank that stops itself is continued once the other has exited, as a launcher ends a job's other ranks."""
+def run_job(
+    recipe: str, run_dir: Path, log: Path, marker: Path | None = None, stopped: bool = False, world_size: int = 2
+):
+    """The ranks of ``uma fit``, to their ends: (exit statuses, seconds from the fault to each exit, logs).
+    A rank that stops itself is continued once rank 0 has exited, as a launcher ends a job's other ranks."""
     argv = ["fit", "--config", recipe, "--trainer.default_root_dir", str(run_dir)]
-    ranks = forked_cli.start_ranks(argv, log, run_dir.parent)
-    exited_at, deadline = [None, None], time.time() + 300
+    ranks = forked_cli.start_ranks(argv, log, run_dir.parent, world_size)
+    exited_at, deadline = [None] * world_size, time.time() + 300
     while None in exited_at and time.time() < deadline:
         for rank, process in enumerate(ranks):
             if exited_at[rank] is None and process.exitcode is not None:
                 exited_at[rank] = time.time()
-        if stopped and exited_at[0] is not None and exited_at[1] is None and marker.exists():
+        if stopped and exited_at[0] is not None and None in exited_at and marker.exists():
             os.kill(json.loads(marker.read_text())["pid"], signal.SIGCONT)
             stopped = False
         time.sleep(0.05)
@@ -99,8 +103,8 @@ def run_job(recipe: str, run_dir: Path, log: Path, marker: Path | None = None, s
         if process.is_alive():
             process.kill()
             process.join()
-    logs = [forked_cli.rank_log(log, rank).read_text() for rank in range(2)]
-    assert None not in exited_at, f"a rank did not exit:\n{logs[0][-3000:]}\n{logs[1][-3000:]}"
+    logs = [forked_cli.rank_log(log, rank).read_text() for rank in range(world_size)]
+    assert None not in exited_at, "a rank did not exit:\n" + "\n".join(log[-3000:] for log in logs)
     started = json.loads(marker.read_text())["time"] if marker else None
     return [p.exitcode for p in ranks], [t - started if started else None for t in exited_at], logs
 
@@ -174,6 +178,24 @@ def test_each_fault_is_named_on_every_rank_and_the_reruns_end_as_the_uninterrupt
     assert codes == [0, 0] and f"resumed from {resumable}: step" in logs[0], logs
     final = run_dir / "checkpoints" / step_dirname(MAX_STEPS)
     assert_bitwise_equal(checkpoint_tensors(final), checkpoint_tensors(reference))
+
+
+@pytest.mark.slow(seconds=12)
+@pytest.mark.crowd  # four ranks that wait on each other every step
+def test_four_ranks_agree_on_a_rank_killed_without_a_record(tmp_path, mlflow_store):
+    """Where more ranks matter: rank 1 killed by SIGKILL leaves no record; ranks 0, 2 and 3 each lose a peer
+    (rank 1, or a rank that exited before them) and all name rank 1, adopting the first one's verdict."""
+    ensure_dataset("planar_arm", 6, 64, 0, None)
+    step = STEPS[0]
+    marker = tmp_path / "kill.json"
+    fault = {"kind": "kill", "step": step, "marker": str(marker)}
+    recipe = write_recipe(tmp_path / "kill.yaml", mlflow_store, fault, "fault-matrix-four", world_size=4)
+    codes, exit_s, logs = run_job(recipe, tmp_path / "run", tmp_path / "kill.log", marker, world_size=4)
+    context = f"exit statuses {codes}, exits {exit_s} s after the fault\n" + "\n".join(log[-2000:] for log in logs)
+    assert codes == [LOST_PEER_EXIT, -signal.SIGKILL, LOST_PEER_EXIT, LOST_PEER_EXIT], context
+    assert all(seconds < EXIT_BOUND_S for seconds in exit_s), context
+    expected = f"fault: rank 1 failed at step {step}: left no record (killed by SIGKILL, or stopped)"
+    assert [re.findall(r"fault: .*", log) for log in logs] == [[expected], [], [expected], [expected]], context
 
 
 OUTAGE_STEPS, AWAY_AFTER_STEP, OUTAGE_S = 8, 2, 5.0
