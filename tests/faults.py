@@ -6,8 +6,12 @@ the weights around chosen steps and the sample ids each batch arrived with. ``Pe
 one rank's copy of a weight drift from the other replicas'.
 """
 
+import ctypes
+import errno
+import io
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -156,3 +160,97 @@ class PerturbWeight(Callback):
             local = weight.to_local() if hasattr(weight, "to_local") else weight
             with torch.no_grad():
                 local.view(-1)[0] += self.delta
+
+
+class FaultAt(Callback):
+    """Injects the fault ``kind`` on ``rank`` in training step ``step``, and first writes ``marker`` (JSON:
+    rank, step, time, pid, the pids of its loader workers), from which a test times the exits:
+
+    - ``raise``: raises at the start of the step, while the others go on into the step's collectives;
+    - ``segfault``: reads address 0 in the training step (a real SIGSEGV);
+    - ``worker_segfault``: sends SIGSEGV to this rank's loader worker, at the start of the step;
+    - ``stop``: stops this rank with SIGSTOP (a stalled host): it neither works nor closes its connections;
+    - ``kill``: kills this rank with SIGKILL (the OOM killer): it leaves no record of its own;
+    - ``enospc`` / ``erofs``: from this step on, the checkpoint files this rank writes fail as on a full disk
+      (the write raises ENOSPC after some bytes) or a read-only folder (the open raises EROFS). Tests run
+      as root, whom neither a full quota nor ``chmod`` stops, so the error is raised where the OS would.
+    """
+
+    KINDS = ("raise", "segfault", "worker_segfault", "stop", "kill", "enospc", "erofs")
+
+    def __init__(self, kind: str, step: int, marker: str, rank: int = 1):
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        self.kind, self.step, self.marker, self.rank = kind, step, marker, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        workers = _children(os.getpid())
+        with open(self.marker, "w") as f:
+            json.dump(
+                {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(), "workers": workers}, f
+            )
+        if self.kind == "worker_segfault":
+            for worker in workers:
+                os.kill(worker, signal.SIGSEGV)
+        elif self.kind in ("stop", "kill"):
+            os.kill(os.getpid(), signal.SIGSTOP if self.kind == "stop" else signal.SIGKILL)
+        elif self.kind in ("enospc", "erofs"):
+            from uma_lightning.checkpoint import storage
+
+            storage.open = _failing_open(errno.ENOSPC if self.kind == "enospc" else errno.EROFS)
+        elif self.kind == "raise":
+            raise RuntimeError(f"injected fault in step {self.step}")
+        elif self.kind == "segfault":
+            ctypes.string_at(0)
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(child) for child in f.read().split()]
+    return children
+
+
+def _failing_open(code: int):
+    """``open`` for the checkpoint writer's module: EROFS at the open, or ENOSPC at the first write."""
+
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(args[0]))
+
+    if code == errno.EROFS:
+        return fail
+
+    class FullDisk(io.BufferedWriter):
+        def write(self, data):
+            fail(self.raw.name)
+
+    def open_full(path, mode="r", buffering=-1):
+        return FullDisk(io.FileIO(path, mode))
+
+    return open_full
+
+
+class DamageDataAt(Callback):
+    """At the start of step ``step``, truncates to half (``how="truncate"``) or deletes every data and video
+    file of the dataset at ``root`` (a directory or an fsspec URL, reached with ``options``)."""
+
+    def __init__(self, step: int, root: str, how: str, options: Optional[dict] = None):
+        self.step, self.root, self.how, self.options = step, root, how, options or {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(self.root, **self.options)
+        files = [path for path in fs.find(root) if path.endswith((".parquet", ".mp4"))]
+        for path in files:
+            if self.how == "delete":
+                fs.rm(path)
+            else:
+                data = fs.cat_file(path)
+                fs.pipe_file(path, data[: len(data) // 2])
+        print(f"damaged ({self.how}) {len(files)} files of {self.root} at step {self.step}", flush=True)

@@ -22,7 +22,12 @@ _CHUNK = 16 * 2**20
 
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be used, with the reason and the path."""
+    """A checkpoint that cannot be used, with the reason and the path; ``failed_rank``, when known, is the
+    rank whose reading or writing failed (every rank raises the error of a collective save or load)."""
+
+    def __init__(self, message: str, failed_rank: int | None = None):
+        super().__init__(message)
+        self.failed_rank = failed_rank
 
 
 def file_checksum(path: str | Path, progress: Progress | None = None) -> str:

@@ -296,7 +296,7 @@ def _plain_errors(directory: Path, action: str):
         detail = "; ".join(
             f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(err.failures.items())
         )
-        raise CheckpointError(f"{directory}: {action} failed: {detail}") from None
+        raise CheckpointError(f"{directory}: {action} failed: {detail}", min(err.failures, default=None)) from None
 
 
 def _distributed() -> bool:

@@ -20,11 +20,15 @@ SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def start_mlflow_server(
-    backend_store_uri: str, log_path: Path, artifacts: Optional[Path] = None, timeout_s: float = 180
+    backend_store_uri: str,
+    log_path: Path,
+    artifacts: Optional[Path] = None,
+    timeout_s: float = 180,
+    port: Optional[int] = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Start ``mlflow server`` on a free port of 127.0.0.1, its output to ``log_path``; return it and
-    its URL once it answers ``/health``. Raises RuntimeError with the log's end if it does not."""
-    port = free_port()
+    """Start ``mlflow server`` on ``port`` (default: a free one) of 127.0.0.1, its output to ``log_path``;
+    return it and its URL once it answers ``/health``. Raises RuntimeError with the log's end if it does not."""
+    port = port or free_port()
     command = [
         shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow",
         "server",
@@ -39,7 +43,7 @@ def start_mlflow_server(
     ]
     if artifacts is not None:
         command += ["--artifacts-destination", str(artifacts)]
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
     url = f"http://127.0.0.1:{port}"
     wait_until_answering(server, f"{url}/health", log_path, "mlflow server", timeout_s)
