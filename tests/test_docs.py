@@ -130,6 +130,8 @@ SMALL_DATA = ["--data.generation.n_episodes", "6"]
 # uma parity trains its steps on the suite's tiny model and data.
 SMALL_PARITY = ["--model.network.size", json.dumps(TINY), "--data.generation.n_episodes", "6", "--data.batch_size", "4",
                 "--data.loader.num_workers", "0"]  # fmt: skip
+# uma rl collects two iterations' worth of the pendulum with one actor process.
+SMALL_RL = ["--data.total_env_steps", "1024", "--data.n_workers", "1"]
 
 
 def blocks_marked_for_test(page: str) -> list[str]:
@@ -145,7 +147,8 @@ def small_uma(bin_dir) -> None:
         "#!/bin/sh\n"
         f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_TRAINING)};;\n'
         f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};;\n'
-        f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};; esac\n'
+        f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};;\n'
+        f'  rl) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_RL)};; esac\n'
         f'exec {sys.executable} -m uma_lightning.cli "$@"\n'
     )
     script.chmod(0o755)
@@ -185,3 +188,11 @@ def test_the_tutorials_run_as_written(tmp_path):
     # Stopped after step 10 and before the end (60): the resumed run starts where the signal stopped it.
     resumed = re.search(r"resumed from \S+/step-0*(\d+): step (\d+)", preempted)
     assert resumed and resumed[1] == resumed[2] and 10 < int(resumed[1]) < 60, preempted[-3000:]
+    # The seeded loss bug is found, named and located; after the fix the same command passes.
+    found, fixed = walk_tutorial("tutorials/parity.md", tmp_path / "parity").split("exit status 1\n")
+    assert re.search(r"^ddp +2 .* DIVERGED$", found, re.M), found[-3000:]
+    assert re.search(r"^ddp: gradients diverge at step \d in 20 of 20 parameters", found, re.M), found[-3000:]
+    assert re.search(r"^ddp +2 .* ok$", fixed, re.M) and "DIVERGED" not in fixed, fixed[-3000:]
+    rl = walk_tutorial("tutorials/rl.md", tmp_path / "rl")
+    assert "iteration 4 | env steps 1024/1024" in rl and "env steps: 1024" in rl
+    assert re.search(r"^step   3: mean return +\d+\.\d$", rl, re.M), rl[-3000:]
