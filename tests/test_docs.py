@@ -44,6 +44,9 @@ def test_site_builds_in_strict_mode(tmp_path):
     # The precision tutorial shows the per-layer error uma parity drew during the build.
     assert (tmp_path / "site" / "tutorials" / "precision.png").read_bytes().startswith(b"\x89PNG")
     assert 'src="../precision.png"' in (tmp_path / "site" / "tutorials" / "precision" / "index.html").read_text()
+    # The first-run tutorial shows the step time of a short run trained during the build.
+    assert (tmp_path / "site" / "tutorials" / "steps.png").read_bytes().startswith(b"\x89PNG")
+    assert 'src="../steps.png"' in (tmp_path / "site" / "tutorials" / "first-run" / "index.html").read_text()
     # The pipeline guide shows the schedules drawn during the build.
     pipeline_page = (tmp_path / "site" / "guides" / "pipeline" / "index.html").read_text()
     for image in ("schedule-1f1b.png", "schedule-interleaved.png"):
@@ -177,6 +180,8 @@ def walk_tutorial(page: str, tmp_path) -> str:
 def test_the_tutorials_run_as_written(tmp_path):
     first_run = walk_tutorial("tutorials/first-run.md", tmp_path / "first-run")
     assert "final token accuracy:" in first_run and "step-000000060" in first_run
+    assert re.search(r"^   forward: median \d+\.\d ms over \d+ steps$", first_run, re.M), first_run[-3000:]
+    assert (tmp_path / "first-run" / "work" / "steps.png").read_bytes().startswith(b"\x89PNG")
     layout = walk_tutorial("tutorials/choose-a-layout.md", tmp_path / "layout")
     assert "recommended: " in layout and (tmp_path / "layout" / "work" / "layout.yaml").is_file()
     assert (tmp_path / "layout" / "work" / "layout.png").stat().st_size > 0
