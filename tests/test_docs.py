@@ -176,7 +176,7 @@ def walk_tutorial(page: str, tmp_path) -> str:
     return output
 
 
-@pytest.mark.slow(seconds=100)
+@pytest.mark.slow(seconds=130)
 def test_the_tutorials_run_as_written(tmp_path):
     first_run = walk_tutorial("tutorials/first-run.md", tmp_path / "first-run")
     assert "final token accuracy:" in first_run and "step-000000060" in first_run
