@@ -220,6 +220,35 @@ def picture(argv: list[str]) -> bytes:
         return image.read_bytes()
 
 
+# The run whose step time the first-run tutorial shows: the recipe on the test suite's one-layer model
+# of width 32 and six generated episodes, 12 steps without validation (about 2 s of training).
+STEP_TIME_RUN = ["fit", "--config", str(REPO / "recipes" / "pretrain.yaml"), "--model.network.size",
+                 '{"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}', "--data.batch_size", "4",
+                 "--data.generation.n_episodes", "6", "--data.loader.num_workers", "0", "--trainer.max_steps", "12",
+                 "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+                 "--trainer.logger.init_args.log_policy", "false"]  # fmt: skip
+
+
+def step_time_picture() -> bytes:
+    """The PNG that ``uma report steptime runs/pretrain --plot FILE`` draws of a short run trained now,
+    in a temporary folder that holds its dataset, its run directory and its MLflow store."""
+    saved_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+        # Its own store, whatever the environment names; MLflow exports the URI it is given.
+        store = ["--trainer.logger.init_args.tracking_uri", f"sqlite:///{folder}/mlflow.db"]
+        try:
+            trained = help_text([*STEP_TIME_RUN, *store, "--data.generation.cache_dir", folder])
+            output = help_text(["report", "steptime", "runs/pretrain", "--plot", "steps.png"])
+        finally:
+            if saved_uri is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = saved_uri
+        if not Path("steps.png").is_file():
+            raise RuntimeError(f"uma report steptime drew no picture:\n{trained}\n{output}")
+        return Path("steps.png").read_bytes()
+
+
 def schedule_picture(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> bytes:
     """The PNG of a pipeline schedule's timeline, drawn by the planner's schedule module (no processes)."""
     from uma_lightning.tools.planner.schedule import plot_schedule
@@ -255,4 +284,5 @@ def on_files(files, config):
         files.append(File.generated(config, path, content=picture(argv)))
     for path, drawn in SCHEDULE_PICTURES.items():
         files.append(File.generated(config, path, content=schedule_picture(*drawn)))
+    files.append(File.generated(config, "tutorials/steps.png", content=step_time_picture()))
     return files

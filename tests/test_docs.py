@@ -44,6 +44,9 @@ def test_site_builds_in_strict_mode(tmp_path):
     # The precision tutorial shows the per-layer error uma parity drew during the build.
     assert (tmp_path / "site" / "tutorials" / "precision.png").read_bytes().startswith(b"\x89PNG")
     assert 'src="../precision.png"' in (tmp_path / "site" / "tutorials" / "precision" / "index.html").read_text()
+    # The first-run tutorial shows the step time of a short run trained during the build.
+    assert (tmp_path / "site" / "tutorials" / "steps.png").read_bytes().startswith(b"\x89PNG")
+    assert 'src="../steps.png"' in (tmp_path / "site" / "tutorials" / "first-run" / "index.html").read_text()
     # The pipeline guide shows the schedules drawn during the build.
     pipeline_page = (tmp_path / "site" / "guides" / "pipeline" / "index.html").read_text()
     for image in ("schedule-1f1b.png", "schedule-interleaved.png"):
@@ -130,6 +133,8 @@ SMALL_DATA = ["--data.generation.n_episodes", "6"]
 # uma parity trains its steps on the suite's tiny model and data.
 SMALL_PARITY = ["--model.network.size", json.dumps(TINY), "--data.generation.n_episodes", "6", "--data.batch_size", "4",
                 "--data.loader.num_workers", "0"]  # fmt: skip
+# uma rl collects two iterations' worth of the pendulum with one actor process.
+SMALL_RL = ["--data.total_env_steps", "1024", "--data.n_workers", "1"]
 
 
 def blocks_marked_for_test(page: str) -> list[str]:
@@ -146,7 +151,8 @@ def small_uma(bin_dir, training: list[str]) -> None:
         "#!/bin/sh\n"
         f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(training)};;\n'
         f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};;\n'
-        f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};; esac\n'
+        f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};;\n'
+        f'  rl) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_RL)};; esac\n'
         f'exec {sys.executable} -m uma_lightning.cli "$@"\n'
     )
     script.chmod(0o755)
@@ -171,10 +177,12 @@ def walk_tutorial(page: str, tmp_path, training: list[str] = SMALL_TRAINING) -> 
     return output
 
 
-@pytest.mark.slow(seconds=100)
+@pytest.mark.slow(seconds=130)
 def test_the_tutorials_run_as_written(tmp_path):
     first_run = walk_tutorial("tutorials/first-run.md", tmp_path / "first-run")
     assert "final token accuracy:" in first_run and "step-000000060" in first_run
+    assert re.search(r"^   forward: median \d+\.\d ms over \d+ steps$", first_run, re.M), first_run[-3000:]
+    assert (tmp_path / "first-run" / "work" / "steps.png").read_bytes().startswith(b"\x89PNG")
     layout = walk_tutorial("tutorials/choose-a-layout.md", tmp_path / "layout")
     assert "recommended: " in layout and (tmp_path / "layout" / "work" / "layout.yaml").is_file()
     assert (tmp_path / "layout" / "work" / "layout.png").stat().st_size > 0
@@ -186,6 +194,14 @@ def test_the_tutorials_run_as_written(tmp_path):
     # Stopped after step 10 and before the end (60): the resumed run starts where the signal stopped it.
     resumed = re.search(r"resumed from \S+/step-0*(\d+): step (\d+)", preempted)
     assert resumed and resumed[1] == resumed[2] and 10 < int(resumed[1]) < 60, preempted[-3000:]
+    # The seeded loss bug is found, named and located; after the fix the same command passes.
+    found, fixed = walk_tutorial("tutorials/parity.md", tmp_path / "parity").split("exit status 1\n")
+    assert re.search(r"^ddp +2 .* DIVERGED$", found, re.M), found[-3000:]
+    assert re.search(r"^ddp: gradients diverge at step \d in 20 of 20 parameters", found, re.M), found[-3000:]
+    assert re.search(r"^ddp +2 .* ok$", fixed, re.M) and "DIVERGED" not in fixed, fixed[-3000:]
+    rl = walk_tutorial("tutorials/rl.md", tmp_path / "rl")
+    assert "iteration 4 | env steps 1024/1024" in rl and "env steps: 1024" in rl
+    assert re.search(r"^step   3: mean return +\d+\.\d$", rl, re.M), rl[-3000:]
 
 
 def test_the_your_network_tutorial_shows_the_example_it_runs():

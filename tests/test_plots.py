@@ -11,7 +11,13 @@ from suite import assert_short_error, logged_run, recipe, run_main  # noqa: E402
 from uma_lightning.tools.parity.precision import layer_errors, plot_precision  # noqa: E402
 from uma_lightning.tools.planner.estimate import pipeline_bubble  # noqa: E402
 from uma_lightning.tools.planner.layout import Layout  # noqa: E402
-from uma_lightning.tools.planner.schedule import Action, idle_fraction, plot_schedule, timeline  # noqa: E402
+from uma_lightning.tools.planner.schedule import (  # noqa: E402
+    Action,
+    RecordingStage,
+    idle_fraction,
+    plot_schedule,
+    timeline,
+)
 from uma_lightning.tools.planner.step_time import plot_step_time, step_time_parts  # noqa: E402
 
 
@@ -20,7 +26,7 @@ from uma_lightning.tools.planner.step_time import plot_step_time, step_time_part
     [
         ("GPipe", 4, 8, 1),
         ("1F1B", 4, 8, 1),
-        ("1F1B", 3, 2, 1),
+        ("1F1B", 3, 3, 1),
         ("Interleaved1F1B", 4, 8, 2),
         ("Interleaved1F1B", 2, 4, 3),
     ],
@@ -74,6 +80,45 @@ def test_unknown_schedule_and_uneven_interleaving_are_refused():
         timeline("ZB1", 4, 8)
     with pytest.raises(ValueError, match="divisible"):
         timeline("Interleaved1F1B", 4, 6, 2)
+    with pytest.raises(ValueError, match="greater than or equal to the number of stages"):
+        timeline("1F1B", 3, 2)  # torch's 1F1B refuses fewer microbatches than stages
+
+
+def torch_plan(schedule: str, ranks: int, microbatches: int, virtual_stages: int) -> dict[int, list[Action]]:
+    """torch's own plan of the schedule (its ``pipeline_order``), forwards and backwards only, per rank."""
+    from torch.distributed import pipelining
+
+    planned = {}
+    for rank in range(ranks):
+        stages = [RecordingStage(chunk * ranks + rank, ranks, virtual_stages) for chunk in range(virtual_stages)]
+        run = getattr(pipelining, f"Schedule{schedule}")(stages if virtual_stages > 1 else stages[0], microbatches)
+        computed = (a for a in run.pipeline_order[rank] if a and a.computation_type.value in ("F", "B"))
+        planned[rank] = [Action(a.stage_index, a.computation_type.value == "B", a.microbatch_index) for a in computed]
+    return planned
+
+
+@pytest.mark.parametrize(
+    "schedule, ranks, microbatches, virtual_stages",
+    [
+        ("GPipe", 4, 8, 1),
+        ("1F1B", 4, 8, 1),
+        ("1F1B", 2, 5, 1),
+        ("Interleaved1F1B", 4, 8, 2),
+        ("Interleaved1F1B", 2, 4, 3),
+    ],
+)
+def test_each_rank_is_drawn_in_the_order_torchs_schedule_plans(schedule, ranks, microbatches, virtual_stages):
+    rows = timeline(schedule, ranks, microbatches, virtual_stages)
+    planned = torch_plan(schedule, ranks, microbatches, virtual_stages)
+    for rank, row in enumerate(rows):
+        drawn = [action for action in row if action]
+        if schedule == "1F1B" and rank == ranks - 1:
+            # A single-stage schedule runs its own loop (what the drawing records); its pipeline_order
+            # only describes it, and numbers the last rank's forwards from 1 (torch 2.13). The
+            # forwards and backwards alternate the same way.
+            assert [a.backward for a in drawn] == [a.backward for a in planned[rank]]
+        else:
+            assert drawn == planned[rank], rank
 
 
 def recordings(output_error: float) -> tuple[dict, dict]:

@@ -1,10 +1,13 @@
 """A pipeline schedule drawn slot by slot: which microbatch each pipeline rank runs forward or backward
 at each time slot, and the idle slots between them (the bubble).
 
-Each rank runs its actions in the order its schedule gives (GPipe, 1F1B, or Interleaved1F1B's
-Megatron order); an action starts at the first slot after the actions it needs have finished on the
-neighbouring stages. Forward and backward are drawn as one slot each, the same assumption as the
-planner's bubble arithmetic (``estimate.pipeline_bubble``), which the idle fraction drawn matches.
+Each rank's order of actions is torch's own, so the picture cannot drift from what
+``torch.distributed.pipelining`` runs: a single-stage schedule (GPipe, 1F1B) is run on a stand-in
+stage that records the forwards and backwards it is asked for, and Interleaved1F1B's order is the
+schedule's ``pipeline_order``, the plan its runtime executes. An action then starts at the first slot
+after the actions it needs have finished on the neighbouring stages. Forward and backward are drawn as
+one slot each, the same assumption as the planner's bubble arithmetic (``estimate.pipeline_bubble``),
+which the idle fraction drawn matches.
 """
 
 from __future__ import annotations
@@ -20,27 +23,48 @@ class Action(NamedTuple):
     microbatch: int
 
 
+class RecordingStage:
+    """Stands in for a ``PipelineStage``: no tensors and no communication. A multi-stage schedule
+    reads its place to plan its order; a single-stage schedule runs it, and it records the forward
+    and backward chunks it is asked for, in their order."""
+
+    def __init__(self, stage_index: int, ranks: int, virtual_stages: int = 1):
+        self.stage_index, self.num_stages = stage_index, ranks * virtual_stages
+        self.group_rank, self.group_size = stage_index % ranks, ranks
+        self.is_first, self.is_last = stage_index == 0, stage_index == self.num_stages - 1
+        self.has_backward = True
+        self.ran: list[Action] = []
+
+    def forward_one_chunk(self, microbatch: int, *args, **kwargs) -> None:
+        self.ran.append(Action(self.stage_index, False, microbatch))
+
+    def backward_one_chunk(self, microbatch: int, *args, **kwargs) -> None:
+        self.ran.append(Action(self.stage_index, True, microbatch))
+
+    def __getattr__(self, name: str):
+        # The sends, receives and gradient bookkeeping the schedule asks for: none here.
+        return lambda *args, **kwargs: []
+
+
 def rank_order(schedule: str, rank: int, ranks: int, microbatches: int, virtual_stages: int = 1) -> list[Action]:
-    """The actions ``rank`` runs, in its schedule's order."""
-    if schedule == "GPipe":
-        return [Action(rank, False, i) for i in range(microbatches)] + [
-            Action(rank, True, i) for i in range(microbatches)
-        ]
-    chunks = virtual_stages if schedule == "Interleaved1F1B" else 1
-    total = microbatches * chunks
+    """The forwards and backwards ``rank`` runs, in the order torch's schedule ``schedule`` runs them."""
+    from torch.distributed import pipelining
 
-    def nth(k: int, backward: bool) -> Action:
-        group = (k // ranks) % chunks
-        chunk = chunks - 1 - group if backward else group
-        return Action(chunk * ranks + rank, backward, (k // (ranks * chunks)) * ranks + k % ranks)
+    from uma_lightning.parallel.pipeline import SCHEDULE_CLASSES
 
-    warmup = min(total, (ranks - rank - 1) * 2 + (chunks - 1) * ranks if chunks > 1 else ranks - rank - 1)
-    order = [nth(k, False) for k in range(warmup)]
-    forwards, backwards = warmup, 0
-    while forwards < total:
-        order += [nth(forwards, False), nth(backwards, True)]
-        forwards, backwards = forwards + 1, backwards + 1
-    return order + [nth(k, True) for k in range(backwards, total)]
+    schedule_class = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+    if schedule == "Interleaved1F1B":
+        stages = [RecordingStage(chunk * ranks + rank, ranks, virtual_stages) for chunk in range(virtual_stages)]
+        planned = schedule_class(stages, microbatches).pipeline_order[rank]
+        compute = [action for action in planned if action and action.computation_type.value in ("F", "B")]
+        return [Action(a.stage_index, a.computation_type.value == "B", a.microbatch_index) for a in compute]
+    stage = RecordingStage(rank, ranks)
+    run = schedule_class(stage, microbatches)
+    # Marked as set up (setting a stage up infers its tensor shapes by running it); without a loss
+    # function the schedule expects no backward set-up, yet still runs every backward.
+    run._stage_forward_initialized, run._stage_backward_initialized = True, run._has_backward
+    run._step_microbatches()
+    return stage.ran
 
 
 def timeline(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action | None]]:

@@ -30,8 +30,10 @@ def plot_step_time(path: str, parts: dict[str, dict[int, float]], title: str = "
         if not values:
             continue
         heights = [values.get(step, 0.0) for step in steps]
-        ax.bar([str(s) for s in steps], heights, bottom=below, label=part.replace("_", " "), color=f"C{colour}")
+        ax.bar(range(len(steps)), heights, bottom=below, label=part.replace("_", " "), color=f"C{colour}")
         below = [b + h for b, h in zip(below, heights)]
+    # One bar per logged step, evenly spaced, labelled with its step (strings would warn as categories).
+    ax.set_xticks(range(len(steps)), [str(step) for step in steps])
     ax.set_xlabel("step")
     ax.set_ylabel("milliseconds")
     ax.set_title(title)
