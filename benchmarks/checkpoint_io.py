@@ -163,6 +163,7 @@ def run(root: Path, repeats: int) -> dict[str, float]:
         sync_writer.save(step, state, tensors, summary)
         times["sync save"].append(time.perf_counter() - started)
         profiles["sync save"].append(sync_writer.last_profile)
+        sync_writer.wait_pruned()  # the older checkpoint's deletion, in the background, overlaps nothing timed
 
         step += 1
         started = time.perf_counter()
@@ -172,6 +173,7 @@ def run(root: Path, repeats: int) -> dict[str, float]:
         async_writer.wait()
         times["async until committed"].append(time.perf_counter() - started)
         profiles["async save"].append(async_writer.last_profile)
+        async_writer.wait_pruned()
 
         started = time.perf_counter()
         forward_backward(module, batch)
@@ -190,6 +192,7 @@ def run(root: Path, repeats: int) -> dict[str, float]:
         times["async blocked, overlapping"].append(blocked + time.perf_counter() - waited)
         optimizer.zero_grad()
         async_writer.wait()
+        async_writer.wait_pruned()
 
         checkpoint = root / "sync" / step_dirname(step - 2)
         drop_from_page_cache(checkpoint)

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from uma_lightning.callbacks.rollback import roll_back
 from uma_lightning.lightning_compat import set_log_step
+from uma_lightning.parallel.grad_norm import gradient_norms
 from uma_lightning.tracking import log_artifact, log_step_metrics
 
 log = logging.getLogger("uma_lightning")
@@ -180,7 +181,7 @@ class GradientAnomalies(Callback):
             return
         sharded = any(isinstance(g, DTensor) for _, g in named_grads)
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named_grads]
-        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+        norms = torch.stack([n.float() for n in gradient_norms(grads)])  # clipping reuses them
         loss = torch.stack(losses).float().sum()  # Lightning divides each micro-batch loss by the accumulation count
         nonfinite = (~torch.isfinite(norms)).any() | ~torch.isfinite(loss)
         summed = trainer.strategy.reduce(torch.stack([loss, norms.square().sum(), nonfinite.float()]), reduce_op="sum")

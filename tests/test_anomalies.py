@@ -18,6 +18,7 @@ from suite import QUICK, RECIPE
 
 from uma_lightning.callbacks.anomalies import RollingZScore
 from uma_lightning.cli import UmaCLI, main
+from uma_lightning.parallel.grad_norm import clip_grad_norm, gradient_norms
 from uma_lightning.tracking.mlflow_logger import local_store_uri
 
 NAN_STEP, SPIKE_STEP = 3, 13
@@ -214,3 +215,23 @@ def test_rolling_z_score_needs_history_and_ignores_a_flat_series():
     for _ in range(4):
         z.add(5.0)
     assert z.score(6.0) is None  # no spread: no z-score rather than an infinite one
+
+
+def test_the_detector_and_clipping_take_a_steps_gradient_norms_once(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model(torch.randn(4, 8)).square().sum().backward()
+    parameters = list(model.parameters())
+    grads = [p.grad for p in parameters]
+    expected = torch.nn.utils.get_total_norm(grads)
+    measured = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(
+        torch, "_foreach_norm", lambda tensors, *args: measured.append(len(tensors)) or foreach_norm(tensors, *args)
+    )
+    per_parameter = gradient_norms(grads)  # what the anomaly detector takes, before clipping
+    assert torch.equal(clip_grad_norm(parameters, math.inf), expected)  # bit for bit torch's total
+    assert measured == [len(grads)] and torch.equal(torch.stack(per_parameter), torch.stack(foreach_norm(grads)))
+    parameters[0].grad.mul_(2)  # gradients changed since: measured again
+    total = clip_grad_norm(parameters, math.inf)
+    assert measured == [len(grads)] * 2 and torch.equal(total, torch.nn.utils.get_total_norm(grads))

@@ -1,13 +1,15 @@
-"""Checksums taken while a save writes its files equal a checksum read back from the disk, and a save
-reports where its time went."""
+"""Checksums taken while a save writes its files equal a checksum read back from the disk, a save
+reports where its time went, and a load reads tensors straight into their destination when it can."""
 
 import pytest
 import torch
 from checkpoint_helpers import backbone, optimizer_for, train_step
+from torch.distributed.checkpoint import FileSystemReader
 
 from uma_lightning.checkpoint import CheckpointWriter, step_dirname
 from uma_lightning.checkpoint.manifest import file_checksum, read_manifest, verify
 from uma_lightning.checkpoint.state import encode_parts, model_and_optimizer
+from uma_lightning.checkpoint.storage import load_tensors, save_tensors
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -49,3 +51,27 @@ def test_a_flipped_byte_in_a_file_written_with_a_running_checksum_is_caught(tmp_
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     assert [problem for problem in verify(tmp_path / step_dirname(1)) if "checksum" in problem]
+
+
+def test_tensors_are_read_in_place_unless_the_bytes_on_disk_are_laid_out_otherwise(tmp_path, monkeypatch):
+    saved = {
+        "weight": torch.randn(64, 48),
+        "large": torch.randn(300_000),  # beyond the header read, so its data is a read of its own
+        "bias": torch.arange(5.0),
+        "transposed": torch.randn(48, 64).t(),  # stored with its strides: not the destination's layout
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "half": torch.randn(10).half(),  # loaded into a float32 tensor: converted, not read in place
+    }
+    save_tensors(saved, tmp_path, None)
+    by_dcp = []
+    dcp_read = FileSystemReader.read_data
+
+    def spy(self, plan, planner):
+        by_dcp.extend(item.dest_index.fqn for item in plan.items)
+        return dcp_read(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", spy)
+    loaded = {key: torch.zeros(value.shape, dtype=torch.float32) for key, value in saved.items()}
+    load_tensors(loaded, tmp_path, None)
+    assert all(torch.equal(loaded[key], saved[key].float()) for key in saved)
+    assert sorted(by_dcp) == ["channels_last", "half", "transposed"]

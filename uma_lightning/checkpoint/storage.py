@@ -8,20 +8,32 @@ Saving checksums every file while its bytes are written (no second pass reading 
 the disk writing each 64 MiB as soon as it is written, so the final fsync has little left to wait for,
 and records where the time went (``SaveProfile``).
 
+Loading reads each tensor's bytes straight into the tensor it loads into, one large read per tensor,
+where the bytes on disk are laid out as that tensor is (same dtype, contiguous, not resharded); DCP's
+own path (``torch.load`` of the entry into a new tensor, then a copy) takes the rest. The index is
+unpickled once per checkpoint directory, not once per use.
+
 Loading never unpickles untrusted objects: DCP reads tensors with ``torch.load(weights_only=True)``,
-its ``.metadata`` index (a pickle) is read by an unpickler that resolves only the classes DCP writes
-there, and an entry stored as pickled bytes is refused instead of being loaded.
+the in-place reads unpickle a tensor's header with an unpickler that knows only how to describe one
+tensor, the ``.metadata`` index (a pickle) is read by an unpickler that resolves only the classes DCP
+writes there, and an entry stored as pickled bytes is refused instead of being loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import io
 import os
 import pickle
+import struct
+import sys
 import threading
 import time
 import warnings
 import zlib
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -33,6 +45,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from uma_lightning.checkpoint.manifest import CheckpointError
 
@@ -71,21 +84,169 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, with the ``.metadata`` index read by the restricted unpickler."""
+    """DCP's file reader, with the ``.metadata`` index read by the restricted unpickler, and tensors
+    read in place where they can be (see the module docstring)."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
         try:
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
+            status = path.stat()
+        except OSError as err:
             raise CheckpointError(f"{path}: not a valid checkpoint index: {err}") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path}: not a valid checkpoint index")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        metadata = _read_index(path, status.st_ino, status.st_mtime_ns, status.st_size)
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        rest = _read_in_place(Path(self.path), self.storage_data, plan.items, planner)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_index(path: Path, inode: int, mtime_ns: int, size: int) -> Metadata:
+    """The unpickled index; keyed by the file's identity, so a rewritten index is read again."""
+    try:
+        with open(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, OSError) as err:
+        raise CheckpointError(f"{path}: not a valid checkpoint index: {err}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: not a valid checkpoint index")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+# The head of a DCP tensor entry (a torch.save zip) read to find its data: the pickle that describes
+# the tensor and the zip headers up to the data record fit in this many bytes.
+_ENTRY_HEAD = 4096
+_ZIP_LOCAL_HEADER = b"PK\x03\x04"
+_READERS = 2
+_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedTensor:
+    dtype: torch.dtype
+    numel: int  # of its storage
+    storage_offset: int
+    size: tuple
+    stride: tuple
+
+
+class _TensorHeaderUnpickler(pickle.Unpickler):
+    """Reads the pickle ``torch.save`` writes for one tensor into a ``_SavedTensor``; anything else fails."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *_: _SavedTensor(storage[0], storage[1], offset, size, stride)
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor's header")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[2] == "0"):
+            raise pickle.UnpicklingError("not a tensor's single storage")
+        return pid[1], pid[4]
+
+
+def _data_offset(head: bytes, target: torch.Tensor, item: ReadItem) -> Optional[int]:
+    """Where, in the entry whose first bytes are ``head``, the bytes of ``target`` lie in its own layout
+    (little-endian, contiguous, whole); None when they do not, or the entry is not as expected."""
+    try:
+        name_length, extra_length = struct.unpack_from("<HH", head, 26)
+        start = 30 + name_length + extra_length
+        if head[:4] != _ZIP_LOCAL_HEADER or not head[30 : 30 + name_length].endswith(b"/data.pkl"):
+            return None
+        stream = io.BytesIO(head[start:])
+        saved = _TensorHeaderUnpickler(stream).load()
+        position = start + stream.tell()
+    except (pickle.UnpicklingError, struct.error, EOFError, TypeError, ValueError, IndexError):
+        return None
+    if not (
+        isinstance(saved, _SavedTensor)
+        and saved.dtype == target.dtype
+        and saved.storage_offset == 0
+        and saved.numel == target.numel()
+        and tuple(saved.size) == tuple(target.shape) == tuple(item.lengths)
+        and not any(item.storage_offsets)
+        and tuple(saved.stride) == torch.empty(saved.size, device="meta").stride()
+    ):
+        return None
+    little_endian = False
+    while (position := head.find(_ZIP_LOCAL_HEADER, position)) >= 0 and position + 30 <= len(head):
+        name_length, extra_length = struct.unpack_from("<HH", head, position + 26)
+        name = head[position + 30 : position + 30 + name_length]
+        data = position + 30 + name_length + extra_length
+        if name.endswith(b"/byteorder"):
+            little_endian = head[data : data + 6] == b"little"
+        elif name.endswith(b"/data/0"):
+            return data if little_endian and sys.byteorder == "little" else None
+        position = data
+    return None
+
+
+def _read_in_place(directory: Path, storage_data: dict, items: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+    """Read the tensors of ``items`` that can be read straight into their destination; returns the others.
+
+    ``_READERS`` threads take the entries in file order (a read does not hold the GIL), each reading an
+    entry's header and then its data, so the reads stay sequential with a few always queued."""
+    by_file: dict[str, list] = defaultdict(list)
+    rest = []
+    for item in items:
+        entry = storage_data[item.storage_index]
+        if item.type == LoadItemType.TENSOR and not entry.transform_descriptors:
+            by_file[entry.relative_path].append((entry, item))
+        else:
+            rest.append(item)
+    descriptors, jobs = [], []
+    try:
+        for relative_path, entries in by_file.items():
+            fd = os.open(directory / relative_path, os.O_RDONLY)
+            descriptors.append(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for entry, item in sorted(entries, key=lambda pair: pair[0].offset):
+                target = planner.resolve_tensor(item).detach()
+                if target.device.type == "cpu" and target.is_contiguous():
+                    jobs.append((fd, entry, item, target))
+                else:
+                    rest.append(item)
+        with ThreadPoolExecutor(_READERS, thread_name_prefix="checkpoint-reader") as readers:
+            read = list(readers.map(lambda job: _read_entry(*job), jobs))
+    finally:
+        for fd in descriptors:
+            os.close(fd)
+    for (_, _, item, target), done in zip(jobs, read):
+        if done:
+            planner.commit_tensor(item, target)
+        else:
+            rest.append(item)
+    return rest
+
+
+def _read_entry(fd: int, entry, item: ReadItem, target: torch.Tensor) -> bool:
+    """Read the entry's data into ``target`` if it is laid out as ``target`` is; False when it is not."""
+    head = os.pread(fd, min(_ENTRY_HEAD, entry.length), entry.offset)
+    offset = _data_offset(head, target, item)
+    if offset is None or offset + target.nbytes > entry.length:
+        return False
+    destination = memoryview(target.view(-1).view(torch.uint8).numpy())
+    if offset + target.nbytes <= len(head):
+        destination[:] = head[offset : offset + target.nbytes]
+    else:
+        _read_exactly(fd, destination, entry.offset + offset)
+    return True
+
+
+def _read_exactly(fd: int, destination: memoryview, offset: int) -> None:
+    done = 0
+    while done < destination.nbytes:
+        count = os.preadv(fd, [destination[done:]], offset + done)
+        if count == 0:
+            raise CheckpointError(f"file ends {destination.nbytes - done} bytes early at offset {offset + done}")
+        done += count
 
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
