@@ -60,9 +60,11 @@ def test_run_is_tracked_on_a_real_server(mlflow_server, first_run, tmp_path):
     assert run.info.status == "FINISHED"
 
     # Named after the recipe and what the command line changed, in the flags' order; never MLflow's seeded random name.
+    # "1" is an int (one batch) or a float (all of them) as the installed jsonargparse resolves Lightning's
+    # Union[int, float]: the tag shows the value the run used.
     overrides = (
         "dim=32 n_layers=1 n_heads=2 n_kv_heads=1 ffn_dim=64 name=custom n_episodes=6 batch_size=4 num_workers=0 "
-        "max_steps=4 val_check_interval=2 limit_val_batches=1.0 default_root_dir=run"
+        f"max_steps=4 val_check_interval=2 limit_val_batches={cli.trainer.limit_val_batches} default_root_dir=run"
     )
     assert run.data.tags["overrides"] == overrides
     # The name: as many whole settings as the runs table shows, a count of the others, then the suffix.
