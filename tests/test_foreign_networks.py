@@ -4,6 +4,7 @@ dimension unsharded refused, and ``uma parity`` right both ways, or naming a flo
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -223,6 +224,22 @@ def test_plan_sizes_a_network_outside_the_robot_family_for_the_data_parallel_str
     memory = plan["recommended"]["memory_bytes"]
     assert plan["recommended"]["strategy"] == "ddp" and memory["parameters"] == 4 * plan["model"]["parameters"]
     assert memory["activations"] > 0
+    # The network has no tokens: its throughput is counted in samples, and said so.
+    assert plan["model"]["tokens_per_sample"] is None and plan["model"]["throughput_unit"] == "samples"
+    recommended = plan["recommended"]
+    assert "tokens_per_s" not in recommended
+    assert recommended["samples_per_s"] == plan["settings"]["global_batch"] / recommended["step_s"]
+
+
+def test_plan_of_a_network_without_tokens_reports_samples_per_second(capsys):
+    recipe = ["--model", "foreign_networks.MixturePretrain", "--data.generation.n_episodes", "6"]
+    code, out, _ = run_main(["plan", "--config", RECIPE, *recipe, "--gpu", "cpu", "--gpus-per-node", "2"], capsys)
+    assert code == 0
+    assert "B parameters, no tokens_per_sample (throughput in samples/s), " in out
+    header = next(line.split() for line in out.splitlines() if line.split()[:2] == ["#", "layout"])
+    assert header[-1] == "samples/s"
+    assert re.search(r"^recommended: .* est\. [\d,]+ samples/s, ", out, re.M), out
+    assert "tokens" not in out.replace("no tokens_per_sample", ""), out
 
 
 @pytest.mark.slow(seconds=20)

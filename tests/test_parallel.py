@@ -10,6 +10,8 @@ from dataclasses import is_dataclass
 from typing import get_type_hints
 
 import forked_cli
+import mlflow
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -24,9 +26,13 @@ from uma_lightning.parallel import MeshShape, MeshStrategy, PipelineConfig, plan
 from uma_lightning.parallel.apply import ParallelConfig, apply_ac
 from uma_lightning.parallel.mesh import resolve_mesh_shape
 from uma_lightning.parallel.strategy import PRESETS
+from uma_lightning.policy import Policy
 from uma_lightning.tools.parity import TOLERANCES, needs_experts, random_network
 from uma_lightning.tools.parity import main as parity_main
 from uma_lightning.tools.parity.compare import first_routing_difference
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from mlflow_serve import observations  # noqa: E402  (random observations of a policy's shapes)
 
 # The names below (fsdp_tp, our ddp and fsdp...) are the ones the uma command registers.
 register_strategies()
@@ -903,6 +909,14 @@ def test_uma_fit_trains_on_two_processes(tmp_path, strategy):
     names = set(tensor_metadata(final))
     assert "model/model.backbone.layers.0.attn.wq.weight" in names
     assert not any("_fsdp" in k or "_orig_mod" in k or "checkpoint_wrapped" in k for k in names)
+    # Rank 0 logged the policy of that checkpoint as the run's MLflow Model, after the other rank had left.
+    assert "could not log the policy" not in log, log[-3000:]
+    (logged,) = client.search_logged_models([run.info.experiment_id])
+    assert logged.source_run_id == run.info.run_id
+    policy = Policy.from_checkpoint(final)
+    observation = observations(policy, batch=2, seed=0)
+    predicted = mlflow.pyfunc.load_model(logged.artifact_location).predict(observation)
+    assert np.array_equal(predicted, policy(observation).numpy())
 
 
 # ---- multi-node launch -----------------------------------------------------------------------------

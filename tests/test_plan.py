@@ -3,6 +3,7 @@ against a real step of every strategy on four gloo processes."""
 
 import json
 import math
+import re
 
 import pytest
 import yaml
@@ -159,6 +160,7 @@ def test_plan_ranks_layouts_and_emits_a_fragment_uma_fit_accepts(tmp_path, capsy
     )
     assert code == 0
     plan = json.loads(out)
+    assert plan["model"]["throughput_unit"] == "tokens" and plan["model"]["tokens_per_sample"] > 1
     ranked = [e["tokens_per_s"] for e in plan["ranked"]]
     assert (
         all(a >= b * (1 - 1e-9) for a, b in zip(ranked, ranked[1:]))
@@ -249,6 +251,7 @@ def test_impossible_request_names_the_smallest_cluster(capsys):
     )
     assert code == 1
     assert "impossible: no layout fits 1 x 1 A100" in out
+    assert re.search(r"B parameters, \d+ tokens per sample, ", out) and "samples/s" not in out, out
     assert "smallest cluster that fits: --nodes 1 --gpus-per-node 2" in out
 
 

@@ -410,9 +410,14 @@ def save_tensors(
 
 
 def load_tensors(
-    tensors: dict[str, torch.Tensor], directory: str | Path, process_group: Optional[dist.ProcessGroup]
+    tensors: dict[str, torch.Tensor],
+    directory: str | Path,
+    process_group: Optional[dist.ProcessGroup],
+    alone: bool = False,
 ) -> None:
     """Fill ``tensors`` in place from ``directory``, resharding as needed (each rank reads what it holds).
+    Collective over ``process_group`` when distributed, unless ``alone``: this process reads by itself,
+    as rank zero does after the other ranks have finished (a collective then waits for ranks that left).
 
     Raises CheckpointError naming the entries that are missing or have another shape.
     """
@@ -436,7 +441,7 @@ def load_tensors(
             storage_reader=SafeFileSystemReader(directory),
             planner=_TensorsOnlyPlanner(),
             process_group=process_group,
-            no_dist=not _distributed(),
+            no_dist=alone or not _distributed(),
         )
 
 

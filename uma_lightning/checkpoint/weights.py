@@ -187,7 +187,7 @@ def read_weights(
     if show_progress:
         _load_in_parts(tensors, directory)
     else:
-        load_tensors(tensors, directory, None)
+        load_tensors(tensors, directory, None, alone=True)
     return directory, prefix, tensors
 
 
@@ -202,7 +202,7 @@ def _load_in_parts(tensors: dict[str, torch.Tensor], directory: Path, parts: int
             part[key] = tensor
             part_bytes += tensor.nbytes
             if part_bytes >= total / parts or index == len(tensors) - 1:
-                load_tensors(part, directory, None)
+                load_tensors(part, directory, None, alone=True)
                 progress.advance(part_bytes)
                 part, part_bytes = {}, 0
 

@@ -50,7 +50,8 @@ class Estimate:
     bubble: float = 0.0
     exposed_comm_s: float = 0.0
     step_s: float = 0.0
-    tokens_per_s: float = 0.0
+    throughput: float = 0.0  # per second, in ``unit``
+    unit: str = "tokens"  # what ``throughput`` counts: tokens, or samples for a network without tokens
     checkpoint_bytes: int = 0  # of the rank holding the most
     save_s: float = 0.0
     rejected: str | None = None
@@ -106,7 +107,8 @@ def estimate(facts: ModelFacts, layout: Layout, cluster: Cluster, settings: Sett
     exposed = sum(seconds(c, cluster) for c in result.collectives if not c.overlaps_compute)
     result.exposed_comm_s = exposed + max(0.0, hidden - result.compute_s)
     result.step_s = result.compute_s / (1 - result.bubble) + result.exposed_comm_s
-    result.tokens_per_s = settings.global_batch * facts.tokens_per_sample / result.step_s
+    result.unit = facts.throughput_unit
+    result.throughput = settings.global_batch * (facts.tokens_per_sample or 1) / result.step_s
     return result
 
 
@@ -120,5 +122,5 @@ def rank(facts: ModelFacts, cluster: Cluster, settings: Settings) -> tuple[list[
         result = estimate(facts, layout, cluster, settings)
         (rejected if result.rejected else fits).append(result)
     # Equal throughput: the simpler layout (less recomputation, fewer micro-batches, less memory).
-    fits.sort(key=lambda e: (-round(e.tokens_per_s, 6), _AC_COST[e.layout.ac], e.layout.microbatches, e.peak_bytes))
+    fits.sort(key=lambda e: (-round(e.throughput, 6), _AC_COST[e.layout.ac], e.layout.microbatches, e.peak_bytes))
     return fits, rejected

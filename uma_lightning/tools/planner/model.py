@@ -64,12 +64,16 @@ class ModelFacts:
     n_units: int
     flops_per_sample: int  # training (forward + backward), active experts only
     block_forward_flops_per_sample: int  # what full activation checkpointing recomputes
-    tokens_per_sample: int
+    tokens_per_sample: int | None  # None: a network that declares no tokens, measured in samples
     model: nn.Module = field(compare=False, repr=False)  # on the meta device, for its parallel plan's own checks
     # A network outside the robot family: what a rank saves at a tp size, traced (``traced_activations``),
     # and the elements per sample its tp_plan all-reduces over tp (forward, backward).
     traced: Callable[[int], TracedActivations] | None = field(default=None, compare=False, repr=False)
     tp_exchange: tuple[int, int] = (0, 0)
+
+    @property
+    def throughput_unit(self) -> str:
+        return "tokens" if self.tokens_per_sample else "samples"
 
     @property
     def n_layers(self) -> int:
@@ -86,7 +90,7 @@ def facts_of(
     cfg: RobotModelConfig | None,
     flops_per_sample: int,
     block_forward_flops: int,
-    tokens_per_sample: int,
+    tokens_per_sample: int | None,
     traced: Callable[[int], TracedActivations] | None = None,
     tp_exchange: tuple[int, int] = (0, 0),
 ) -> ModelFacts:
@@ -167,7 +171,7 @@ def facts_of_stage(stage_module) -> ModelFacts:
             f"model: uma plan needs the training FLOPs of {type(model).__name__}, and its step cannot be counted "
             f"on fake tensors ({stage_module.flops_problem})"
         )
-    tokens = getattr(model, "tokens_per_sample", None) or 1  # without the piece, a token is a sample
+    tokens = getattr(model, "tokens_per_sample", None)
     if isinstance(model, RobotBase) and plan_for(model) is not None:
         return facts_of(model, model.cfg, flops, _block_forward_flops(model.cfg), tokens)
     traced = functools.cache(lambda tp: traced_activations(stage_module, tp))

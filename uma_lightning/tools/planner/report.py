@@ -29,11 +29,11 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def ranked_table(fits: list[Estimate], top: int) -> list[str]:
-    rows = [["#", "layout", "GiB/GPU", "step ms", "comm ms", "bubble", "tokens/s"]]
+    rows = [["#", "layout", "GiB/GPU", "step ms", "comm ms", "bubble", f"{fits[0].unit}/s"]]
     for index, e in enumerate(fits[:top], start=1):
         rows.append([
             str(index), e.layout.describe(), f"{e.peak_bytes / GIB:.1f}", f"{e.step_s * 1e3:.1f}", f"{e.exposed_comm_s * 1e3:.1f}",
-            f"{e.bubble:.0%}", f"{e.tokens_per_s:,.0f}",
+            f"{e.bubble:.0%}", f"{e.throughput:,.0f}",
         ])  # fmt: skip
     legend = "mb: micro-batches per step (a pipeline's, or gradient accumulation); v2: two virtual stages per rank; comm ms: communication compute does not hide"
     return _table(rows) + [legend]
@@ -45,7 +45,7 @@ def best_per_strategy(fits: list[Estimate]) -> list[str]:
     for e in fits:
         best.setdefault(e.layout.strategy_name(), e)
     return [
-        f"  {name:12s} {e.tokens_per_s:>12,.0f} tokens/s  {e.peak_bytes / GIB:6.1f} GiB  {e.layout.describe()}"
+        f"  {name:12s} {e.throughput:>12,.0f} {e.unit}/s  {e.peak_bytes / GIB:6.1f} GiB  {e.layout.describe()}"
         for name, e in best.items()
     ]
 
@@ -142,7 +142,7 @@ def fragment(e: Estimate, cluster: Cluster, settings: Settings, recipe: str) -> 
     }
     header = (
         f"# Written by uma plan: {layout.describe()} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.accelerator.name}, "
-        f"global batch {settings.global_batch}.\n# Estimated {e.tokens_per_s:,.0f} tokens/s, {e.peak_bytes / GIB:.1f} GiB per GPU. "
+        f"global batch {settings.global_batch}.\n# Estimated {e.throughput:,.0f} {e.unit}/s, {e.peak_bytes / GIB:.1f} GiB per GPU. "
         f"Use after the recipe: uma fit --config {recipe} --config THIS_FILE\n"
     )
     return header + yaml.safe_dump(config, sort_keys=False)
@@ -167,7 +167,7 @@ def as_json(
             "bubble": e.bubble,
             "exposed_comm_s": e.exposed_comm_s,
             "step_s": e.step_s,
-            "tokens_per_s": e.tokens_per_s,
+            f"{e.unit}_per_s": e.throughput,
             "checkpoint_bytes_per_rank": e.checkpoint_bytes,
             "save_s": e.save_s,
             "collectives": [{**dataclasses.asdict(c), "seconds": seconds(c, cluster)} for c in e.collectives],
@@ -181,6 +181,7 @@ def as_json(
             "parameters": sum(math.prod(p.shape) for p in facts.params),
             "seq_len": facts.cfg.seq_len if facts.cfg else None,
             "tokens_per_sample": facts.tokens_per_sample,
+            "throughput_unit": facts.throughput_unit,
             "training_flops_per_sample": facts.flops_per_sample,
         },  # fmt: skip
         "cluster": {**dataclasses.asdict(cluster), "world_size": cluster.world_size},
@@ -193,9 +194,10 @@ def as_json(
 
 
 def plot(
-    path: str, fits: list[Estimate], rejected: list[Estimate], recommended: Estimate | None, cluster: Cluster
+    path: str, fits: list[Estimate], rejected: list[Estimate], recommended: Estimate | None, cluster: Cluster, unit: str
 ) -> None:
-    """Estimated memory per GPU against tokens/s for every candidate with numbers (those that fit, and those too big)."""
+    """Estimated memory per GPU against throughput (``unit``/s: tokens, or samples) for every candidate with
+    numbers (those that fit, and those too big)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,7 +208,7 @@ def plot(
     for group, colour, label in ((fits, "tab:blue", "fits"), (too_big, "tab:red", "does not fit")):
         ax.scatter(
             [e.peak_bytes / GIB for e in group],
-            [e.tokens_per_s for e in group],
+            [e.throughput for e in group],
             s=10,
             c=colour,
             alpha=0.5,
@@ -219,11 +221,11 @@ def plot(
         label=f"usable memory ({cluster.memory_gib * USABLE_MEMORY:.0f} GiB)",
     )
     if recommended:
-        ax.scatter([recommended.peak_bytes / GIB], [recommended.tokens_per_s], s=120, marker="*", c="gold", edgecolors="black", zorder=3,
+        ax.scatter([recommended.peak_bytes / GIB], [recommended.throughput], s=120, marker="*", c="gold", edgecolors="black", zorder=3,
                    label=f"recommended: {recommended.layout.describe()}")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("estimated memory per GPU (GiB)")
-    ax.set_ylabel("estimated tokens/s")
+    ax.set_ylabel(f"estimated {unit}/s")
     ax.set_title(f"uma plan: every layout on {cluster.nodes} x {cluster.gpus_per_node} {cluster.accelerator.name}")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8)
     ax.grid(alpha=0.3)

@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
         Path(args.emit_config).write_text(report.fragment(recommended, cluster, settings, args.config))
     if args.plot:
         try:
-            report.plot(args.plot, fits, rejected, recommended, cluster)
+            report.plot(args.plot, fits, rejected, recommended, cluster, facts.throughput_unit)
         except ImportError:
             print("uma: error: --plot: needs matplotlib (pip install matplotlib; mlflow installs it)", file=sys.stderr)
             return 2
@@ -232,7 +232,7 @@ def smallest_cluster(facts: ModelFacts, args, precision: Precision, batch_size: 
             best = fits[0]
             return (
                 f"--nodes {nodes} --gpus-per-node {per_node} (global batch {settings.global_batch}): {best.layout.describe()}, "
-                f"{best.peak_bytes / GIB:.1f} GiB per GPU, est. {best.tokens_per_s:,.0f} tokens/s"
+                f"{best.peak_bytes / GIB:.1f} GiB per GPU, est. {best.throughput:,.0f} {best.unit}/s"
             )
     return None
 
@@ -248,8 +248,13 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
             f"{type(facts.model).__name__} ({facts.n_units} data-parallel units; no registered plan: sized for ddp, "
             "fsdp, hsdp and its tp_plan without activation checkpointing, its activations from a traced step)"
         )
+    per_sample = (
+        f"{facts.tokens_per_sample} tokens per sample"
+        if facts.tokens_per_sample
+        else "no tokens_per_sample (throughput in samples/s)"
+    )
     print(
-        f"model: {what}, {params / 1e9:.3g} B parameters, {facts.tokens_per_sample} tokens per sample, "
+        f"model: {what}, {params / 1e9:.3g} B parameters, {per_sample}, "
         f"{facts.flops_per_sample / 1e12:.3g} TFLOP per sample (training)"
     )
     print(f"cluster: {cluster.describe()}")
@@ -276,7 +281,7 @@ def print_plan(facts: ModelFacts, cluster: Cluster, settings: Settings, fits: li
             else f"nothing up to {MAX_NODES_TRIED} nodes of {max(GPUS_PER_NODE_TRIED)} fits."
         )
         return
-    print(f"recommended: {recommended.layout.describe()} ({recommended.layout.strategy_name()}), est. {recommended.tokens_per_s:,.0f} tokens/s, "
+    print(f"recommended: {recommended.layout.describe()} ({recommended.layout.strategy_name()}), est. {recommended.throughput:,.0f} {recommended.unit}/s, "
           f"step {recommended.step_s * 1e3:.0f} ms (compute {recommended.compute_s * 1e3:.0f} ms, exposed communication {recommended.exposed_comm_s * 1e3:.1f} ms)")  # fmt: skip
     print("\n".join(report.memory_bars(recommended, cluster)))
     print(report.checkpoint_line(recommended, cluster))
