@@ -149,12 +149,10 @@ class VLMBase(nn.Module):
         family = FAMILIES[config.model_type]
         self.image_dims = family.image_dims
         self.tokens_per_image = family.tokens_per_image(config)
-        if torch.empty(0).is_meta:  # a plan or a check: the shapes only
-            self.vlm = transformers.AutoModelForImageTextToText.from_config(config)
-        else:
-            self.vlm = transformers.AutoModelForImageTextToText.from_pretrained(
-                directory, dtype=torch.get_default_dtype(), device_map=None
-            )
+        # From the config only, on the meta device: the weights come after the strategy has laid the
+        # model out (``pretrained_weights``), so no process holds more of them than its own part.
+        with torch.device("meta"):
+            self.vlm = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.get_default_dtype())
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
         processor = transformers.AutoImageProcessor.from_pretrained(directory)
         self.image_size = config.vision_config.image_size
@@ -176,6 +174,11 @@ class VLMBase(nn.Module):
     def set_kernels(self, kernels: KernelConfig) -> None:
         """The op implementations of the parts of ours (the loss); the VLM runs transformers' own."""
         self.kernels = kernels
+
+    def pretrained_weights(self) -> str:
+        """The Hugging Face directory whose weights the ``transformers`` model at ``hf_prefix`` starts
+        from: it is built on the meta device, and the stage loads them once the model is laid out."""
+        return str(Path(self.cfg.directory).expanduser())
 
     # ---- parallel layouts, as data (read by the generic plan, ``parallel/plans/generic.py``) -------
 
