@@ -310,3 +310,62 @@ def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(t
     started = transformers.AutoModelForImageTextToText.from_pretrained(source).state_dict()
     assert not torch.equal(theirs.state_dict()["model.language_model.layers.0.mlp.up_proj.weight"],
                            started["model.language_model.layers.0.mlp.up_proj.weight"])  # fmt: skip
+
+
+# ---- uma fit: the weights loaded after the strategy's layout ---------------------------------------
+
+
+def larger_paligemma(tiny: Path, output: Path) -> Path:
+    """The tiny PaliGemma's vision tower, tokenizer and processor with a language model of 4 layers of
+    width 256 (about 30 MB in float32), saved in 1 MB shard files: large enough beside the rest of a
+    run's memory for the measure to tell a rank's half of it from all of it."""
+    config = transformers.AutoConfig.from_pretrained(tiny)
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 256, 2048, 8
+    text.num_attention_heads, text.num_key_value_heads, text.head_dim = 4, 2, 64
+    config.projection_dim = config.vision_config.projection_dim = 256
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transformers.PaliGemmaForConditionalGeneration(config).save_pretrained(output, max_shard_size="1MB")
+    for file in tiny.iterdir():  # the tokenizer and processor beside the weights
+        if not (output / file.name).exists():
+            shutil.copy(file, output / file.name)
+    return output
+
+
+@pytest.mark.slow(seconds=45)
+def test_uma_fit_under_fsdp_loads_on_each_rank_its_part_of_the_pretrained_weights(tiny_vlms, tmp_path):
+    """A real ``uma fit`` from ``network.pretrained`` on 2 gloo processes under fsdp: the VLM is built
+    from its config on the meta device, sharded, then each rank loads its blocks of the weights, so its
+    peak (from before ``configure_model`` to after the layout) stays below the whole model plus one
+    shard file, while one process holds it all; the model every rank then holds is, bitwise, the one a
+    single process builds and loads (our parameters' initialisation, the weights, the computed buffers)."""
+    directory = larger_paligemma(tiny_vlms["paligemma"], tmp_path / "paligemma")
+    model_kb = sum(value.nbytes for value in saved_tensors(directory).values()) / 1024
+    largest_file_kb = max(file.stat().st_size for file in directory.glob("*.safetensors")) / 1024
+    assert largest_file_kb < model_kb / 8
+
+    def fit(name: str, processes: int, *strategy: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        out = tmp_path / name
+        out.mkdir()
+        callback = {"class_path": "load_memory.LoadMemory", "init_args": {"out_dir": str(out)}}
+        argv = ["fit", "--config", RECIPE, *QUICK, "--trainer.logger", "false", "--trainer.accelerator", "cpu",
+                "--model.network.pretrained", str(directory), "--model.network.max_text_len", "8",
+                "--trainer.default_root_dir", str(out / "run"), "--trainer.max_steps", "1",
+                "--trainer.limit_val_batches", "0", "--trainer.callbacks+", json.dumps(callback),
+                "--trainer.devices", str(processes), *strategy]  # fmt: skip
+        codes = forked_cli.run_as_ranks(argv, out / "job.log", tmp_path, world_size=processes)
+        assert set(codes) == {0}, (out / "job.log").read_text()[-3000:]
+        ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+        return ranks, torch.load(out / "model.pt", weights_only=True)
+
+    sharded, loaded = fit("fsdp", 2, "--trainer.strategy", "fsdp")
+    (whole,), expected = fit("one", 1)
+    bound = model_kb + largest_file_kb
+    assert len(sharded) == 2 and all(rank["peak_kb"] < bound for rank in sharded), (sharded, bound)
+    assert whole["peak_kb"] > model_kb, (whole, model_kb)  # the measure sees a whole model where one is held
+    assert loaded.keys() == expected.keys()
+    assert [key for key in expected if not torch.equal(loaded[key], expected[key])] == []
+    saved = saved_tensors(directory)
+    assert torch.equal(loaded["vlm.model.language_model.layers.3.mlp.up_proj.weight"],
+                       saved["language_model.model.layers.3.mlp.up_proj.weight"])  # fmt: skip
