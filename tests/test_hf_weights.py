@@ -15,7 +15,7 @@ import forked_cli
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from suite import QUICK, RECIPE, assert_short_error, free_port, run_main, small_config
+from suite import QUICK, RECIPE, assert_short_error, free_port, recipe, run_main, small_config
 from torch import nn
 
 from uma_lightning.checkpoint.hf import (
@@ -271,13 +271,31 @@ def test_each_family_exports_to_a_directory_from_pretrained_loads_bitwise(tiny_v
         export_hf_directory(model.state_dict(), tiny_vlms[family], tmp_path / "out")
 
 
+#: Per family: the stage whose run is exported, its recipe's extra settings, the processor's prompt
+#: and images of a batch, and the family's other directory.
+EXPORTED_RUNS = {
+    "paligemma": (RECIPE, [], lambda images: {"text": ["pick up the red cube"] * 2, "images": list(images)}, "idefics3"),
+    "idefics3": (
+        recipe("posttrain_vlm"),
+        ["--model.expert", json.dumps({"dim": 64, "ffn_dim": 64}), "--model.network.max_text_len", "8",
+         "--data.action_horizon", "4", "--data.n_obs_steps", "1", "--model.ema_decay", "null"],
+        lambda images: {"text": ["<image>pick up the red cube"] * 2, "images": [[image] for image in images]},
+        "paligemma",
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(tiny_vlms, tmp_path, capsys):
-    source = sharded_copy(tiny_vlms["paligemma"], tmp_path / "sharded")
-    for file in tiny_vlms["paligemma"].iterdir():  # the tokenizer and processor beside the weights
+@pytest.mark.parametrize("family", ["paligemma", "idefics3"])
+def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(tiny_vlms, tmp_path, capsys, family):
+    """Pretraining on PaliGemma, post-training with the flow expert on Idefics3 (SmolVLM): the run's
+    checkpoint exported by ``uma ckpt export --format hf``, loaded by ``from_pretrained``, gives our logits."""
+    config, settings, prompt, other = EXPORTED_RUNS[family]
+    source = sharded_copy(tiny_vlms[family], tmp_path / "sharded")
+    for file in tiny_vlms[family].iterdir():  # the tokenizer and processor beside the weights
         if not (source / file.name).exists():
             shutil.copy(file, source / file.name)
-    args = ["fit", "--config", RECIPE, *QUICK, "--trainer.logger", "false",
+    args = ["fit", "--config", config, *QUICK, *settings, "--trainer.logger", "false",
             "--model.network.pretrained", str(source), "--model.init_from", str(source),
             "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0"]  # fmt: skip
@@ -290,26 +308,24 @@ def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(t
     assert f"with the config and tokenizer of {source.resolve()}" in out
     assert len(list(exported.glob("*.safetensors"))) >= 2
     assert {"tokenizer.json", "processor_config.json"} <= {file.name for file in exported.iterdir()}
-    other = ["ckpt", "export", str(checkpoints), "--format", "hf", "--to", str(tmp_path / "other"),
-             "--hf-source", str(tiny_vlms["idefics3"])]  # fmt: skip
-    code, _, err = run_main(other, capsys)
+    mismatched = ["ckpt", "export", str(checkpoints), "--format", "hf", "--to", str(tmp_path / "other"),
+             "--hf-source", str(tiny_vlms[other])]  # fmt: skip
+    code, _, err = run_main(mismatched, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"uma ckpt: error: {tiny_vlms['idefics3'] / 'config.json'}: the checkpoint does not fit "), (
-        err
-    )
+    assert err.startswith(f"uma ckpt: error: {tiny_vlms[other] / 'config.json'}: the checkpoint does not fit "), err
 
     ours = Policy.from_checkpoint(str(checkpoints)).model.vlm
     theirs = transformers.AutoModelForImageTextToText.from_pretrained(exported)
     processor = transformers.AutoProcessor.from_pretrained(exported)
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator)
-    inputs = processor(text=["pick up the red cube"] * 2, images=list(images), return_tensors="pt")
+    inputs = processor(**prompt(images), return_tensors="pt")
     with torch.no_grad():
         expected, actual = ours.eval()(**inputs).logits, theirs.eval()(**inputs).logits
     assert torch.equal(actual, expected)
     started = transformers.AutoModelForImageTextToText.from_pretrained(source).state_dict()
-    assert not torch.equal(theirs.state_dict()["model.language_model.layers.0.mlp.up_proj.weight"],
-                           started["model.language_model.layers.0.mlp.up_proj.weight"])  # fmt: skip
+    trained = f"{next(name for name, module in theirs.named_modules() if module is theirs.get_decoder())}.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(theirs.state_dict()[trained], started[trained])
 
 
 # ---- uma fit: the weights loaded after the strategy's layout ---------------------------------------
