@@ -370,3 +370,9 @@ def test_plan_sizes_paligemma_3b_with_a_300m_expert_from_its_config_alone(tmp_pa
     layout = recommended["layout"]
     assert layout["dp_replicate"] * layout["dp_shard"] * layout["tp"] * layout["pp"] == 64
     assert recommended["peak_bytes"] < 139.8 * 2**30 and recommended["tokens_per_s"] > 0
+    # Training needs the weights: refused before it starts, in one line naming the directory.
+    code, _, err = run_main(["fit", "--config", recipe("posttrain_vlm"), "--model.network.pretrained", str(directory),
+                             "--model.expert", json.dumps({"dim": 1024, "ffn_dim": 4096}), "--trainer.logger", "false"],
+                            capsys)  # fmt: skip
+    assert_short_error(code, err, f"model.network.pretrained: {directory}: cannot initialise VLMFlowModel from it: ",
+                       f"is missing from {directory}")  # fmt: skip

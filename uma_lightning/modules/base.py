@@ -314,13 +314,16 @@ class StageModule(L.LightningModule):
         return contract_problems(network, needs, self.inference_options())
 
     def check_init_from(self) -> None:
-        """Raise ValueError listing the keys if ``init_from`` cannot initialise this stage's model;
-        the model is built on the meta device for the check, which costs no memory."""
-        if not self.init_from:
+        """Raise ValueError listing the keys if ``init_from`` (without it: the ``network.pretrained``
+        directory) cannot initialise this stage's model; the model is built on the meta device for
+        the check, which costs no memory."""
+        if not self.init_from and not self.network.pretrained:
             return
         with torch.device("meta"):
             model = self.build_model()
-        if is_hf_directory(self.init_from):
+        if not self.init_from:
+            check_hf_weights(model, read_hf_directory(model.pretrained_weights()))
+        elif is_hf_directory(self.init_from):
             check_hf_weights(model, read_hf_directory(self.init_from))
         else:
             check_weights(model.state_dict(), read_checkpoint(self.init_from), self.key_mapping, type(model).__name__)
