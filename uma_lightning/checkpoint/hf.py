@@ -98,7 +98,7 @@ def hf_prefix(model: nn.Module) -> str:
 
 def hf_source_directory(model: nn.Module) -> str | None:
     """The Hugging Face directory ``model``'s ``transformers`` model was built from: its config's
-    ``name_or_path``, which ``from_pretrained`` sets, when that is one; else None."""
+    ``name_or_path``, which ``AutoConfig.from_pretrained`` sets, when that is one; else None."""
     config = getattr(model.get_submodule(hf_prefix(model)), "config", None)
     candidate = getattr(config, "name_or_path", None)
     return str(Path(candidate).resolve()) if candidate and is_hf_directory(candidate) else None
