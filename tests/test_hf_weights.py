@@ -349,7 +349,7 @@ def larger_paligemma(tiny: Path, output: Path) -> Path:
     return output
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=25)
 def test_uma_fit_under_fsdp_loads_on_each_rank_its_part_of_the_pretrained_weights(tiny_vlms, tmp_path):
     """A real ``uma fit`` from ``network.pretrained`` on 2 gloo processes under fsdp: the VLM is built
     from its config on the meta device, sharded, then each rank loads its blocks of the weights, so its
