@@ -130,3 +130,25 @@ def _paligemma():
 
 
 _BUILDERS = {"idefics3": _idefics3, "paligemma": _paligemma}
+
+
+def paligemma_3b_config_dir(path) -> Path:
+    """A directory under ``path`` holding what planning needs of PaliGemma 3B (224 px): its config.json,
+    with the published hyperparameters (SigLIP So400m without its pooling head, Gemma 2B with
+    PaliGemma's 257216 words), and a tokenizer; no weights, no image processor."""
+    from uma_lightning.models.vlm import import_transformers
+
+    transformers = import_transformers()
+    directory = Path(path) / "paligemma-3b-pt-224"
+    config = transformers.PaliGemmaConfig(
+        text_config={"model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384, "num_hidden_layers": 18,
+                     "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 257216},
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                       "num_hidden_layers": 27, "num_attention_heads": 16, "patch_size": 14, "image_size": 224,
+                       "projection_dim": 2048, "vision_use_head": False},
+        projection_dim=2048,
+        image_token_id=257152,
+    )  # fmt: skip
+    config.save_pretrained(directory)
+    trained_tokenizer().save_pretrained(directory)
+    return directory

@@ -15,7 +15,7 @@ import forked_cli
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from suite import QUICK, RECIPE, assert_short_error, free_port, run_main, small_config
+from suite import QUICK, RECIPE, assert_short_error, free_port, recipe, run_main, small_config
 from torch import nn
 
 from uma_lightning.checkpoint.hf import (
@@ -271,13 +271,31 @@ def test_each_family_exports_to_a_directory_from_pretrained_loads_bitwise(tiny_v
         export_hf_directory(model.state_dict(), tiny_vlms[family], tmp_path / "out")
 
 
+#: Per family: the stage whose run is exported, its recipe's extra settings, the processor's prompt
+#: and images of a batch, and the family's other directory.
+EXPORTED_RUNS = {
+    "paligemma": (RECIPE, [], lambda images: {"text": ["pick up the red cube"] * 2, "images": list(images)}, "idefics3"),
+    "idefics3": (
+        recipe("posttrain_vlm"),
+        ["--model.expert", json.dumps({"dim": 64, "ffn_dim": 64}), "--model.network.max_text_len", "8",
+         "--data.action_horizon", "4", "--data.n_obs_steps", "1", "--model.ema_decay", "null"],
+        lambda images: {"text": ["<image>pick up the red cube"] * 2, "images": [[image] for image in images]},
+        "paligemma",
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(tiny_vlms, tmp_path, capsys):
-    source = sharded_copy(tiny_vlms["paligemma"], tmp_path / "sharded")
-    for file in tiny_vlms["paligemma"].iterdir():  # the tokenizer and processor beside the weights
+@pytest.mark.parametrize("family", ["paligemma", "idefics3"])
+def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(tiny_vlms, tmp_path, capsys, family):
+    """Pretraining on PaliGemma, post-training with the flow expert on Idefics3 (SmolVLM): the run's
+    checkpoint exported by ``uma ckpt export --format hf``, loaded by ``from_pretrained``, gives our logits."""
+    config, settings, prompt, other = EXPORTED_RUNS[family]
+    source = sharded_copy(tiny_vlms[family], tmp_path / "sharded")
+    for file in tiny_vlms[family].iterdir():  # the tokenizer and processor beside the weights
         if not (source / file.name).exists():
             shutil.copy(file, source / file.name)
-    args = ["fit", "--config", RECIPE, *QUICK, "--trainer.logger", "false",
+    args = ["fit", "--config", config, *QUICK, *settings, "--trainer.logger", "false",
             "--model.network.pretrained", str(source), "--model.init_from", str(source),
             "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0"]  # fmt: skip
@@ -290,23 +308,80 @@ def test_a_run_started_from_a_hf_directory_exports_back_to_one_with_our_logits(t
     assert f"with the config and tokenizer of {source.resolve()}" in out
     assert len(list(exported.glob("*.safetensors"))) >= 2
     assert {"tokenizer.json", "processor_config.json"} <= {file.name for file in exported.iterdir()}
-    other = ["ckpt", "export", str(checkpoints), "--format", "hf", "--to", str(tmp_path / "other"),
-             "--hf-source", str(tiny_vlms["idefics3"])]  # fmt: skip
-    code, _, err = run_main(other, capsys)
+    mismatched = ["ckpt", "export", str(checkpoints), "--format", "hf", "--to", str(tmp_path / "other"),
+             "--hf-source", str(tiny_vlms[other])]  # fmt: skip
+    code, _, err = run_main(mismatched, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"uma ckpt: error: {tiny_vlms['idefics3'] / 'config.json'}: the checkpoint does not fit "), (
-        err
-    )
+    assert err.startswith(f"uma ckpt: error: {tiny_vlms[other] / 'config.json'}: the checkpoint does not fit "), err
 
     ours = Policy.from_checkpoint(str(checkpoints)).model.vlm
     theirs = transformers.AutoModelForImageTextToText.from_pretrained(exported)
     processor = transformers.AutoProcessor.from_pretrained(exported)
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator)
-    inputs = processor(text=["pick up the red cube"] * 2, images=list(images), return_tensors="pt")
+    inputs = processor(**prompt(images), return_tensors="pt")
     with torch.no_grad():
         expected, actual = ours.eval()(**inputs).logits, theirs.eval()(**inputs).logits
     assert torch.equal(actual, expected)
     started = transformers.AutoModelForImageTextToText.from_pretrained(source).state_dict()
-    assert not torch.equal(theirs.state_dict()["model.language_model.layers.0.mlp.up_proj.weight"],
-                           started["model.language_model.layers.0.mlp.up_proj.weight"])  # fmt: skip
+    trained = f"{next(name for name, module in theirs.named_modules() if module is theirs.get_decoder())}.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(theirs.state_dict()[trained], started[trained])
+
+
+# ---- uma fit: the weights loaded after the strategy's layout ---------------------------------------
+
+
+def larger_paligemma(tiny: Path, output: Path) -> Path:
+    """The tiny PaliGemma's vision tower, tokenizer and processor with a language model of 4 layers of
+    width 256 (about 30 MB in float32), saved in 1 MB shard files: large enough beside the rest of a
+    run's memory for the measure to tell a rank's half of it from all of it."""
+    config = transformers.AutoConfig.from_pretrained(tiny)
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 256, 2048, 8
+    text.num_attention_heads, text.num_key_value_heads, text.head_dim = 4, 2, 64
+    config.projection_dim = config.vision_config.projection_dim = 256
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transformers.PaliGemmaForConditionalGeneration(config).save_pretrained(output, max_shard_size="1MB")
+    for file in tiny.iterdir():  # the tokenizer and processor beside the weights
+        if not (output / file.name).exists():
+            shutil.copy(file, output / file.name)
+    return output
+
+
+@pytest.mark.slow(seconds=25)
+def test_uma_fit_under_fsdp_loads_on_each_rank_its_part_of_the_pretrained_weights(tiny_vlms, tmp_path):
+    """A real ``uma fit`` from ``network.pretrained`` on 2 gloo processes under fsdp: the VLM is built
+    from its config on the meta device, sharded, then each rank loads its blocks of the weights, so its
+    peak (from before ``configure_model`` to after the layout) stays below the whole model plus one
+    shard file, while one process holds it all; the model every rank then holds is, bitwise, the one a
+    single process builds and loads (our parameters' initialisation, the weights, the computed buffers)."""
+    directory = larger_paligemma(tiny_vlms["paligemma"], tmp_path / "paligemma")
+    model_kb = sum(value.nbytes for value in saved_tensors(directory).values()) / 1024
+    largest_file_kb = max(file.stat().st_size for file in directory.glob("*.safetensors")) / 1024
+    assert largest_file_kb < model_kb / 8
+
+    def fit(name: str, processes: int, *strategy: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        out = tmp_path / name
+        out.mkdir()
+        callback = {"class_path": "load_memory.LoadMemory", "init_args": {"out_dir": str(out)}}
+        argv = ["fit", "--config", RECIPE, *QUICK, "--trainer.logger", "false", "--trainer.accelerator", "cpu",
+                "--model.network.pretrained", str(directory), "--model.network.max_text_len", "8",
+                "--trainer.default_root_dir", str(out / "run"), "--trainer.max_steps", "1",
+                "--trainer.limit_val_batches", "0", "--trainer.callbacks+", json.dumps(callback),
+                "--trainer.devices", str(processes), *strategy]  # fmt: skip
+        codes = forked_cli.run_as_ranks(argv, out / "job.log", tmp_path, world_size=processes)
+        assert set(codes) == {0}, (out / "job.log").read_text()[-3000:]
+        ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+        return ranks, torch.load(out / "model.pt", weights_only=True)
+
+    sharded, loaded = fit("fsdp", 2, "--trainer.strategy", "fsdp")
+    (whole,), expected = fit("one", 1)
+    bound = model_kb + largest_file_kb
+    assert len(sharded) == 2 and all(rank["peak_kb"] < bound for rank in sharded), (sharded, bound)
+    assert whole["peak_kb"] > model_kb, (whole, model_kb)  # the measure sees a whole model where one is held
+    assert loaded.keys() == expected.keys()
+    assert [key for key in expected if not torch.equal(loaded[key], expected[key])] == []
+    saved = saved_tensors(directory)
+    assert torch.equal(loaded["vlm.model.language_model.layers.3.mlp.up_proj.weight"],
+                       saved["language_model.model.layers.3.mlp.up_proj.weight"])  # fmt: skip

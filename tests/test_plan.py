@@ -340,3 +340,42 @@ def test_mfu_is_calibrated_from_the_median_a_run_logged(tmp_path, monkeypatch):
     assert measured_mfu(str(tmp_path)) == pytest.approx(0.38)
     with pytest.raises(ValueError, match="not a run directory"):
         measured_mfu(str(tmp_path / "checkpoints"))
+
+
+@pytest.mark.slow(seconds=20)
+def test_plan_sizes_paligemma_3b_with_a_300m_expert_from_its_config_alone(tmp_path, capsys):
+    """pi0's shape: PaliGemma 3B and an action expert of width 1024 (about 300M parameters) on 8 nodes
+    of 8 H200, from a directory holding config.json and a tokenizer only, built on the meta device."""
+    import torch
+    from hf_models import paligemma_3b_config_dir
+    from suite import recipe
+
+    from uma_lightning.models.vlm import import_transformers
+
+    directory = paligemma_3b_config_dir(tmp_path)
+    assert sorted(file.suffix for file in directory.iterdir()) == [".json", ".json", ".json"]  # no weights
+    transformers = import_transformers()
+    with torch.device("meta"):
+        vlm = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.from_pretrained(directory))
+    vlm_parameters = sum(parameter.numel() for parameter in vlm.parameters())
+    assert vlm_parameters == pytest.approx(2.92e9, rel=0.002)  # the published size of PaliGemma 3B
+
+    code, out, err = run_main(["plan", "--config", recipe("posttrain_vlm"), "--model.network.pretrained", str(directory),
+                               "--model.expert", json.dumps({"dim": 1024, "ffn_dim": 4096}),
+                               "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h200", "--json"], capsys)  # fmt: skip
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["model"]["network"] == "VLMFlowModel"
+    assert (
+        0.25e9 < plan["model"]["parameters"] - vlm_parameters < 0.35e9
+    )  # the expert, the state and action projections
+    recommended = plan["recommended"]
+    layout = recommended["layout"]
+    assert layout["dp_replicate"] * layout["dp_shard"] * layout["tp"] * layout["pp"] == 64
+    assert recommended["peak_bytes"] < 139.8 * 2**30 and recommended["tokens_per_s"] > 0
+    # Training needs the weights: refused before it starts, in one line naming the directory.
+    code, _, err = run_main(["fit", "--config", recipe("posttrain_vlm"), "--model.network.pretrained", str(directory),
+                             "--model.expert", json.dumps({"dim": 1024, "ffn_dim": 4096}), "--trainer.logger", "false"],
+                            capsys)  # fmt: skip
+    assert_short_error(code, err, f"model.network.pretrained: {directory}: cannot initialise VLMFlowModel from it: ",
+                       f"is missing from {directory}")  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 from hf_models import FAMILIES
 from suite import QUICK, quiet_trainer, recipe, small_data
 
+from uma_lightning.checkpoint.hf import load_pretrained
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models.vlm import import_transformers
 
@@ -35,6 +36,7 @@ def test_the_prefix_is_the_familys_own_forward(tiny_vlms, family):
 
     directory = tiny_vlms[family]
     model = VLMTokenModel(VLMModelConfig(str(directory), SPEC, max_text_len=8)).eval()
+    load_pretrained(model)
     images, state = observation()
     text_ids, text_mask = model.text_tokenizer(INSTRUCTIONS)
     assert text_mask[0].sum() == 5 and text_mask[1].all()  # padded, and cut to max_text_len
@@ -210,6 +212,7 @@ def test_greedy_decoding_through_the_familys_cache_is_the_teacher_forced_argmax(
 
     torch.manual_seed(0)
     model = VLMTokenModel(VLMModelConfig(str(tiny_vlms[family]), SPEC, max_text_len=8, n_action_bins=16)).eval()
+    load_pretrained(model)
     images, state = observation(seed=1)
     text_ids, text_mask = model.text_tokenizer(INSTRUCTIONS)
     with torch.no_grad():

@@ -215,7 +215,8 @@ class UmaCLI(LightningCLI):
             try:
                 self.model.check_init_from()
             except (ValueError, FileNotFoundError) as err:
-                raise ConfigError(f"model.init_from: {err}") from None
+                key = "model.init_from" if self.model.init_from else "model.network.pretrained"
+                raise ConfigError(f"{key}: {err}") from None
         if isinstance(self.trainer.strategy, MeshStrategy):
             try:
                 # Per process, so per data-parallel rank: what pipeline microbatches cut up.

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from uma_lightning.checkpoint.hf import materialise
 from uma_lightning.checkpoint.weights import load_weights, read_checkpoint
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.default_dtype import default_dtype
@@ -85,6 +86,7 @@ class Policy(nn.Module):
                 raise ValueError(f"{path}: module class {module_class!r} is not a uma_lightning StageModule")
             module = module_class(**{**hparams, "init_from": None})
             model, options = module.build_model(), module.inference_options()
+        materialise(model, "cpu")  # a pretrained model's part is built on the meta device; the checkpoint fills it
         load_weights(model, source)
         merge_lora(model)
         policy = cls(model, spec_of(hparams), hparams["normalization"], options)

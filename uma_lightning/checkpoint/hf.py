@@ -98,7 +98,7 @@ def hf_prefix(model: nn.Module) -> str:
 
 def hf_source_directory(model: nn.Module) -> str | None:
     """The Hugging Face directory ``model``'s ``transformers`` model was built from: its config's
-    ``name_or_path``, which ``from_pretrained`` sets, when that is one; else None."""
+    ``name_or_path``, which ``AutoConfig.from_pretrained`` sets, when that is one; else None."""
     config = getattr(model.get_submodule(hf_prefix(model)), "config", None)
     candidate = getattr(config, "name_or_path", None)
     return str(Path(candidate).resolve()) if candidate and is_hf_directory(candidate) else None
@@ -215,6 +215,65 @@ def load_hf_weights(model: nn.Module, source: HFDirectory) -> None:
         len(targets),
         len(sizes),
     )
+
+
+def materialise(model: nn.Module, device: torch.device | str) -> None:
+    """Give the parameters ``model`` holds on the meta device (plain tensors or DTensors, as a strategy
+    laid them out) this process's memory on ``device``, uninitialised until weights are loaded into
+    them. The other parameters and the buffers keep their values; a ``transformers`` model's
+    non-persistent buffers (rotary frequencies, position ids, embedding scales), which a build on the
+    meta device leaves without values, get those its own initialisation computes from the config."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    if not any(_local(tensor).is_meta for _, tensor in tensors):
+        return
+    with torch.no_grad():
+        kept = {name: _local(tensor).clone() for name, tensor in tensors if not _local(tensor).is_meta}
+        swapping = torch.__future__.get_swap_module_params_on_conversion()
+        # In place: each parameter stays the same object, so tied weights stay tied and the references
+        # FSDP keeps to its sharded parameters stay valid.
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to_empty(device=device)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swapping)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name in kept:
+                _local(tensor).copy_(kept[name])
+    if getattr(model, "hf_prefix", None) is not None:
+        _init_computed_buffers(model.get_submodule(model.hf_prefix))
+
+
+def load_pretrained(network: nn.Module, device: torch.device | str = "cpu") -> None:
+    """``network`` (one holding a ``transformers`` model built from its config, with
+    ``pretrained_weights()`` naming the directory) materialised on ``device`` with the pretrained
+    weights: what a stage does after the strategy's layout, for a network used on its own."""
+    materialise(network, device)
+    load_hf_weights(network, read_hf_directory(network.pretrained_weights()))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _init_computed_buffers(held: nn.Module) -> None:
+    """Run the ``transformers`` initialisation of each module holding non-persistent buffers, with
+    every parameter marked as initialised (transformers' initialisers then leave it as it is), so
+    only the buffers are set: by the init of the nearest model class above the module, as
+    ``from_pretrained`` sets the buffers of a model it built on the meta device."""
+    if not hasattr(held, "_init_weights"):
+        return
+    owners = {}  # each module's nearest transformers model, the one whose _init_weights knows it
+    for name, module in held.named_modules():
+        owners[name] = module if hasattr(module, "_init_weights") else owners[name.rpartition(".")[0]]
+    with torch.no_grad():
+        for name, module in held.named_modules():
+            if not module._non_persistent_buffers_set:
+                continue
+            for parameter in module.parameters():
+                parameter._is_hf_initialized = True
+            owners[name]._init_weights(module)
+            for parameter in module.parameters():
+                del parameter._is_hf_initialized
 
 
 def _copy_into(target: torch.Tensor, saved, name: str) -> None:

@@ -38,12 +38,11 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # the same parameters, not copies
         self.rank, self.scale = rank, alpha / rank
-        self.lora_a = nn.Parameter(
-            torch.empty(rank, base.in_features, device=base.weight.device, dtype=base.weight.dtype)
-        )
-        self.lora_b = nn.Parameter(
-            torch.zeros(base.out_features, rank, device=base.weight.device, dtype=base.weight.dtype)
-        )
+        # Where the network is built: a pretrained model's weights wait on the meta device to be
+        # loaded, but the adapters start from their own initialisation.
+        device = torch.empty(0).device if base.weight.is_meta else base.weight.device
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=device, dtype=base.weight.dtype))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=device, dtype=base.weight.dtype))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # as nn.Linear initialises its weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

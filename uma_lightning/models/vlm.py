@@ -149,21 +149,15 @@ class VLMBase(nn.Module):
         family = FAMILIES[config.model_type]
         self.image_dims = family.image_dims
         self.tokens_per_image = family.tokens_per_image(config)
-        if torch.empty(0).is_meta:  # a plan or a check: the shapes only
-            self.vlm = transformers.AutoModelForImageTextToText.from_config(config)
-        else:
-            self.vlm = transformers.AutoModelForImageTextToText.from_pretrained(
-                directory, dtype=torch.get_default_dtype(), device_map=None
-            )
+        # From the config only, on the meta device: the weights come after the strategy has laid the
+        # model out (``pretrained_weights``), so no process holds more of them than its own part.
+        with torch.device("meta"):
+            self.vlm = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.get_default_dtype())
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-        processor = transformers.AutoImageProcessor.from_pretrained(directory)
         self.image_size = config.vision_config.image_size
-        # rescale then normalise, as the processor does: (x * rescale - mean) / std = (x - mean / rescale) * rescale / std
-        rescale = processor.rescale_factor if processor.do_rescale else 1.0
-        mean = torch.tensor(processor.image_mean if processor.do_normalize else [0.0] * 3, dtype=torch.float64)
-        std = torch.tensor(processor.image_std if processor.do_normalize else [1.0] * 3, dtype=torch.float64)
-        self.register_buffer("pixel_offset", (mean / rescale).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("pixel_scale", (rescale / std).view(1, 3, 1, 1), persistent=False)
+        offset, scale = _pixel_normalisation(transformers, directory)
+        self.register_buffer("pixel_offset", offset, persistent=False)
+        self.register_buffer("pixel_scale", scale, persistent=False)
         text = config.get_text_config()
         self.dim = text.hidden_size
         self.state_proj = nn.Linear(cfg.spec.state_dim, self.dim)
@@ -176,6 +170,11 @@ class VLMBase(nn.Module):
     def set_kernels(self, kernels: KernelConfig) -> None:
         """The op implementations of the parts of ours (the loss); the VLM runs transformers' own."""
         self.kernels = kernels
+
+    def pretrained_weights(self) -> str:
+        """The Hugging Face directory whose weights the ``transformers`` model at ``hf_prefix`` starts
+        from: it is built on the meta device, and the stage loads them once the model is laid out."""
+        return str(Path(self.cfg.directory).expanduser())
 
     # ---- parallel layouts, as data (read by the generic plan, ``parallel/plans/generic.py``) -------
 
@@ -291,6 +290,25 @@ class VLMBase(nn.Module):
         for module in self.vlm.model.children():
             if module is not self.language_model:
                 module.requires_grad_(False)
+
+
+def _pixel_normalisation(transformers, directory: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offset and scale [1, 3, 1, 1] of the image processor's rescaling then normalisation:
+    (x * rescale - mean) / std = (x - mean / rescale) * rescale / std. On the meta device (a plan or a
+    check: the shapes only), without the processor, so that config.json and the tokenizer are enough."""
+    if torch.empty(0).is_meta:
+        return torch.empty(1, 3, 1, 1, dtype=torch.float64), torch.empty(1, 3, 1, 1, dtype=torch.float64)
+    try:
+        processor = transformers.AutoImageProcessor.from_pretrained(directory)
+    except OSError:
+        raise ValueError(
+            f"network.pretrained {directory}: no image processor config there (preprocessor_config.json "
+            "or processor_config.json, which the processor's save_pretrained writes)"
+        ) from None
+    rescale = processor.rescale_factor if processor.do_rescale else 1.0
+    mean = torch.tensor(processor.image_mean if processor.do_normalize else [0.0] * 3, dtype=torch.float64)
+    std = torch.tensor(processor.image_std if processor.do_normalize else [1.0] * 3, dtype=torch.float64)
+    return (mean / rescale).view(1, 3, 1, 1), (rescale / std).view(1, 3, 1, 1)
 
 
 class VLMTokenModel(VLMBase):

@@ -56,6 +56,7 @@ from uma_lightning.checkpoint.hf import (
     check_hf_weights,
     is_hf_directory,
     load_hf_weights,
+    materialise,
     read_hf_directory,
 )
 from uma_lightning.checkpoint.weights import KeyMapping, check_weights, load_weights, read_checkpoint
@@ -158,6 +159,7 @@ class StageModule(L.LightningModule):
             {**constructor_arguments(inspect.currentframe(), StageModule), **resolved}, logger=False
         )
         self.model: nn.Module | None = None
+        self.weights_pending = False  # the model waits for its weights until the strategy has laid it out
         self.action_errors = nn.ModuleDict()
         self.token_accuracy = nn.ModuleDict()
         self.expert_balancing = ExpertBalancing()  # of mixture-of-experts layers; nothing without them
@@ -269,12 +271,35 @@ class StageModule(L.LightningModule):
         if self.model is not None:
             return
         self.model = self.build_model()
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        # A network that leaves parameters on the meta device (a pretrained model's, built from its
+        # config) gets their memory and weights after a sharding strategy has laid it out, on this
+        # rank's part only; otherwise here, whole.
+        self.weights_pending = self.loads_weights_after_layout() and getattr(strategy, "shards_parameters", False)
+        if not self.weights_pending:
+            self.initialise_weights(torch.empty(0).device)
+
+    def loads_weights_after_layout(self) -> bool:
+        """Whether the weights this stage starts from can be loaded into the laid-out model: those of
+        a Hugging Face directory (``network.pretrained``, or ``init_from`` naming one) can, shard by
+        shard; one of our checkpoints is loaded into the whole model."""
+        return not self.init_from or is_hf_directory(self.init_from)
+
+    def initialise_weights(self, device: torch.device) -> None:
+        """Give the model's parameters left on the meta device memory on ``device``, then load the
+        weights it starts from: ``init_from``'s, or else the pretrained model's the network names
+        (``pretrained_weights()``). Called on the built model, or by the strategy after its layout."""
+        materialise(self.model, device)
+        self.weights_pending = False
+        pretrained = getattr(self.model, "pretrained_weights", None)
         if self.init_from and is_hf_directory(self.init_from):
             load_hf_weights(self.model, read_hf_directory(self.init_from))
         elif self.init_from:
             source = read_checkpoint(self.init_from)
             load_weights(self.model, source, self.key_mapping)
             self.log_context_change(source.hparams)
+        elif callable(pretrained):
+            load_hf_weights(self.model, read_hf_directory(pretrained()))
 
     def network_problems(self, features: list[str]) -> dict[str, list[str]]:
         """What the network lacks of the model contract (``models/contract.py``) for ``features``
@@ -289,13 +314,16 @@ class StageModule(L.LightningModule):
         return contract_problems(network, needs, self.inference_options())
 
     def check_init_from(self) -> None:
-        """Raise ValueError listing the keys if ``init_from`` cannot initialise this stage's model;
-        the model is built on the meta device for the check, which costs no memory."""
-        if not self.init_from:
+        """Raise ValueError listing the keys if ``init_from`` (without it: the ``network.pretrained``
+        directory) cannot initialise this stage's model; the model is built on the meta device for
+        the check, which costs no memory."""
+        if not self.init_from and not self.network.pretrained:
             return
         with torch.device("meta"):
             model = self.build_model()
-        if is_hf_directory(self.init_from):
+        if not self.init_from:
+            check_hf_weights(model, read_hf_directory(model.pretrained_weights()))
+        elif is_hf_directory(self.init_from):
             check_hf_weights(model, read_hf_directory(self.init_from))
         else:
             check_weights(model.state_dict(), read_checkpoint(self.init_from), self.key_mapping, type(model).__name__)

@@ -128,6 +128,10 @@ class PosttrainModule(StageModule):
             f"; EMA decay {self.hparams.ema_decay} for evaluation and export" if self.ema_model is not None else "",
         )
 
+    def loads_weights_after_layout(self) -> bool:
+        # The average starts as a copy of the loaded weights, taken when the model is built.
+        return super().loads_weights_after_layout() and self.hparams.ema_decay is None
+
     def optimizer_step(self, *args, **kwargs) -> None:
         # The average moves inside the optimizer step, so that, like the weights, it changes only
         # there: checkpoints (also those written in the background) see it consistent with them.

@@ -103,6 +103,13 @@ class MeshStrategy(ModelParallelStrategy):
         )
 
     @property
+    def shards_parameters(self) -> bool:
+        """Whether each process holds only its part of the parameters (FSDP, tensor parallel): a stage
+        module then loads the weights it starts from after the layout (``StageModule.initialise_weights``).
+        Pipeline stages are cut from a whole model."""
+        return self.shape.pp == 1 and (self.shape.dp_shard > 1 or self.shape.tp > 1)
+
+    @property
     def distributed_sampler_kwargs(self) -> dict:
         # Tensor-parallel ranks and pipeline stages see the same batch; only data-parallel ranks get
         # different samples. tp is the innermost mesh dimension and pp the outermost.
@@ -136,6 +143,8 @@ class MeshStrategy(ModelParallelStrategy):
         # Cast before sharding: FSDP keeps the dtype its parameters have when it wraps them.
         self.model = self.precision_plugin.convert_module(self.model)
         self._parallelize(self.lightning_module, bf16_params=trainer.precision == "bf16-mixed")
+        if getattr(self.lightning_module, "weights_pending", False):
+            self.lightning_module.initialise_weights(self.root_device)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

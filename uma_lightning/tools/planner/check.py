@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from uma_lightning.checkpoint.hf import materialise
 from uma_lightning.models.robot import RobotModelConfig
 from uma_lightning.tools.planner.comm import step_collectives
 from uma_lightning.tools.planner.layout import Layout
@@ -181,6 +182,7 @@ def _network_and_loss(source: Source, batch: int, seed: int) -> tuple[torch.nn.M
     from uma_lightning.data.spec import example_batch
 
     source.model = model = source.build_model()
+    materialise(model, "cpu")  # a pretrained model's part: its memory is measured, not its weights
     example = example_batch(source.spec, batch)
     return model, lambda: source.compute_loss(example)["loss"]
 
