@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from suite import QUICK, REPO, TINY
 
@@ -219,3 +220,39 @@ def test_the_your_network_tutorial_runs_as_written(tmp_path):
     assert re.search(r"^ddp +2 .* ok$", out, re.M) and re.search(r"^fsdp +2 .* ok$", out, re.M), out[-3000:]
     assert "model: ChunkMLP (2 data-parallel units; no registered plan" in out and "recommended: " in out
     assert "ChunkMLP actions (1, 8, 3)" in out
+
+
+@pytest.mark.slow(seconds=60)
+def test_the_pretrained_vlm_tutorial_runs_as_written(tmp_path, tiny_vlms):
+    """Post-training, planning and the stage chain, with a tiny SmolVLM (Idefics3) where the tutorial
+    puts SmolVLM-256M, and PaliGemma 3B's config and tokenizer alone where it puts PaliGemma."""
+    from hf_models import paligemma_3b_config_dir
+
+    from uma_lightning.checkpoint.weights import read_checkpoint
+
+    models = tmp_path / "work" / "models"
+    models.mkdir(parents=True)
+    (models / "SmolVLM-256M-Instruct").symlink_to(tiny_vlms["idefics3"])
+    paligemma_3b_config_dir(models)
+    out = walk_tutorial("tutorials/pretrained-vlm.md", tmp_path, training=[*QUICK, "--model.network.max_text_len", "8"])
+    runs = tmp_path / "work" / "runs"
+    posttrained = read_checkpoint(runs / "posttrain_vlm" / "checkpoints")
+    assert posttrained.path.rstrip("/").endswith("step-000000004"), out[-3000:]
+    assert posttrained.hparams["network"]["pretrained"] == "models/SmolVLM-256M-Instruct"
+    assert any(name.startswith("vlm.model.vision_model.") for name in posttrained.weights)
+    assert re.search(r"^model: VLMFlowModel .*, 3\.2 B parameters,", out, re.M), out[-3000:]
+    assert re.search(r"^recommended: dp_shard 64 \| .*\(fsdp\)", out, re.M), out[-3000:]
+    # The chain: post-training started from the pretraining run's weights, in a folder of its own.
+    pretrained = read_checkpoint(runs / "pretrain" / "checkpoints").weights
+    chained = read_checkpoint(runs / "posttrain_vlm-from-pretrain" / "checkpoints")
+    assert chained.hparams["init_from"] == "runs/pretrain/checkpoints"
+    name = "vlm.model.vision_model.embeddings.patch_embedding.weight"  # frozen: the pretraining run's, bit for bit
+    assert torch.equal(chained.weights[name], pretrained[name]), out[-3000:]
+
+
+def test_every_tutorial_is_walked():
+    """Each tutorial page has bash blocks marked for test, and a test here walks it."""
+    walked = set(re.findall(r'walk_tutorial\(\s*"(tutorials/[\w-]+\.md)"', Path(__file__).read_text()))
+    pages = {f"tutorials/{page.name}" for page in (REPO / "docs" / "tutorials").glob("*.md") if page.name != "index.md"}
+    assert walked == pages
+    assert all(blocks_marked_for_test(page) for page in pages)

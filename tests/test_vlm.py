@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import FAMILIES
-from suite import QUICK, quiet_trainer, recipe, small_data
+from suite import quiet_trainer, small_data
 
 from uma_lightning.checkpoint.hf import load_pretrained
 from uma_lightning.data.spec import DataSpec
@@ -68,7 +68,7 @@ def test_the_prefix_is_the_familys_own_forward(tiny_vlms, family):
 def test_every_stage_trains_on_a_pretrained_vlm(tiny_vlms, tmp_path):
     """Pretraining (token head), mid-training from it, post-training from that with pi0's flow expert,
     the vision tower frozen by the config key, LoRA on the language model and an EMA; the policy is
-    rebuilt from the checkpoint and acts. (PaliGemma's family runs the post-training recipe below.)"""
+    rebuilt from the checkpoint and acts. (The tutorial's walk in tests/test_docs.py runs the recipe.)"""
     from uma_lightning import Policy
     from uma_lightning.checkpoint.weights import read_checkpoint
     from uma_lightning.modules import MidtrainModule, PosttrainModule, PretrainModule
@@ -118,28 +118,6 @@ def test_every_stage_trains_on_a_pretrained_vlm(tiny_vlms, tmp_path):
     with torch.no_grad():
         actions = policy.predict_normalized(batch["images"][:2], batch["state"][:2], batch["instruction"][:2])
     assert actions.shape == (2, 4, post_data.spec.action_dim) and torch.isfinite(actions).all()
-
-
-@pytest.mark.slow
-def test_the_vlm_post_training_recipe_runs_on_a_local_model_directory(tiny_vlms, tmp_path, monkeypatch):
-    """recipes/posttrain_vlm.yaml as the tutorial runs it, pointed at a local PaliGemma directory, with
-    validation (the policy's predicted chunks) and a checkpoint that names the directory."""
-    import json
-
-    from uma_lightning.checkpoint.weights import read_checkpoint
-    from uma_lightning.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    args = ["fit", "--config", recipe("posttrain_vlm"), *QUICK, "--trainer.logger", "false",
-            "--model.network.pretrained", str(tiny_vlms["paligemma"]), "--model.network.max_text_len", "8",
-            "--model.expert", json.dumps({"dim": 32, "ffn_dim": 64}), "--data.action_horizon", "4",
-            "--model.flow.sample_steps", "2", "--trainer.max_steps", "2"]  # fmt: skip
-    main(args)
-    source = read_checkpoint(tmp_path / "runs" / "posttrain_vlm" / "checkpoints")
-    assert source.path.rstrip("/").endswith("step-000000002") and source.hparams["network"]["pretrained"] == str(
-        tiny_vlms["paligemma"]
-    )
-    assert any(name.startswith("vlm.model.vision_tower.") for name in source.weights)
 
 
 def test_a_directory_that_is_not_a_vlm_is_named(tmp_path):
