@@ -24,12 +24,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# ---- two test processes at once (pytest-xdist, `-n 2` in pyproject's addopts) ---------------------
+# ---- three test processes at once (pytest-xdist, `-n 3` in pyproject's addopts) -------------------
 # The suite is mostly one core's work: imports, Lightning's loop around tiny models, waits for child
-# processes. Two workers run the test files side by side. What is computed once per run (the dataset
-# cache, the session's shared runs) is shared between them through the folder both work in, under a
-# file lock; a test marked `alone` (it times something, or waits on a heartbeat) runs while the other
-# worker waits between tests.
+# processes. Three workers run the test files side by side on 2 cores: with two, the cores idled
+# while tests waited on timeouts, heartbeats and servers (the suite took 630 s, against 517 to 557 s
+# with three). What is computed once per run (the dataset cache, the session's shared runs) is shared
+# between them through the folder they all work in, under a file lock; a test marked `alone` (it
+# times something, or waits on a heartbeat) runs while the other workers wait between tests.
 
 
 def run_folder(tmp_path_factory) -> Path:
@@ -62,7 +63,7 @@ def pytest_collection_modifyitems(items):
     the workers whole files in collection order (`--no-loadscope-reorder`: by default it puts the
     files with the most tests first), so the long files start early and the last ones are short:
     ordered by their count of slow tests, the pipeline file (one test, two minutes) started last
-    but one and its worker ran on alone. An `alone` test waits for the other worker's current test
+    but one and its worker ran on alone. An `alone` test waits for the other workers' current tests
     to end: among the long files it waited up to a minute for one, with both cores idle."""
     expected = Counter()
     for item in items:
@@ -75,7 +76,7 @@ def pytest_collection_modifyitems(items):
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist, every test holds a shared lock from its setup to its teardown (fixtures it starts
     included) and an `alone` test an exclusive one. The gate lets an `alone` test in ahead of the
-    other worker's next tests instead of waiting for a gap between them. `crowd` tests take turns
+    other workers' next tests instead of waiting for a gap between them. `crowd` tests take turns
     among themselves: two process groups whose processes wait on each other many times a second,
     on 2 cores, each wait for the other's processes to be scheduled (the four-rank parity runs took
     50 s beside single-process tests, 85 to 104 s beside the SAC learner and its actor)."""

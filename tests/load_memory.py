@@ -36,10 +36,13 @@ class LoadMemory(Callback):
     def on_fit_start(self, trainer, pl_module):
         peak_kb = memory_kb("VmHWM") - self.before_kb
         # Gathering the shards is a collective: every rank takes part, rank 0 writes.
+        models = {"": pl_module.model, "ema.": getattr(pl_module, "ema_model", None)}
         with torch.no_grad():
             state = {
-                name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).clone()
-                for name, tensor in pl_module.model.state_dict().items()
+                prefix + name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).clone()
+                for prefix, model in models.items()
+                if model is not None
+                for name, tensor in model.state_dict().items()
             }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps({"peak_kb": peak_kb}))

@@ -349,7 +349,7 @@ def larger_paligemma(tiny: Path, output: Path) -> Path:
     return output
 
 
-@pytest.mark.slow(seconds=25)
+@pytest.mark.slow(seconds=35)
 def test_uma_fit_under_fsdp_loads_on_each_rank_its_part_of_the_pretrained_weights(tiny_vlms, tmp_path):
     """A real ``uma fit`` from ``network.pretrained`` on 2 gloo processes under fsdp: the VLM is built
     from its config on the meta device, sharded, then each rank loads its blocks of the weights, so its
@@ -361,15 +361,15 @@ def test_uma_fit_under_fsdp_loads_on_each_rank_its_part_of_the_pretrained_weight
     largest_file_kb = max(file.stat().st_size for file in directory.glob("*.safetensors")) / 1024
     assert largest_file_kb < model_kb / 8
 
-    def fit(name: str, processes: int, *strategy: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    def fit(name: str, processes: int, *args: str, config: str = RECIPE) -> tuple[list[dict], dict[str, torch.Tensor]]:
         out = tmp_path / name
         out.mkdir()
         callback = {"class_path": "load_memory.LoadMemory", "init_args": {"out_dir": str(out)}}
-        argv = ["fit", "--config", RECIPE, *QUICK, "--trainer.logger", "false", "--trainer.accelerator", "cpu",
+        argv = ["fit", "--config", config, *QUICK, "--trainer.logger", "false", "--trainer.accelerator", "cpu",
                 "--model.network.pretrained", str(directory), "--model.network.max_text_len", "8",
                 "--trainer.default_root_dir", str(out / "run"), "--trainer.max_steps", "1",
                 "--trainer.limit_val_batches", "0", "--trainer.callbacks+", json.dumps(callback),
-                "--trainer.devices", str(processes), *strategy]  # fmt: skip
+                "--trainer.devices", str(processes), *args]  # fmt: skip
         codes = forked_cli.run_as_ranks(argv, out / "job.log", tmp_path, world_size=processes)
         assert set(codes) == {0}, (out / "job.log").read_text()[-3000:]
         ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
@@ -385,3 +385,14 @@ def test_uma_fit_under_fsdp_loads_on_each_rank_its_part_of_the_pretrained_weight
     saved = saved_tensors(directory)
     assert torch.equal(loaded["vlm.model.language_model.layers.3.mlp.up_proj.weight"],
                        saved["language_model.model.layers.3.mlp.up_proj.weight"])  # fmt: skip
+    # Post-training with an EMA (the VLM recipe's default): the average is laid out beside the model and
+    # starts as its copy, on each rank's part (it used to make every rank load the whole model first:
+    # 136 MB per rank, against 81 MB now, measured with this model).
+    expert = ["--model.expert", json.dumps({"dim": 128, "ffn_dim": 256}), "--data.action_horizon", "4"]
+    _, averaged = fit("fsdp-ema", 2, "--trainer.strategy", "fsdp", *expert, config=recipe("posttrain_vlm"))
+    log = forked_cli.rank_log(tmp_path / "fsdp-ema" / "job.log", 0).read_text()
+    assert log.index("parallel plan generic") < log.index("load paligemma: "), log[-3000:]  # after the layout
+    ema = {name.removeprefix("ema."): value for name, value in averaged.items() if name.startswith("ema.")}
+    model = {name: value for name, value in averaged.items() if not name.startswith("ema.")}
+    assert ema.keys() == model.keys() and all(torch.equal(ema[name], model[name]) for name in model)
+    assert [name for name in loaded if name.startswith("vlm.") and not torch.equal(model[name], loaded[name])] == []

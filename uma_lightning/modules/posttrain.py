@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from uma_lightning.checkpoint.hf import materialise
 from uma_lightning.checkpoint.weights import KeyMapping
 from uma_lightning.models import ActionExpertConfig, FlowMatchingConfig
 from uma_lightning.models.contract import TEXT_TOKENIZER
@@ -128,9 +129,18 @@ class PosttrainModule(StageModule):
             f"; EMA decay {self.hparams.ema_decay} for evaluation and export" if self.ema_model is not None else "",
         )
 
-    def loads_weights_after_layout(self) -> bool:
-        # The average starts as a copy of the loaded weights, taken when the model is built.
-        return super().loads_weights_after_layout() and self.hparams.ema_decay is None
+    def initialise_weights(self, device: torch.device) -> None:
+        super().initialise_weights(device)
+        if self.ema_model is not None:
+            # Copied from the model built on the meta device and laid out beside it: the average gets
+            # its memory here, on this rank's part only, and starts as the weights just loaded.
+            materialise(self.ema_model, device)
+            with torch.no_grad():
+                for average, current in zip(
+                    [*self.ema_model.parameters(), *self.ema_model.buffers()],
+                    [*self.model.parameters(), *self.model.buffers()],
+                ):
+                    average.copy_(current)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         # The average moves inside the optimizer step, so that, like the weights, it changes only
