@@ -48,28 +48,31 @@ PER_BATCH_HOOKS = (
     "on_train_batch_end",
 )
 STEP_ENDS: list[float] = []
-HOOK_SECONDS: list[dict[str, float]] = []  # per batch: each callback's own time in its hooks
-NORM_SECONDS: list[float] = []  # per batch: time computing per-parameter gradient norms, wherever it happens
+# Per batch: each callback's own time in its hooks, and under NORM_PASS the time of per-parameter
+# gradient norm passes, wherever they run (in a hook, that hook's time includes it).
+HOOK_SECONDS: list[dict[str, float]] = []
+NORM_PASS = "gradient norm pass"
 
 
 class StepTimer(L.Callback):
     def on_train_batch_start(self, *args) -> None:
         HOOK_SECONDS.append({})
-        NORM_SECONDS.append(0.0)
 
     def on_train_batch_end(self, *args) -> None:
         STEP_ENDS.append(time.perf_counter())
 
 
-def timed(hook, callback: str):
-    @functools.wraps(hook)
+def timed(function, account: str):
+    """``function``, its time added to the current batch's ``account``."""
+
+    @functools.wraps(function)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return hook(*args, **kwargs)
+            return function(*args, **kwargs)
         finally:
             if HOOK_SECONDS:
-                HOOK_SECONDS[-1][callback] = HOOK_SECONDS[-1].get(callback, 0.0) + time.perf_counter() - start
+                HOOK_SECONDS[-1][account] = HOOK_SECONDS[-1].get(account, 0.0) + time.perf_counter() - start
 
     wrapper.timed_hook = True
     return wrapper
@@ -79,18 +82,7 @@ def time_gradient_norms() -> None:
     """Times every per-parameter gradient norm pass. Each step takes one for its grad_norm (measured
     with or without clipping): in clipping, or earlier in GradientAnomalies' hook, which clipping then
     reuses. Moved, not added: the callbacks' own cost is their hooks' time without it."""
-    foreach_norm = torch._foreach_norm
-
-    @functools.wraps(foreach_norm)
-    def timed_norm(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return foreach_norm(*args, **kwargs)
-        finally:
-            if NORM_SECONDS:
-                NORM_SECONDS[-1] += time.perf_counter() - start
-
-    torch._foreach_norm = timed_norm
+    torch._foreach_norm = timed(torch._foreach_norm, NORM_PASS)
 
 
 def time_hooks_of(callbacks: list[dict]) -> None:
@@ -124,12 +116,11 @@ def all_callbacks(profiled_step: int) -> list[dict]:
 
 def step_times(
     callbacks: list[dict], steps: int, batch_size: int, workdir: Path
-) -> tuple[list[float], list[dict[str, float]], list[float]]:
-    """Seconds per step, seconds per step each callback spent in its hooks, and seconds per step of
-    gradient norm passes, start-up steps dropped."""
+) -> tuple[list[float], list[dict[str, float]]]:
+    """Seconds per step, and seconds per step each callback spent in its hooks (and the norm passes
+    took), start-up steps dropped."""
     STEP_ENDS.clear()
     HOOK_SECONDS.clear()
-    NORM_SECONDS.clear()
     UmaCLI(
         small_model_fit(
             RECIPE,
@@ -143,11 +134,7 @@ def step_times(
             json.dumps([{"class_path": "__main__.StepTimer"}] + callbacks),
         )  # fmt: skip
     )
-    return (
-        [b - a for a, b in zip(STEP_ENDS, STEP_ENDS[1:])][WARMUP_STEPS - 1 :],
-        HOOK_SECONDS[WARMUP_STEPS:],
-        NORM_SECONDS[WARMUP_STEPS:],
-    )
+    return [b - a for a, b in zip(STEP_ENDS, STEP_ENDS[1:])][WARMUP_STEPS - 1 :], HOOK_SECONDS[WARMUP_STEPS:]
 
 
 def main() -> None:
@@ -160,16 +147,15 @@ def main() -> None:
     on_callbacks = all_callbacks(profiled_step=args.steps - 2)
     time_hooks_of(on_callbacks)
     time_gradient_norms()
-    rows, on_all, off_all, hooks_all, norms_on, norms_off = [], [], [], [], [], []
+    rows, on_all, off_all, hooks_all, hooks_off = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
-            on, hooks, norms = step_times(on_callbacks, args.steps, args.batch_size, Path(tmp) / f"on{round_index}")
-            off, _, norms_without = step_times([], args.steps, args.batch_size, Path(tmp) / f"off{round_index}")
+            on, hooks = step_times(on_callbacks, args.steps, args.batch_size, Path(tmp) / f"on{round_index}")
+            off, without = step_times([], args.steps, args.batch_size, Path(tmp) / f"off{round_index}")
             on_all += on
             off_all += off
             hooks_all += hooks
-            norms_on += norms
-            norms_off += norms_without
+            hooks_off += without
             rows.append([round_index, median(off) * 1e3, median(on) * 1e3, median(on) / median(off)])
     rows.append(["all", median(off_all) * 1e3, median(on_all) * 1e3, median(on_all) / median(off_all)])
     print_table(
@@ -179,8 +165,10 @@ def main() -> None:
         rows,
     )
     print(f"ratio of means (the profiled step included): {statistics.mean(on_all) / statistics.mean(off_all):.4f}")
-    totals = [sum(step.values()) for step in hooks_all]
-    names = sorted({name for step in hooks_all for name in step})
+    totals = [sum(seconds for name, seconds in step.items() if name != NORM_PASS) for step in hooks_all]
+    names = sorted({name for step in hooks_all for name in step} - {NORM_PASS})
+    norms_on = [step.get(NORM_PASS, 0.0) for step in hooks_all]
+    norms_off = [step.get(NORM_PASS, 0.0) for step in hooks_off]
     print_table(
         "each callback's own per-batch hooks (medians per step)",
         ["callback", "ms per step", "of the step", "max ms"],
