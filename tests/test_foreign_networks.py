@@ -173,21 +173,21 @@ def _foreign_case(label: str, strategies: str, *overrides: str, **strategy_args)
 @pytest.mark.slow(seconds=45)
 @pytest.mark.crowd
 def test_foreign_networks_match_one_process_under_every_data_parallel_strategy_and_a_seeded_bug_is_located():
-    """One launch of two processes and one of four: each network under ddp and fsdp (the denoiser
-    also under tp, from its declared layout; the convolution with checkpointed, compiled blocks),
-    hsdp for the denoiser, and for each a dropped gradient, named."""
+    """One launch of two processes and one of four: each network under ddp, fsdp and hsdp (the
+    denoiser also under tp, from its declared layout; the convolution also with checkpointed,
+    compiled blocks), and for each a dropped gradient, named."""
     from uma_lightning.tools.parity import check_parity
 
     switches = ParallelConfig(activation_checkpointing="full", compile="blocks", compile_backend="aot_eager")
     cases = [
         _foreign_case("denoiser", "ddp,fsdp,tp,hsdp"),
-        _foreign_case("mixture", "ddp,fsdp"),
-        _foreign_case("temporal", "ddp,fsdp"),
+        _foreign_case("mixture", "ddp,fsdp,hsdp"),
+        _foreign_case("temporal", "ddp,fsdp,hsdp"),
         _foreign_case("temporal switches", "fsdp", wrapping=switches),
         *(
             _foreign_case(
                 f"{network} bug",
-                "ddp,fsdp,hsdp" if network == "denoiser" else "ddp,fsdp",
+                "ddp,fsdp,hsdp",
                 "--model.init_args.skip_gradient",
                 SKIPPED[network],
             )  # fmt: skip
