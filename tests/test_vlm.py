@@ -200,3 +200,24 @@ def test_greedy_decoding_through_the_familys_cache_is_the_teacher_forced_argmax(
     assert chunk.shape == (2, SPEC.action_horizon, SPEC.action_dim)
     assert torch.equal(logits.argmax(-1), tokens)
     assert len(tokens.unique()) > 1  # not a constant the check would pass on by chance
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_flops_of_a_vlm_step_are_counted_on_fake_tensors_as_a_real_step_counts_them(tiny_vlms, family):
+    """MFU, MLflow and uma plan count a step on fake tensors: for a VLM, the count equals torch's flop
+    counter over a real step of the loaded model (Idefics3's image path once made it fall back and fail)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from uma_lightning.modules import PretrainModule
+
+    data = small_data()
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    module = PretrainModule(spec=data.spec, network={"pretrained": str(tiny_vlms[family]), "max_text_len": 8},
+                            normalization=data.normalization())  # fmt: skip
+    module.configure_model()
+    load_pretrained(module.model)
+    with FlopCounterMode(display=False) as counter:
+        module.compute_loss(batch)["loss"].backward()
+    assert module.count_flops_per_sample(batch) == round(counter.get_total_flops() / len(batch["sample_id"]))
+    assert module.flops_problem is None

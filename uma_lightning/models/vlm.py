@@ -56,11 +56,14 @@ from uma_lightning.models.units import outermost_of_classes
 
 @dataclass(frozen=True)
 class Family:
-    """What differs between the supported families: the dimensions of the pixels their
-    ``get_image_features`` takes (5: images per sample, or 4), and how many tokens the vision tower's
-    connector leaves of the patches (Idefics3's pixel shuffle merges ``scale_factor``² of them)."""
+    """What differs between the supported families: whether the image tokens come straight from the
+    vision tower and its connector (Idefics3, whose ``get_image_features`` first drops all-zero
+    "padding" images: a shape known only from the values, so a host sync every step and no FLOP count
+    on fake tensors, for images that are all real here) or from ``get_image_features`` (PaliGemma), and
+    how many tokens the connector leaves of the patches (Idefics3's pixel shuffle merges
+    ``scale_factor``² of them)."""
 
-    image_dims: int
+    tower_then_connector: bool
     merges_patches: bool
 
     def tokens_per_image(self, config) -> int:
@@ -71,8 +74,8 @@ class Family:
 
 #: The families a backbone can be built from, by ``model_type`` in config.json.
 FAMILIES = {
-    "idefics3": Family(image_dims=5, merges_patches=True),
-    "paligemma": Family(image_dims=4, merges_patches=False),
+    "idefics3": Family(tower_then_connector=True, merges_patches=True),
+    "paligemma": Family(tower_then_connector=False, merges_patches=False),
 }
 
 #: The parts of a language-model layer its keys and values depend on (Llama and Gemma names).
@@ -147,7 +150,7 @@ class VLMBase(nn.Module):
         directory = Path(cfg.directory).expanduser()
         config = transformers.AutoConfig.from_pretrained(directory)
         family = FAMILIES[config.model_type]
-        self.image_dims = family.image_dims
+        self.tower_then_connector = family.tower_then_connector
         self.tokens_per_image = family.tokens_per_image(config)
         # From the config only, on the meta device: the weights come after the strategy has laid the
         # model out (``pretrained_weights``), so no process holds more of them than its own part.
@@ -245,8 +248,9 @@ class VLMBase(nn.Module):
     def image_features(self, frames: torch.Tensor) -> torch.Tensor:
         """[N, tokens_per_image, dim]: the family's image tokens of uint8 frames [N, H, W, 3]."""
         pixels = self.pixel_values(frames)
-        if self.image_dims == 5:
-            pixels = pixels.unsqueeze(1)
+        if self.tower_then_connector:
+            hidden = self.vlm.model.vision_model(pixel_values=pixels.to(self.vlm.model.dtype)).last_hidden_state
+            return self.vlm.model.connector(hidden)
         features = self.vlm.model.get_image_features(pixels).pooler_output
         return torch.stack(features) if isinstance(features, (list, tuple)) else features
 
