@@ -54,10 +54,18 @@ def trained_tokenizer(sentences=SENTENCES):
 def tiny_vlm_dir(family: str, path) -> Path:
     """A directory under ``path`` holding a tiny random model of ``family`` (one of ``FAMILIES``), its
     tokenizer and image processor, as ``save_pretrained`` writes them; written once, then reused."""
+    return vlm_dir(family, Path(path) / f"tiny-{family}")
+
+
+def vlm_dir(family: str, directory, vision: dict | None = None, text: dict | None = None, **config) -> Path:
+    """``directory`` holding a random model of ``family``, its tokenizer and image processor, as
+    ``save_pretrained`` writes them; the tiny model's settings, with ``vision`` and ``text`` updating
+    its vision and language model configs and ``config`` the family's own (e.g. ``scale_factor``).
+    Written once, then reused."""
     if family not in FAMILIES:
-        raise ValueError(f"no tiny model of family {family!r}: one of {FAMILIES}")
-    directory = Path(path) / f"tiny-{family}"
-    if (directory / "model.safetensors").exists():
+        raise ValueError(f"no model of family {family!r}: one of {FAMILIES}")
+    directory = Path(directory)
+    if any(directory.glob("*.safetensors")):
         return directory
     import torch
 
@@ -65,14 +73,14 @@ def tiny_vlm_dir(family: str, path) -> Path:
 
     import_transformers()  # before any `from transformers import`, which would find it shadowed here
     with torch.random.fork_rng():  # the builders seed torch's generator; the caller's draws stay as they were
-        model, processor = _BUILDERS[family]()
+        model, processor = _BUILDERS[family](vision or {}, text or {}, **config)
     directory.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(directory)
     model.save_pretrained(directory)
     return directory
 
 
-def _idefics3():
+def _idefics3(vision: dict, text: dict, scale_factor: int = 2):
     import torch
     from transformers import (
         Idefics3Config,
@@ -82,27 +90,28 @@ def _idefics3():
     )
 
     tokenizer = trained_tokenizer()
-    scale_factor = 2
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, **vision}  # fmt: skip
     config = Idefics3Config(
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE},
+        vision_config=vision,
         text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 512, "pad_token_id": tokenizer.pad_token_id},
+                     "max_position_embeddings": 512, "pad_token_id": tokenizer.pad_token_id, **text},
         scale_factor=scale_factor,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
+    image_size = vision["image_size"]
     image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=False
+        size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}, do_image_splitting=False
     )
-    tokens_per_image = (IMAGE_SIZE // PATCH_SIZE) ** 2 // scale_factor**2
+    tokens_per_image = (image_size // vision["patch_size"]) ** 2 // scale_factor**2
     processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=tokens_per_image)
     torch.manual_seed(0)
     return Idefics3ForConditionalGeneration(config).eval(), processor
 
 
-def _paligemma():
+def _paligemma(vision: dict, text: dict):
     import torch
     from transformers import (
         PaliGemmaConfig,
@@ -112,18 +121,19 @@ def _paligemma():
     )
 
     tokenizer = trained_tokenizer()
-    image_processor = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    image_processor.image_seq_length = (IMAGE_SIZE // PATCH_SIZE) ** 2
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "projection_dim": 64, **vision}  # fmt: skip
+    image_processor = SiglipImageProcessorPil(size={"height": vision["image_size"], "width": vision["image_size"]})
+    image_processor.image_seq_length = (vision["image_size"] // vision["patch_size"]) ** 2
     processor = PaliGemmaProcessor(image_processor, tokenizer)  # adds its location and segmentation words
     config = PaliGemmaConfig(
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "projection_dim": 64},
+        vision_config=vision,
         text_config={"model_type": "gemma", "vocab_size": len(processor.tokenizer), "hidden_size": 64,
                      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
-                     "pad_token_id": tokenizer.pad_token_id},
+                     "pad_token_id": tokenizer.pad_token_id, **text},
         image_token_id=processor.image_token_id,
-        projection_dim=64,
+        projection_dim=vision["projection_dim"],
     )  # fmt: skip
     torch.manual_seed(0)
     return PaliGemmaForConditionalGeneration(config).eval(), processor

@@ -985,3 +985,23 @@ def test_throughput_counts_each_sample_once_under_tensor_parallel():
     assert data_parallel_rank(Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)) == (0, 2)
     assert data_parallel_rank(Trainer(accelerator="cpu", devices=1, logger=False)) == (0, 1)
     assert data_parallel_rank(None) == (0, 1)
+
+
+# ---- the GPU script --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow(seconds=20)
+def test_gpu_strategies_script_cpu_smoke_runs_every_variant_on_every_model_family(tmp_path):
+    """benchmarks/gpu/strategies.py --cpu-smoke: the house transformer, the shipped example network (no
+    plan, no tokens) and a pretrained VLM (post-training with the flow expert), each under every variant
+    (the plan alone, activation checkpointing, compiled blocks), as on the GPU with tiny models."""
+    script = REPO / "benchmarks" / "gpu" / "strategies.py"
+    out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0 and "FAILED" not in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+    rows = [
+        line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["tiny"], ["chunk_mlp"], ["smolvlm"])
+    ]
+    assert [row[0] for row in rows] == ["tiny"] * 6 + ["chunk_mlp"] * 6 + ["smolvlm"] * 6, out.stdout
+    tokens_per_s = {row[0]: row[-5] for row in rows}  # then vs baseline, MFU, step ms and peak GiB
+    assert tokens_per_s["chunk_mlp"] == "-" and float(tokens_per_s["smolvlm"]) > 0, out.stdout

@@ -1,7 +1,10 @@
-"""Tokens/s and MFU of the strategies that fit one GPU, for an H200 (989 TFLOP/s dense bf16).
+"""Tokens/s and MFU of the strategies that fit one GPU, for an H200 (989 TFLOP/s dense bf16), on
+each model family: the house transformer's sizes, a network with no plan (the shipped example,
+``uma_lightning.examples.chunk_mlp``) and a pretrained vision-language model (SmolVLM-256M's
+shape, random weights written locally, pi0-style post-training with the flow expert).
 
-    python benchmarks/gpu/strategies.py [--sizes small,1b] [--steps 30]
-    python benchmarks/gpu/strategies.py --cpu-smoke    # the same code on the CPU: tiny model, a few steps
+    python benchmarks/gpu/strategies.py [--models small,1b,chunk_mlp,smolvlm] [--steps 30]
+    python benchmarks/gpu/strategies.py --cpu-smoke    # the same code on the CPU: tiny models, a few steps
 
 On one device every mesh is 1 x 1 x 1, so a strategy reduces to its plan's single-device part:
 activation checkpointing and per-block compile, applied by MeshStrategy (a process group of
@@ -15,17 +18,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
+# Off the path: this folder's kernels.py would shadow the `kernels` distribution that transformers imports.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import print_table  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM, dense bf16
-BATCH = {"tiny": 4, "small": 256, "1b": 64}
+BATCH = {"tiny": 4, "small": 256, "1b": 64, "chunk_mlp": 256, "smolvlm": 32}
+MODELS = ("tiny", "small", "1b", "chunk_mlp", "smolvlm")
 VARIANTS = {
     "lightning single device": None,
     "mesh strategy (plan only)": {},
@@ -64,19 +71,58 @@ def environment(cpu_smoke: bool) -> str:
     return "cuda"
 
 
-def batches_for(size: str, steps: int):
+def batches_for(model: str, steps: int):
     from uma_lightning.data import RobotDataModule
 
-    data = RobotDataModule(generation={"n_episodes": 20}, batch_size=BATCH[size], loader={"num_workers": 0})
+    data = RobotDataModule(generation={"n_episodes": 20}, batch_size=BATCH[model], loader={"num_workers": 0})
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     return data.spec, [batch] * steps  # one real batch, reused: the data loader is not what is measured
 
 
-def run_variant(spec, batches, size: str, strategy_args, device: str, compile_backend: str) -> dict:
+def build_module(model: str, spec, smoke: bool, workdir: Path):
+    """The LightningModule of ``model`` (one of ``MODELS``) for ``spec``."""
+    from uma_lightning.modules import NetworkConfig, OptimizerConfig, PosttrainModule, PretrainModule
+
+    optimizer = OptimizerConfig(warmup_steps=1)
+    if model == "chunk_mlp":
+        from uma_lightning.examples.chunk_mlp import ChunkMLPPretrain
+
+        width, depth = (64, 2) if smoke else (2048, 8)
+        return ChunkMLPPretrain(spec=spec, width=width, depth=depth, optimizer=optimizer)
+    if model == "smolvlm":
+        directory = smolvlm_directory(workdir, smoke)
+        expert = {"dim": 32, "ffn_dim": 64} if smoke else {"dim": 384, "ffn_dim": 1024}
+        network = {"pretrained": str(directory), "max_text_len": 16, "freeze_vision": True}
+        return PosttrainModule(spec=spec, network=network, expert=expert, optimizer=optimizer)
+    return PretrainModule(spec=spec, network=NetworkConfig(size=model), optimizer=optimizer)
+
+
+def smolvlm_directory(workdir: Path, smoke: bool) -> Path:
+    """A local model directory as ``save_pretrained`` writes it, with random weights: the suite's tiny
+    Idefics3 for the smoke run, else SmolVLM-256M's widths (vision 12 x 768, language model 30 x 576,
+    9 heads and 3 key/value heads), its image 512 px in patches of 16 at scale factor 4."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from hf_models import tiny_vlm_dir, vlm_dir
+
+    if smoke:
+        return tiny_vlm_dir("idefics3", workdir)
+    return vlm_dir(
+        "idefics3",
+        workdir / "smolvlm-256m-random",
+        vision={"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                "image_size": 512, "patch_size": 16},
+        text={"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+              "num_key_value_heads": 3},
+        scale_factor=4,
+    )  # fmt: skip
+
+
+def run_variant(
+    spec, batches, model: str, strategy_args, device: str, compile_backend: str, smoke: bool, workdir: Path
+) -> dict:
     from lightning.pytorch import Callback
 
-    from uma_lightning.modules import NetworkConfig, OptimizerConfig, PretrainModule
     from uma_lightning.parallel import MeshStrategy, ParallelConfig
     from uma_lightning.tools.fixed_batches import fit_on_batches
 
@@ -97,7 +143,7 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    module = PretrainModule(spec=spec, network=NetworkConfig(size=size), optimizer=OptimizerConfig(warmup_steps=1))
+    module = build_module(model, spec, smoke, workdir)
     timer = StepTimer()
     strategy = (
         "auto"
@@ -118,7 +164,8 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
     step = statistics.median(timer.times[warmup:])
     samples_per_s = len(batches[0]["sample_id"]) / step
     return {
-        "tokens/s": samples_per_s * module.tokens_per_sample,
+        "samples/s": samples_per_s,
+        "tokens/s": samples_per_s * module.tokens_per_sample if module.tokens_per_sample else None,
         "mfu": samples_per_s * module.count_flops_per_sample(batches[0]) / PEAK_BF16_FLOPS,
         "step ms": step * 1e3,
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
@@ -127,15 +174,18 @@ def run_variant(spec, batches, size: str, strategy_args, device: str, compile_ba
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,1b")
+    parser.add_argument("--models", default="small,1b,chunk_mlp,smolvlm", help=f"from {', '.join(MODELS)}")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
         "--cpu-smoke",
         action="store_true",
-        help="tiny model, 3 steps, CPU, compile with aot_eager (no kernel generation)",
+        help="tiny models of each family, 3 steps, CPU, compile with aot_eager (no kernel generation)",
     )
     args = parser.parse_args()
-    sizes = ["tiny"] if args.cpu_smoke else args.sizes.split(",")
+    models = ["tiny", "chunk_mlp", "smolvlm"] if args.cpu_smoke else args.models.split(",")
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     steps = 3 if args.cpu_smoke else args.steps
     compile_backend = "aot_eager" if args.cpu_smoke else "inductor"
     failures, rows = [], []
@@ -144,29 +194,30 @@ def main() -> int:
     except Failed as failure:
         print(f"FAILED {failure}")
         return 1
-    for size in sizes:
-        try:
-            spec, batches = check(f"{size}: data", batches_for, size, steps)
-        except Failed as failure:
-            failures.append(str(failure))
-            continue
-        baseline = None
-        for variant, strategy_args in VARIANTS.items():
+    with tempfile.TemporaryDirectory() as workdir:
+        for model in models:
             try:
-                result = check(
-                    f"{size} / {variant}", run_variant, spec, batches, size, strategy_args, device, compile_backend
-                )
+                spec, batches = check(f"{model}: data", batches_for, model, steps)
             except Failed as failure:
                 failures.append(str(failure))
                 continue
-            baseline = baseline or result["tokens/s"]
-            on_gpu = device == "cuda"
-            rows.append([size, variant, f"{result['tokens/s']:.0f}", f"{result['tokens/s'] / baseline:.2f}",
-                         f"{result['mfu']:.1%}" if on_gpu else "n/a", f"{result['step ms']:.1f}",
-                         f"{result['peak GiB']:.1f}" if on_gpu else "n/a"])  # fmt: skip
+            baseline = None
+            for variant, strategy_args in VARIANTS.items():
+                try:
+                    result = check(f"{model} / {variant}", run_variant, spec, batches, model, strategy_args, device,
+                                   compile_backend, args.cpu_smoke, Path(workdir))  # fmt: skip
+                except Failed as failure:
+                    failures.append(str(failure))
+                    continue
+                baseline = baseline or result["samples/s"]
+                on_gpu = device == "cuda"
+                tokens = f"{result['tokens/s']:.0f}" if result["tokens/s"] else "-"
+                rows.append([model, variant, f"{result['samples/s']:.1f}", tokens, f"{result['samples/s'] / baseline:.2f}",
+                             f"{result['mfu']:.1%}" if on_gpu else "n/a", f"{result['step ms']:.1f}",
+                             f"{result['peak GiB']:.1f}" if on_gpu else "n/a"])  # fmt: skip
     print_table(
         f"{device}, {'fp32' if device == 'cpu' else 'bf16-mixed'}, median step after warm-up; MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s",
-        ["model", "variant", "tokens/s", "vs baseline", "MFU", "step ms", "peak GiB"],
+        ["model", "variant", "samples/s", "tokens/s", "vs baseline", "MFU", "step ms", "peak GiB"],
         rows,
     )
     for failure in failures:
