@@ -235,6 +235,7 @@ def test_the_pretrained_vlm_tutorial_runs_as_written(tmp_path, tiny_vlms):
     (models / "SmolVLM-256M-Instruct").symlink_to(tiny_vlms["idefics3"])
     paligemma_3b_config_dir(models)
     out = walk_tutorial("tutorials/pretrained-vlm.md", tmp_path, training=[*QUICK, "--model.network.max_text_len", "8"])
+    assert "FLOPs off" not in out, out[-3000:]  # the VLM's FLOPs are counted: MFU is logged
     runs = tmp_path / "work" / "runs"
     posttrained = read_checkpoint(runs / "posttrain_vlm" / "checkpoints")
     assert posttrained.path.rstrip("/").endswith("step-000000004"), out[-3000:]
