@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from uma_lightning.models.vlm import import_transformers
+
 #: The families a tiny model can be built of.
 FAMILIES = ("idefics3", "paligemma")
 
@@ -68,8 +70,6 @@ def vlm_dir(family: str, directory, vision: dict | None = None, text: dict | Non
     if any(directory.glob("*.safetensors")):
         return directory
     import torch
-
-    from uma_lightning.models.vlm import import_transformers
 
     import_transformers()  # before any `from transformers import`, which would find it shadowed here
     with torch.random.fork_rng():  # the builders seed torch's generator; the caller's draws stay as they were
@@ -146,8 +146,6 @@ def paligemma_3b_config_dir(path) -> Path:
     """A directory under ``path`` holding what planning needs of PaliGemma 3B (224 px): its config.json,
     with the published hyperparameters (SigLIP So400m without its pooling head, Gemma 2B with
     PaliGemma's 257216 words), and a tokenizer; no weights, no image processor."""
-    from uma_lightning.models.vlm import import_transformers
-
     transformers = import_transformers()
     directory = Path(path) / "paligemma-3b-pt-224"
     config = transformers.PaliGemmaConfig(
@@ -159,6 +157,27 @@ def paligemma_3b_config_dir(path) -> Path:
         projection_dim=2048,
         image_token_id=257152,
     )  # fmt: skip
+    return _config_only_dir(directory, config)
+
+
+def smolvlm_256m_config_dir(path) -> Path:
+    """A directory under ``path`` holding what planning needs of SmolVLM-256M: its config.json, with
+    the published hyperparameters (SigLIP base patch-16/512, SmolLM2-135M with SmolVLM's 49280 words
+    and its own output layer, a 4x pixel shuffle), and a tokenizer; no weights, no image processor."""
+    transformers = import_transformers()
+    config = transformers.Idefics3Config(
+        text_config={"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49280,
+                     "tie_word_embeddings": False},
+        vision_config={"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                       "num_attention_heads": 12, "patch_size": 16, "image_size": 512},
+        scale_factor=4,
+        image_token_id=49190,
+    )  # fmt: skip
+    return _config_only_dir(Path(path) / "SmolVLM-256M-Instruct", config)
+
+
+def _config_only_dir(directory: Path, config) -> Path:
     config.save_pretrained(directory)
     trained_tokenizer().save_pretrained(directory)
     return directory

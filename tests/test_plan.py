@@ -379,3 +379,30 @@ def test_plan_sizes_paligemma_3b_with_a_300m_expert_from_its_config_alone(tmp_pa
                             capsys)  # fmt: skip
     assert_short_error(code, err, f"model.network.pretrained: {directory}: cannot initialise VLMFlowModel from it: ",
                        f"is missing from {directory}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_plan_sizes_smolvlm_256m_from_its_config_alone(tmp_path, capsys):
+    """The other family at its published size: SmolVLM-256M (Idefics3) with the post-training recipe's
+    expert, on one node of 8 H200, from config.json and a tokenizer, on the meta device."""
+    import torch
+    from hf_models import smolvlm_256m_config_dir
+    from suite import recipe
+
+    from uma_lightning.models.vlm import import_transformers
+
+    directory = smolvlm_256m_config_dir(tmp_path)
+    transformers = import_transformers()
+    with torch.device("meta"):
+        vlm = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.from_pretrained(directory))
+    vlm_parameters = sum(parameter.numel() for parameter in vlm.parameters())
+    assert vlm_parameters == pytest.approx(2.56e8, rel=0.01)  # the published size, in its name
+    code, out, err = run_main(["plan", "--config", recipe("posttrain_vlm"), "--model.network.pretrained", str(directory),
+                               "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h200", "--json"], capsys)  # fmt: skip
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["model"]["network"] == "VLMFlowModel" and plan["model"]["parameters"] > vlm_parameters
+    recommended = plan["recommended"]
+    layout = recommended["layout"]
+    assert layout["dp_replicate"] * layout["dp_shard"] * layout["tp"] * layout["pp"] == 8
+    assert recommended["peak_bytes"] < 139.8 * 2**30 and recommended["tokens_per_s"] > 0
