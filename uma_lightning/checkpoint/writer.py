@@ -72,6 +72,7 @@ class CheckpointWriter:
         self._pruning: Optional[Future] = None
         self._staged = threading.Event()
         self._staged.set()
+        self._staging_failed = False
         self.last_profile: dict[str, float] = {}
 
     def save(
@@ -100,8 +101,11 @@ class CheckpointWriter:
     def wait_staged(self) -> None:
         """Block until the pending save no longer reads the live tensors; call before changing them."""
         self._staged.wait()
-        if self._pending is not None and self._pending.done():
-            self.wait()  # a failure while staging surfaces here rather than at the next save
+        if self._staging_failed:
+            # This rank's copy failed, so it never joins the collective write: raised here, not at the
+            # next save. A failed write is raised by every rank's save at once, at the next save or
+            # the last wait(): seen here, it would reach the ranks at different steps.
+            self.wait()
 
     def wait(self) -> None:
         """Block until the pending save is committed; raises what it failed with."""
@@ -134,8 +138,10 @@ class CheckpointWriter:
         started: float,
         commit_after: Optional[threading.Event],
     ) -> None:
+        self._staging_failed = True
         try:
             staged = self._stager.stage(tensors)
+            self._staging_failed = False
         finally:
             self._staged.set()
         staging_s = time.monotonic() - started
