@@ -1,6 +1,8 @@
 """Checksums taken while a save writes its files equal a checksum read back from the disk, a save
 reports where its time went, and a load reads tensors straight into their destination when it can."""
 
+import time
+
 import pytest
 import torch
 from checkpoint_helpers import backbone, optimizer_for, train_step
@@ -75,3 +77,38 @@ def test_tensors_are_read_in_place_unless_the_bytes_on_disk_are_laid_out_otherwi
     load_tensors(loaded, tmp_path, None)
     assert all(torch.equal(loaded[key], saved[key].float()) for key in saved)
     assert sorted(by_dcp) == ["channels_last", "half", "transposed"]
+
+
+def test_a_failed_background_write_is_raised_by_the_next_save_and_a_failed_copy_before_the_next_step(
+    tmp_path, monkeypatch
+):
+    """Every rank must stop at the same step: a write, which fails on every rank of a collective save
+    though not at the same instant, is raised by the next save (a collective point), never by
+    wait_staged() just because it is over here; a failed copy to host memory, after which this rank
+    never joins the write, is raised by wait_staged() before the state changes."""
+    model = backbone()
+    optimizer = optimizer_for(model)
+    train_step(model, optimizer)
+    state, tensors = encode_parts(model_and_optimizer(model, [optimizer]))
+    summary = {"epoch": 0, "world_size": 1}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    writer = CheckpointWriter(tmp_path / "write", 2, None, True, None)
+    monkeypatch.setattr("uma_lightning.checkpoint.writer.save_tensors", full_disk)
+    writer.save(1, state, tensors, summary)
+    while not writer._pending.done():
+        time.sleep(0.01)
+    writer.wait_staged()  # over and failed, yet not raised here
+    with pytest.raises(OSError, match="No space left"):
+        writer.save(2, state, tensors, summary)
+    monkeypatch.undo()
+    writer.close()
+
+    writer = CheckpointWriter(tmp_path / "copy", 2, None, True, None)
+    monkeypatch.setattr(writer._stager, "stage", full_disk)
+    writer.save(1, state, tensors, summary)
+    with pytest.raises(OSError, match="No space left"):
+        writer.wait_staged()
+    writer.close()
