@@ -388,10 +388,14 @@ def test_uma_fit_under_fsdp_loads_on_each_rank_its_part_of_the_pretrained_weight
     # Post-training with an EMA (the VLM recipe's default): the average is laid out beside the model and
     # starts as its copy, on each rank's part (it used to make every rank load the whole model first:
     # 136 MB per rank, against 81 MB now, measured with this model).
-    expert = ["--model.expert", json.dumps({"dim": 128, "ffn_dim": 256}), "--data.action_horizon", "4"]
+    # It validates too: the EMA's predict_actions, which encodes the prefix without the network's forward,
+    # gathers the sharded weights as forward does.
+    expert = ["--model.expert", json.dumps({"dim": 128, "ffn_dim": 256}), "--data.action_horizon", "4",
+              "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "1"]  # fmt: skip
     _, averaged = fit("fsdp-ema", 2, "--trainer.strategy", "fsdp", *expert, config=recipe("posttrain_vlm"))
     log = forked_cli.rank_log(tmp_path / "fsdp-ema" / "job.log", 0).read_text()
     assert log.index("parallel plan generic") < log.index("load paligemma: "), log[-3000:]  # after the layout
+    assert "validation at step 1: val/action_l1 " in log, log[-3000:]
     ema = {name.removeprefix("ema."): value for name, value in averaged.items() if name.startswith("ema.")}
     model = {name: value for name, value in averaged.items() if not name.startswith("ema.")}
     assert ema.keys() == model.keys() and all(torch.equal(ema[name], model[name]) for name in model)

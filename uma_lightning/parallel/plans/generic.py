@@ -32,7 +32,7 @@ from uma_lightning.models.units import outermost_of_classes
 from uma_lightning.parallel.apply import ParallelConfig
 from uma_lightning.parallel.mesh import MeshShape
 from uma_lightning.parallel.plans.registry import Plan, plan_for
-from uma_lightning.parallel.plans.robot import lay_out
+from uma_lightning.parallel.plans.robot import apply_inference_methods, lay_out
 
 TP_STYLES = ("colwise", "rowwise")
 TP_PLAN_EXAMPLE = "{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}"
@@ -145,6 +145,8 @@ def parallelize_generic(model: nn.Module, mesh, config: ParallelConfig) -> list[
     ``lay_out`` applies in its order: TP, AC, compile, data parallel."""
     blocks, why = data_parallel_units(model)
     applied = lay_out(model, blocks, mesh, config, lambda: [apply_tp_plan(model, mesh["tp"])])
+    # A network's predict_actions need not call its forward (a VLM's encodes the prefix itself).
+    applied.append(apply_inference_methods(model, tp=mesh["tp"].size() > 1))
     return [f"units: {why}", *(line for line in applied if line)]
 
 
