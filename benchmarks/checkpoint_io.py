@@ -6,11 +6,13 @@ Measured side by side in one run, alternating, medians over the repeats:
   ``wait_staged()`` before the next optimizer step, once right after the save (no overlap) and once
   after a real forward and backward pass (the copy to host memory overlaps it, as in training),
   after one untimed save that allocates the host-memory copy later saves reuse;
+- every save follows a training step (forward, backward, optimizer step), as saves do in training:
+  on an idle machine the first large copy after a pause runs about 40% slower than on busy cores;
 - against how long a synchronous save blocks (write, fsync, checksums, manifest, commit);
 - save throughput against the disk's raw sequential write speed (64 MiB blocks and an fsync, the
   same number of bytes);
 - a cold load (every file of the checkpoint dropped from the page cache first) against a cold raw
-  sequential read of a file of the same size;
+  sequential read of the same files (64 MiB blocks), the two in alternating order;
 - where a save's time goes, phase by phase, from the writers' own timers (``last_profile``).
 
     python benchmarks/checkpoint_io.py [--repeats 3] [--dir /tmp/checkpoint_io] [--json ratios.json]
@@ -72,11 +74,17 @@ def forward_backward(module: PretrainModule, batch: dict) -> None:
     module.compute_loss(batch)["loss"].backward()
 
 
+def train_step(module: PretrainModule, optimizer: torch.optim.Optimizer, batch: dict) -> None:
+    forward_backward(module, batch)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 BLOCK = 64 * 2**20
 
 
-def raw_write_then_cold_read(path: Path, nbytes: int) -> tuple[float, float]:
-    """Seconds to write ``nbytes`` sequentially and fsync them, and to read them back from the disk."""
+def raw_write(path: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` sequentially and fsync them."""
     block = np.random.default_rng(0).integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
     started = time.perf_counter()
     with open(path, "wb") as file:
@@ -85,15 +93,20 @@ def raw_write_then_cold_read(path: Path, nbytes: int) -> tuple[float, float]:
         file.flush()
         os.fsync(file.fileno())
     written = time.perf_counter() - started
-    drop_from_page_cache(path)
+    path.unlink()
+    return written
+
+
+def raw_cold_read(directory: Path) -> float:
+    """Seconds to read every file of ``directory`` sequentially, from the disk."""
+    drop_from_page_cache(directory)
     buffer = bytearray(BLOCK)
     started = time.perf_counter()
-    with open(path, "rb", buffering=0) as file:
-        while file.readinto(buffer):
-            pass
-    read = time.perf_counter() - started
-    path.unlink()
-    return written, read
+    for path in sorted(directory.iterdir()):
+        with open(path, "rb", buffering=0) as file:
+            while file.readinto(buffer):
+                pass
+    return time.perf_counter() - started
 
 
 def drop_from_page_cache(path: Path) -> None:
@@ -154,10 +167,9 @@ def run(root: Path, repeats: int) -> dict[str, float]:
     async_writer.wait()
     step = 0
     for repeat in range(repeats):
-        written, read = raw_write_then_cold_read(root / "raw.bin", nbytes)
-        times["raw write"].append(written)
-        times["raw cold read"].append(read)
+        times["raw write"].append(raw_write(root / "raw.bin", nbytes))
 
+        train_step(module, optimizer, batch)
         step += 1
         started = time.perf_counter()
         sync_writer.save(step, state, tensors, summary)
@@ -165,6 +177,7 @@ def run(root: Path, repeats: int) -> dict[str, float]:
         profiles["sync save"].append(sync_writer.last_profile)
         sync_writer.wait_pruned()  # the older checkpoint's deletion, in the background, overlaps nothing timed
 
+        train_step(module, optimizer, batch)
         step += 1
         started = time.perf_counter()
         async_writer.save(step, state, tensors, summary)
@@ -195,10 +208,15 @@ def run(root: Path, repeats: int) -> dict[str, float]:
         async_writer.wait_pruned()
 
         checkpoint = root / "sync" / step_dirname(step - 2)
-        drop_from_page_cache(checkpoint)
-        started = time.perf_counter()
-        load_module(module, checkpoint, [optimizer])
-        times["cold load"].append(time.perf_counter() - started)
+        # Alternating which goes first: a read of these bytes may leave them in a cache below ours.
+        for measure in ("raw cold read", "cold load")[:: 1 if repeat % 2 else -1]:
+            if measure == "raw cold read":
+                times[measure].append(raw_cold_read(checkpoint))
+            else:
+                drop_from_page_cache(checkpoint)
+                started = time.perf_counter()
+                load_module(module, checkpoint, [optimizer])
+                times[measure].append(time.perf_counter() - started)
         print(
             f"repeat {repeat + 1}/{repeats}: "
             + ", ".join(f"{name} {values[-1]:.2f} s" for name, values in times.items()),

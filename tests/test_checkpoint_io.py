@@ -1,16 +1,23 @@
 """Checksums taken while a save writes its files equal a checksum read back from the disk, a save
-reports where its time went, and a load reads tensors straight into their destination when it can."""
+reports where its time went, a background save copies to host memory it keeps, and a load reads
+tensors straight into their destination when it can (without DCP's planning when a tensor or shard
+was saved whole, as it is now)."""
 
+import os
 import time
+from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
-from checkpoint_helpers import backbone, optimizer_for, train_step
+from checkpoint_helpers import assert_bitwise_equal, backbone, full_state, optimizer_for, train_step
+from suite import free_port
 from torch.distributed.checkpoint import FileSystemReader
 
 from uma_lightning.checkpoint import CheckpointWriter, step_dirname
 from uma_lightning.checkpoint.manifest import file_checksum, read_manifest, verify
-from uma_lightning.checkpoint.state import encode_parts, model_and_optimizer
+from uma_lightning.checkpoint.staging import HostCopies
+from uma_lightning.checkpoint.state import encode_parts, load_module, model_and_optimizer
 from uma_lightning.checkpoint.storage import load_tensors, save_tensors
 
 
@@ -112,3 +119,97 @@ def test_a_failed_background_write_is_raised_by_the_next_save_and_a_failed_copy_
     with pytest.raises(OSError, match="No space left"):
         writer.wait_staged()
     writer.close()
+
+
+def test_whole_tensors_load_without_dcp_and_the_others_through_it(tmp_path, monkeypatch):
+    saved = {"weight": torch.randn(64, 48), "step": torch.tensor(7.0), "half": torch.randn(10).half()}
+    save_tensors(saved, tmp_path, None)
+    by_dcp = []
+    dcp_load = torch.distributed.checkpoint.load
+
+    def spy(state_dict, **kwargs):
+        by_dcp.append(sorted(state_dict))
+        return dcp_load(state_dict, **kwargs)
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "load", spy)
+    loaded = {key: torch.zeros(value.shape, dtype=value.dtype) for key, value in saved.items()}
+    load_tensors(loaded, tmp_path, None)
+    assert by_dcp == []
+    assert_bitwise_equal(loaded, saved)
+
+    loaded = {key: torch.zeros(value.shape) for key, value in saved.items()}  # "half" into float32: converted
+    load_tensors(loaded, tmp_path, None)
+    assert by_dcp == [["half"]]
+    assert_bitwise_equal(loaded, {key: value.float() for key, value in saved.items()})
+
+
+def test_host_copies_are_exact_independent_of_training_and_kept_from_one_save_to_the_next():
+    model = backbone()
+    optimizer = optimizer_for(model)
+    train_step(model, optimizer)
+    _, tensors = encode_parts(model_and_optimizer(model, [optimizer]))
+    copies = HostCopies()
+    staged = copies.stage(tensors)
+    expected = {key: value.clone() for key, value in tensors.items()}
+    assert_bitwise_equal(staged, expected)
+    assert not {value.data_ptr() for value in staged.values()} & {value.data_ptr() for value in tensors.values()}
+    train_step(model, optimizer, seed=2)  # changes every parameter and moment in place
+    assert_bitwise_equal(staged, expected)
+
+    addresses = {key: value.data_ptr() for key, value in staged.items()}
+    tensors = {**tensors, "model/extra": torch.arange(3.0), "model/layers.0.attn.wq.weight": torch.ones(2, 2)}
+    staged_again = copies.stage(tensors)
+    assert_bitwise_equal(staged_again, tensors)
+    reused = {key for key, value in staged_again.items() if addresses.get(key) == value.data_ptr()}
+    assert reused == set(addresses) - {"model/layers.0.attn.wq.weight"}  # the one whose shape changed is new
+
+
+def _sharded_background_save_loads_back(rank: int, world_size: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def sharded(seed):
+        model = fully_shard(backbone(seed), mesh=mesh)
+        optimizer = optimizer_for(model)
+        train_step(model, optimizer, seed=seed + rank)
+        return model, optimizer
+
+    model, optimizer = sharded(0)
+    state, tensors = encode_parts(model_and_optimizer(model, [optimizer]))
+    shards = [key for key, value in tensors.items() if isinstance(value, DTensor)]
+    staged = HostCopies().stage(tensors)
+    assert shards and all(
+        isinstance(staged[key], DTensor)
+        and staged[key].placements == tensors[key].placements
+        and torch.equal(staged[key].to_local(), tensors[key].to_local())
+        and staged[key].to_local().data_ptr() != tensors[key].to_local().data_ptr()
+        for key in shards
+    )
+    expected = full_state(model, optimizer)
+    writer = CheckpointWriter(Path(root), 2, None, True, dist.new_group(backend="gloo"))
+    writer.save(1, state, tensors, {"epoch": 0, "world_size": world_size})
+    writer.wait_staged()
+    train_step(model, optimizer, seed=10 + rank)  # the live shards change while the write runs
+    writer.close()
+
+    read_by_dcp = []
+    dcp_read = FileSystemReader.read_data
+    FileSystemReader.read_data = lambda self, plan, planner: (
+        read_by_dcp.extend(plan.items) or dcp_read(self, plan, planner)
+    )
+    fresh, fresh_optimizer = sharded(1)
+    load_module(fresh, Path(root) / step_dirname(1), [fresh_optimizer], dist.new_group(backend="gloo"))
+    assert read_by_dcp == []  # every shard was saved whole under this layout: read without DCP's planning
+    assert_bitwise_equal(full_state(fresh, fresh_optimizer), expected)
+    dist.destroy_process_group()
+
+
+def test_a_background_save_of_sharded_state_loads_back_bit_for_bit_under_the_same_layout(tmp_path):
+    forked_cli.run_ranks(_sharded_background_save_loads_back, 2, free_port(), str(tmp_path))

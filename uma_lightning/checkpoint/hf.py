@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from uma_lightning.checkpoint.storage import local_part
 from uma_lightning.progress import Progress
 
 log = logging.getLogger("uma_lightning")
@@ -224,10 +225,10 @@ def materialise(model: nn.Module, device: torch.device | str) -> None:
     non-persistent buffers (rotary frequencies, position ids, embedding scales), which a build on the
     meta device leaves without values, get those its own initialisation computes from the config."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    if not any(_local(tensor).is_meta for _, tensor in tensors):
+    if not any(local_part(tensor).is_meta for _, tensor in tensors):
         return
     with torch.no_grad():
-        kept = {name: _local(tensor).clone() for name, tensor in tensors if not _local(tensor).is_meta}
+        kept = {name: local_part(tensor).clone() for name, tensor in tensors if not local_part(tensor).is_meta}
         swapping = torch.__future__.get_swap_module_params_on_conversion()
         # In place: each parameter stays the same object, so tied weights stay tied and the references
         # FSDP keeps to its sharded parameters stay valid.
@@ -238,7 +239,7 @@ def materialise(model: nn.Module, device: torch.device | str) -> None:
             torch.__future__.set_swap_module_params_on_conversion(swapping)
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name in kept:
-                _local(tensor).copy_(kept[name])
+                local_part(tensor).copy_(kept[name])
     if getattr(model, "hf_prefix", None) is not None:
         _init_computed_buffers(model.get_submodule(model.hf_prefix))
 
@@ -249,10 +250,6 @@ def load_pretrained(network: nn.Module, device: torch.device | str = "cpu") -> N
     weights: what a stage does after the strategy's layout, for a network used on its own."""
     materialise(network, device)
     load_hf_weights(network, read_hf_directory(network.pretrained_weights()))
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _init_computed_buffers(held: nn.Module) -> None:

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import MLFlowLogger
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_optimizer_state_dict
 
 from uma_lightning.checkpoint import rng
 from uma_lightning.checkpoint.codec import decode, encode, tensor_references
 from uma_lightning.checkpoint.manifest import CheckpointError
-from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, tensor_metadata
+from uma_lightning.checkpoint.storage import empty_like_saved, load_tensors, local_part, tensor_metadata
 from uma_lightning.checkpoint.weights import MODEL, OPTIMIZER, RNG, TRAINER, read_state
 from uma_lightning.lightning_compat import forget_train_loader
 from uma_lightning.parallel.pipeline import pipeline_of
@@ -134,12 +134,10 @@ def load_module(
     targets = {**model_tensors, **{key: optimizer_tensors[key] for key in wanted}, **(extra or {})}
     load_tensors(targets, directory, process_group)
     model_state = {name.removeprefix(prefix): value for name, value in decode(model_refs, targets).items()}
-    if optimizers:
-        set_state_dict(
-            module, list(optimizers), model_state_dict=model_state, optim_state_dict=decode(saved_optimizer, targets)
-        )
-    else:
+    if not _is_live(module, model_state):
         set_model_state_dict(module, model_state)
+    if optimizers:
+        set_optimizer_state_dict(module, list(optimizers), decode(saved_optimizer, targets))
 
 
 def apply_trainer_state(trainer: pl.Trainer, module: pl.LightningModule, state: dict) -> None:
@@ -243,9 +241,20 @@ def _check_same_parameters(directory: Path, expected: set[str], saved: set[str])
         )
 
 
+def _is_live(module: nn.Module, model_state: dict[str, torch.Tensor]) -> bool:
+    """Whether every tensor of ``model_state`` is the module's own (the load wrote into the module itself),
+    so that putting them back would only copy each onto itself."""
+    live = {_place(value) for value in module.state_dict().values()}
+    return all(_place(value) in live for value in model_state.values())
+
+
+def _place(tensor: torch.Tensor) -> tuple:
+    local = local_part(tensor)
+    return local.data_ptr(), local.shape, local.stride(), local.dtype
+
+
 def _storage(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.untyped_storage().data_ptr()
+    return local_part(tensor).untyped_storage().data_ptr()
 
 
 def _rebuild_train_loader(trainer: pl.Trainer) -> None:
