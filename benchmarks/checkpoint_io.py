@@ -1,4 +1,4 @@
-"""Checkpoint I/O of the `small` model (about 100 M parameters, with AdamW state) on CPU.
+"""Checkpoint I/O of the `small` model (about 100 M parameters, with AdamW state), on the CPU or a GPU.
 
 Measured side by side in one run, alternating, medians over the repeats:
 
@@ -16,6 +16,8 @@ Measured side by side in one run, alternating, medians over the repeats:
 - where a save's time goes, phase by phase, from the writers' own timers (``last_profile``).
 
     python benchmarks/checkpoint_io.py [--repeats 3] [--dir /tmp/checkpoint_io] [--json ratios.json]
+    python benchmarks/checkpoint_io.py --device cuda    # on the GPU machine: copies from the device to pinned memory
+    python benchmarks/checkpoint_io.py --size tiny --repeats 1    # the smoke run the test suite makes
 """
 
 from __future__ import annotations
@@ -52,16 +54,17 @@ SPEC = DataSpec(
 )
 
 
-def small_model() -> tuple[PretrainModule, torch.optim.Optimizer, dict]:
+def small_model(size: str = "small", device: str = "cpu") -> tuple[PretrainModule, torch.optim.Optimizer, dict]:
     torch.manual_seed(0)
-    module = PretrainModule(spec=SPEC, network=NetworkConfig(size="small"))
+    module = PretrainModule(spec=SPEC, network=NetworkConfig(size=size))
     module.configure_model()
+    module.to(device)
     optimizer = module.build_optimizer([p for p in module.parameters() if p.requires_grad])
     batch = {
-        "images": torch.randint(0, 256, (1, 1, 1, 64, 64, 3), dtype=torch.uint8),
-        "state": torch.randn(1, 1, SPEC.state_dim),
-        "actions": torch.rand(1, SPEC.action_horizon, SPEC.action_dim) * 2 - 1,
-        "action_mask": torch.ones(1, SPEC.action_horizon, dtype=torch.bool),
+        "images": torch.randint(0, 256, (1, 1, 1, 64, 64, 3), dtype=torch.uint8, device=device),
+        "state": torch.randn(1, 1, SPEC.state_dim, device=device),
+        "actions": torch.rand(1, SPEC.action_horizon, SPEC.action_dim, device=device) * 2 - 1,
+        "action_mask": torch.ones(1, SPEC.action_horizon, dtype=torch.bool, device=device),
         "instruction": ["reach the red square"],
     }
     forward_backward(module, batch)
@@ -72,12 +75,20 @@ def small_model() -> tuple[PretrainModule, torch.optim.Optimizer, dict]:
 
 def forward_backward(module: PretrainModule, batch: dict) -> None:
     module.compute_loss(batch)["loss"].backward()
+    synchronize(batch)
+
+
+def synchronize(batch: dict) -> None:
+    """Wait for the GPU's queued work, so that it is timed where it is queued."""
+    if batch["state"].is_cuda:
+        torch.cuda.synchronize()
 
 
 def train_step(module: PretrainModule, optimizer: torch.optim.Optimizer, batch: dict) -> None:
     forward_backward(module, batch)
     optimizer.step()
     optimizer.zero_grad()
+    synchronize(batch)
 
 
 BLOCK = 64 * 2**20
@@ -125,24 +136,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--json", type=Path, default=None, help="also write the four ratios to this JSON file")
+    parser.add_argument("--size", default="small", help="model size (configs/model); default small")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible")
     root = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=args.dir))
     try:
-        ratios = run(root, args.repeats)
+        ratios = run(root, args.repeats, args.size, args.device)
         if args.json is not None:
             args.json.write_text(json.dumps(ratios, indent=1) + "\n")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(root: Path, repeats: int) -> dict[str, float]:
-    module, optimizer, batch = small_model()
+def run(root: Path, repeats: int, size: str = "small", device: str = "cpu") -> dict[str, float]:
+    module, optimizer, batch = small_model(size, device)
     state, tensors = encode_parts(model_and_optimizer(module, [optimizer]))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     n_parameters = sum(p.numel() for p in module.parameters())
     print(
-        f"small model: {n_parameters / 1e6:.1f} M parameters, {nbytes / 1e9:.2f} GB of model and optimizer state; "
-        f"{torch.get_num_threads()} threads, writing to {root}"
+        f"{size} model on {device}: {n_parameters / 1e6:.1f} M parameters, {nbytes / 1e9:.2f} GB of model and "
+        f"optimizer state; {torch.get_num_threads()} threads, writing to {root}"
     )
     sync_writer = CheckpointWriter(root / "sync", 1, None, async_save=False, process_group=None)
     async_writer = CheckpointWriter(root / "async", 1, None, async_save=True, process_group=None)
