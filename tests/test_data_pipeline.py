@@ -3,8 +3,12 @@ counts, Lightning checkpoints), mixtures, bad data, and host-to-device prefetch.
 
 import json
 import logging
+import multiprocessing
+import os
 import re
 import shutil
+import signal
+import time
 
 import lightning as L
 import numpy as np
@@ -28,7 +32,7 @@ from uma_lightning.data import (
     Window,
 )
 from uma_lightning.data.generate import generate_planar_arm
-from uma_lightning.data.loader import BatchStream, RobotDataLoader
+from uma_lightning.data.loader import BatchStream, RobotDataLoader, _killed_worker
 from uma_lightning.data.order import SourceLayout, buffer_shuffle
 from uma_lightning.tools.data import main as data_tool
 from uma_lightning.tracking import MLflowLogger
@@ -413,3 +417,45 @@ def test_device_prefetcher_copies_on_a_side_stream_from_pinned_memory(v21):
     first = next(prefetcher)
     torch.cuda.synchronize()
     assert torch.equal(first["state"].cpu(), host[0]["state"])
+
+
+def _segfault() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_loader_worker_killed_between_torchs_checks_is_named_with_its_signal(v21):
+    # torch's SIGCHLD handler usually sees a worker's death first; without it (as when the signal comes
+    # while the handler cannot run), torch's own words are only that the worker "exited unexpectedly".
+    dm = datamodule(v21)
+    loader = RobotDataLoader(BatchStream(dm.train_sets, dm.order), num_workers=1, multiprocessing_context="fork")
+    children = {child.pid for child in multiprocessing.active_children()}
+    batches = iter(loader)
+    next(batches)
+    (pid,) = {child.pid for child in multiprocessing.active_children()} - children  # the loader's worker
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        os.kill(pid, signal.SIGSEGV)
+        with pytest.raises(RuntimeError) as raised:
+            for _ in batches:
+                pass
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert str(raised.value) == f"DataLoader worker (pid {pid}) is killed by signal: Segmentation fault."
+    assert "exited unexpectedly" in str(raised.value.__cause__)
+
+
+def test_killed_worker_names_only_a_worker_a_signal_killed():
+    worker = multiprocessing.get_context("fork").Process(target=_segfault)
+    worker.start()
+    worker.join()
+    alive = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    alive.start()
+    try:
+        unexpected = RuntimeError(f"DataLoader worker (pid(s) {worker.pid}) exited unexpectedly")
+        named = _killed_worker(unexpected, [alive, worker])
+        assert str(named) == f"DataLoader worker (pid {worker.pid}) is killed by signal: Segmentation fault."
+        assert _killed_worker(unexpected, [alive]) is None  # no worker died of a signal: torch's words stand
+        assert _killed_worker(RuntimeError("CUDA error: out of memory"), [worker]) is None
+    finally:
+        alive.kill()
+        alive.join()

@@ -17,6 +17,7 @@ the next epoch begins.
 from __future__ import annotations
 
 import logging
+import signal
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -261,19 +262,26 @@ class RobotDataLoader(DataLoader):
         length = len(self)
         pool = self._buffer_pool_for_pass()
         batches = super().__iter__()
+        workers = list(getattr(batches, "_workers", ()))  # torch's worker processes: to say how one died
         if pool is not None:
             batches = _lending(batches, pool)
         if self.device is not None:
             batches = iter(DevicePrefetcher(batches, self.device))
-        for batch in batches:
-            self._count_bad(batch.pop(BAD_SAMPLES_KEY, ()))
-            self.batches += 1
-            if self.batches >= length:
-                self.epoch, self.batches = self.epoch + 1, 0
-            if (
-                batch
-            ):  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
-                yield batch
+        try:
+            for batch in batches:
+                self._count_bad(batch.pop(BAD_SAMPLES_KEY, ()))
+                self.batches += 1
+                if self.batches >= length:
+                    self.epoch, self.batches = self.epoch + 1, 0
+                if (
+                    batch
+                ):  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
+                    yield batch
+        except RuntimeError as err:
+            killed = _killed_worker(err, workers)
+            if killed is None:
+                raise
+            raise killed from err
 
     def _buffer_pool_for_pass(self) -> BatchBufferPool | None:
         """The workers' image buffers for this pass: new ones with new workers, the same (their
@@ -317,6 +325,19 @@ class RobotDataLoader(DataLoader):
             self.bad_samples += 1
             if self.bad_samples <= LOGGED_BAD_SAMPLES or self.bad_samples % 100 == 0:
                 logger.warning("skipped bad sample (%d so far): %s", self.bad_samples, error)
+
+
+def _killed_worker(err: RuntimeError, workers: list) -> RuntimeError | None:
+    """The signal that killed a loader worker, said as torch says it when its signal handler sees the
+    death first; torch's other check, when a worker died between two of its looks, says only that it
+    "exited unexpectedly". None when ``err`` is not that, or no worker was killed by a signal."""
+    if "exited unexpectedly" not in str(err):
+        return None
+    killed = [(worker.pid, worker.exitcode) for worker in workers if (worker.exitcode or 0) < 0]
+    if not killed:
+        return None
+    pid, exitcode = killed[0]
+    return RuntimeError(f"DataLoader worker (pid {pid}) is killed by signal: {signal.strsignal(-exitcode)}.")
 
 
 def _lending(batches: Iterator[dict[str, Any]], pool: BatchBufferPool) -> Iterator[dict[str, Any]]:
