@@ -7,6 +7,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -258,9 +259,12 @@ def test_data_wait_is_the_loaders_time_not_the_work_between_steps(tmp_path):
     timed = {int(row["step"]): row for row in rows if row["time/data_wait_ms"]}
     assert sorted(timed) == [1, 2, 3, 4, 5]  # the first batch of the epoch has no previous end
     for row in timed.values():
-        # Had the batch-end work counted as data wait, it would be over 200 ms.
-        assert 48 <= float(row["time/data_wait_ms"]) < 150, row
-        assert 148 <= float(row["time/overhead_ms"]) < 300, row
+        assert float(row["time/data_wait_ms"]) >= 48 and float(row["time/overhead_ms"]) >= 148, row
+    # Had the batch-end work counted as data wait, every wait would be over 200 ms; had it counted
+    # twice as overhead, every overhead over 300 ms. Medians: one step that the machine delayed
+    # (a 347 ms overhead in a CI run) does not make a wrong split of them all.
+    assert statistics.median(float(row["time/data_wait_ms"]) for row in timed.values()) < 150, timed
+    assert statistics.median(float(row["time/overhead_ms"]) for row in timed.values()) < 300, timed
     waits = [float(row["time/data_wait_ms"]) / 1e3 for row in timed.values()]
     assert breakdown.total_data_wait == pytest.approx(sum(waits))
     assert 0.1 < breakdown.total_data_wait / breakdown.total_step < 0.4
