@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -277,7 +278,7 @@ class RobotDataLoader(DataLoader):
                     batch
                 ):  # a batch whose every sample was bad is left out (Lightning ends the epoch early if it was the last)
                     yield batch
-        except RuntimeError as err:
+        except (RuntimeError, ConnectionError, EOFError) as err:
             killed = _killed_worker(err, workers)
             if killed is None:
                 raise
@@ -327,11 +328,20 @@ class RobotDataLoader(DataLoader):
                 logger.warning("skipped bad sample (%d so far): %s", self.bad_samples, error)
 
 
-def _killed_worker(err: RuntimeError, workers: list) -> RuntimeError | None:
+# How long a worker whose connection broke may take to finish dying, before its exit status is read.
+_DYING_WORKER_S = 2.0
+
+
+def _killed_worker(err: Exception, workers: list) -> RuntimeError | None:
     """The signal that killed a loader worker, said as torch says it when its signal handler sees the
-    death first; torch's other check, when a worker died between two of its looks, says only that it
-    "exited unexpectedly". None when ``err`` is not that, or no worker was killed by a signal."""
-    if "exited unexpectedly" not in str(err):
+    death first. torch has two other ways: a worker that died between two of its looks "exited
+    unexpectedly", and a batch it had queued, whose tensors it shares by file descriptor, fails to
+    arrive with a broken connection. None when ``err`` is none of these, or no worker died of a signal."""
+    if isinstance(err, (ConnectionError, EOFError)):
+        deadline = time.monotonic() + _DYING_WORKER_S  # the peer that vanished may still be dying
+        while time.monotonic() < deadline and not any((worker.exitcode or 0) < 0 for worker in workers):
+            time.sleep(0.02)
+    elif not (isinstance(err, RuntimeError) and "exited unexpectedly" in str(err)):
         return None
     killed = [(worker.pid, worker.exitcode) for worker in workers if (worker.exitcode or 0) < 0]
     if not killed:
