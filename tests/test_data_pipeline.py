@@ -442,9 +442,9 @@ def test_a_loader_worker_killed_between_torchs_checks_is_named_with_its_signal(v
         signal.signal(signal.SIGCHLD, previous)
     assert str(raised.value) == f"DataLoader worker (pid {pid}) is killed by signal: Segmentation fault."
     # What torch raised: "exited unexpectedly", or, when a batch the worker had queued came next, the
-    # broken connection over which its tensors' file descriptors were to come.
+    # connection over which its tensors' file descriptors were to come, reset or closed.
     cause = raised.value.__cause__
-    assert "exited unexpectedly" in str(cause) or isinstance(cause, ConnectionError), repr(cause)
+    assert "exited unexpectedly" in str(cause) or isinstance(cause, (ConnectionError, EOFError)), repr(cause)
 
 
 def test_killed_worker_names_only_a_worker_a_signal_killed():
@@ -461,6 +461,7 @@ def test_killed_worker_names_only_a_worker_a_signal_killed():
         assert _killed_worker(RuntimeError("CUDA error: out of memory"), [worker]) is None
         reset = ConnectionResetError(104, "Connection reset by peer")
         assert str(_killed_worker(reset, [alive, worker])) == str(named)
+        assert str(_killed_worker(EOFError(), [alive, worker])) == str(named)
         started = time.monotonic()
         assert _killed_worker(reset, [alive]) is None  # after waiting a little for a death that does not come
         assert 1.5 < time.monotonic() - started < 5
