@@ -49,19 +49,22 @@ def test_callbacks_and_kernels_are_not_top_level_modules():
 
 
 @pytest.mark.slow  # a new interpreter
-def test_models_import_neither_lightning_nor_distributed():
+def test_models_import_neither_lightning_nor_distributed_and_the_cli_not_mlflow():
     # What importing loads, transitively, not what the source says. `import torch` itself loads the
     # process-group basics of torch.distributed; DTensor, FSDP and tensor parallelism come with plans.
     # Policy, which reads sharded checkpoints, needs torch's checkpoint reader but not Lightning.
+    # The CLI and the callbacks import MLflow (0.8 s) only when a run logs to it.
     code = (
         "import sys, json; loaded = lambda prefixes: sorted(m for m in sys.modules if m.startswith(prefixes));"
         "import uma_lightning.models; models = loaded(('torch.distributed.tensor', 'torch.distributed.fsdp', 'uma_lightning.parallel', 'lightning', 'mlflow'));"
-        "import uma_lightning.policy; print(json.dumps([models, loaded(('lightning', 'pytorch_lightning', 'mlflow', 'uma_lightning.parallel'))]))"
+        "import uma_lightning.policy; policy = loaded(('lightning', 'pytorch_lightning', 'mlflow', 'uma_lightning.parallel'));"
+        "import uma_lightning.cli, uma_lightning.callbacks; print(json.dumps([models, policy, loaded(('mlflow',))]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    models, policy = json.loads(out)
+    models, policy, cli = json.loads(out)
     assert models == [], f"import uma_lightning.models loads {models}"
     assert policy == [], f"import uma_lightning.policy loads {policy}"
+    assert cli == [], f"import uma_lightning.cli loads {cli}"
 
 
 @pytest.mark.slow

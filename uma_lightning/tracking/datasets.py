@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mlflow.entities import Dataset, DatasetInput, InputTag
+if TYPE_CHECKING:
+    from mlflow.entities import DatasetInput
 
 # MLflow's tag for what a dataset was used for; the UI shows it beside the dataset's name.
 CONTEXT_TAG = "mlflow.data.context"
@@ -29,6 +31,8 @@ def metadata_digest(meta) -> str:
 def dataset_inputs(datamodule) -> list[DatasetInput]:
     """One input per dataset of a ``RobotDataModule``'s mixture, with its share of the draws and its
     train/validation split as input tags; empty for data modules without LeRobot metadata."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
     sources, metadata, splits = (getattr(datamodule, name, None) for name in ("sources", "metadata", "splits"))
     if not (sources and metadata and splits):
         return []

@@ -10,14 +10,12 @@ import torch.distributed as dist
 import yaml
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
-from mlflow.entities import RunTag
 
 from uma_lightning.checkpoint.directory import committed
 from uma_lightning.checkpoint.weights import read_checkpoint
 from uma_lightning.lightning_compat import mlflow_experiment_name, mlflow_tracking_uri
 from uma_lightning.tracking.datasets import dataset_inputs
 from uma_lightning.tracking.mlflow_logger import MLflowLogger, find_mlflow_logger
-from uma_lightning.tracking.policy_model import log_policy_model
 from uma_lightning.tracking.provenance import rank_facts, run_tags, write_provenance
 from uma_lightning.tracking.step_metrics import log_step_metrics
 
@@ -91,6 +89,8 @@ class RecordRunConfig(SaveConfigCallback):
         if isinstance(logger, MLflowLogger):
             logger.log_tags(tags)
         else:
+            from mlflow.entities import RunTag
+
             logger.experiment.log_batch(logger.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
         datamodule = getattr(trainer, "datamodule", None)
         inputs = dataset_inputs(datamodule) if datamodule is not None else []
@@ -139,6 +139,8 @@ def log_final_policy(trainer: Trainer, logger: MLflowLogger) -> None:
     """The policy of the fit's newest sharded checkpoint as the run's MLflow Model (``policy_model.py``),
     registered when the logger says so. Lightning's .ckpt files (an RL learner's) hold no robot policy.
     A failure does not undo the training: it is logged with the command that logs the model later."""
+    from uma_lightning.tracking.policy_model import log_policy_model  # imports MLflow's model flavours, 0.5 s
+
     checkpoint_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
     if not checkpoint_dir or not committed(checkpoint_dir):
         return
