@@ -17,12 +17,20 @@ import torch
 from checkpoint_helpers import assert_bitwise_equal, backbone, full_state, optimizer_for, train_step
 from suite import free_port
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from uma_lightning.checkpoint import CheckpointWriter, step_dirname
 from uma_lightning.checkpoint.manifest import file_checksum, read_manifest, verify
 from uma_lightning.checkpoint.staging import HostCopies
 from uma_lightning.checkpoint.state import encode_parts, load_module, model_and_optimizer
-from uma_lightning.checkpoint.storage import load_tensors, save_tensors
+from uma_lightning.checkpoint.storage import (
+    SafeFileSystemReader,
+    _DeviceStaging,
+    _InPlace,
+    _read_entry,
+    load_tensors,
+    save_tensors,
+)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -145,6 +153,36 @@ def test_whole_tensors_load_without_dcp_and_the_others_through_it(tmp_path, monk
     load_tensors(loaded, tmp_path, None)
     assert by_dcp == [["half"]]
     assert_bitwise_equal(loaded, {key: value.float() for key, value in saved.items()})
+
+
+def test_tensors_off_the_host_are_read_piece_by_piece_through_two_buffers(tmp_path):
+    """The GPU path's staging, run on the host: pieces smaller than the tensors, one ending inside
+    the entry's header read, the two buffers taking turns; every byte lands where it belongs."""
+    saved = {"large": torch.randn(2_500), "ragged": torch.randn(333).double(), "in_header": torch.arange(7.0)}
+    save_tensors(saved, tmp_path, None)
+    storage_data = SafeFileSystemReader(tmp_path).read_metadata().storage_data
+    staging = _DeviceStaging(torch.device("cpu"), piece=1000)
+    fills = []
+    fill = staging.fill
+    staging.fill = lambda target, read_piece: fills.append(target.nbytes) or fill(target, read_piece)
+    with open(tmp_path / "__0_0.distcp", "rb") as shard:
+        loaded = {key: torch.zeros_like(value) for key, value in saved.items()}
+        for key, target in loaded.items():
+            entry = storage_data[MetadataIndex(key, (0,))]
+            assert _read_entry(shard.fileno(), _InPlace(entry, tuple(target.shape), target), staging)
+    staging.finish()
+    assert_bitwise_equal(loaded, saved)
+    assert fills == [10_000, 2_664, 28] and staging.turn == (10 + 3 + 1) % 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tensors_load_in_place_through_pinned_buffers(tmp_path, monkeypatch):
+    saved = {"weight": torch.randn(4096, 1024), "step": torch.tensor(3.0), "half": torch.randn(100).half()}
+    save_tensors(saved, tmp_path, None)
+    monkeypatch.setattr(torch.distributed.checkpoint, "load", lambda *args, **kwargs: pytest.fail("DCP was asked"))
+    loaded = {key: torch.full_like(value, float("nan"), device="cuda") for key, value in saved.items()}
+    load_tensors(loaded, tmp_path, None)
+    assert_bitwise_equal({key: value.cpu() for key, value in loaded.items()}, saved)
 
 
 def test_host_copies_are_exact_independent_of_training_and_kept_from_one_save_to_the_next():

@@ -14,7 +14,9 @@ shard, saved as one chunk of exactly its place and sizes (a load under the layou
 read without DCP's planning, which cost a third as much as the reads of a 1.3 GB checkpoint from a
 fast disk; a resharded load is planned by DCP, still reading in place each saved chunk that fills a
 contiguous part of its destination; DCP's own path (``torch.load`` of the entry into a new tensor,
-then a copy) takes the rest. The index is unpickled once per checkpoint directory, not once per use.
+then a copy) takes the rest. A tensor on a GPU is read through two pinned host buffers per reader, the
+next piece read from disk while the last is copied to the device. The index is unpickled once per
+checkpoint directory, not once per use.
 
 Loading never unpickles untrusted objects: DCP reads tensors with ``torch.load(weights_only=True)``,
 the in-place reads unpickle a tensor's header with an unpickler that knows only how to describe one
@@ -218,7 +220,7 @@ class _InPlace:
 
 def _read_in_place(directory: Path, reads: list[_InPlace]) -> list[bool]:
     """Read each chunk of ``reads`` straight into its target where the bytes on disk are laid out as the
-    target is (and the target is a contiguous host tensor); False for the others, left untouched.
+    target is (and the target is contiguous, on the host or a GPU); False for the others, left untouched.
 
     The entries, in file order, are cut into ``_READERS`` runs of about equal bytes, each read in order
     (an entry's header, then its data) by a thread of its own, the calling thread one of them: a read
@@ -226,7 +228,11 @@ def _read_in_place(directory: Path, reads: list[_InPlace]) -> list[bool]:
     done = [False] * len(reads)
     by_file: dict[str, list[int]] = defaultdict(list)
     for index, read in enumerate(reads):
-        if not read.entry.transform_descriptors and read.target.device.type == "cpu" and read.target.is_contiguous():
+        if (
+            not read.entry.transform_descriptors
+            and read.target.device.type in _READABLE
+            and read.target.is_contiguous()
+        ):
             by_file[read.entry.relative_path].append(index)
     descriptors, jobs = [], []
     try:
@@ -238,8 +244,16 @@ def _read_in_place(directory: Path, reads: list[_InPlace]) -> list[bool]:
         runs = _runs_of_equal_bytes(jobs, lambda job: reads[job[1]].target.nbytes, _READERS)
 
         def read_run(run: list) -> None:
-            for fd, index in run:
-                done[index] = _read_entry(fd, reads[index])
+            staging: dict[torch.device, _DeviceStaging] = {}
+            try:
+                for fd, index in run:
+                    target = reads[index].target
+                    if target.device.type != "cpu" and target.device not in staging:
+                        staging[target.device] = _DeviceStaging.take(target.device)
+                    done[index] = _read_entry(fd, reads[index], staging.get(target.device))
+            finally:
+                for buffers in staging.values():
+                    buffers.give_back()
 
         with ThreadPoolExecutor(max(len(runs) - 1, 1), thread_name_prefix="checkpoint-reader") as readers:
             rest_of_runs = [readers.submit(read_run, run) for run in runs[1:]]
@@ -250,6 +264,64 @@ def _read_in_place(directory: Path, reads: list[_InPlace]) -> list[bool]:
         for fd in descriptors:
             os.close(fd)
     return done
+
+
+_READABLE = ("cpu", "cuda")
+
+
+class _DeviceStaging:
+    """Two pinned host buffers through which one reader fills tensors on a device: a piece is read
+    from disk into one buffer while the other's copy to the device runs on a stream of its own."""
+
+    PIECE = 32 << 20
+    _idle: dict[torch.device, list[_DeviceStaging]] = defaultdict(list)  # kept from load to load: pinning costs
+    _lock = threading.Lock()
+
+    def __init__(self, device: torch.device, piece: int = PIECE):
+        self.device = device
+        on_gpu = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if on_gpu else None
+        self.buffers = [torch.empty(piece, dtype=torch.uint8, pin_memory=on_gpu) for _ in range(2)]
+        self.copied: list = [None, None]
+        self.turn = 0
+
+    @classmethod
+    def take(cls, device: torch.device) -> _DeviceStaging:
+        with cls._lock:
+            staging = cls._idle[device].pop() if cls._idle[device] else None
+        staging = staging or cls(device)
+        if staging.stream is not None:  # the targets may still be written by work queued on the current stream
+            staging.stream.wait_stream(torch.cuda.current_stream(device))
+        return staging
+
+    def give_back(self) -> None:
+        self.finish()
+        with self._lock:
+            self._idle[self.device].append(self)
+
+    def fill(self, target: torch.Tensor, read_piece) -> None:
+        """Fill ``target``'s bytes piece by piece; ``read_piece(buffer, start)`` fills a host buffer
+        with the bytes from ``start`` on."""
+        destination = target.view(-1).view(torch.uint8)
+        piece = self.buffers[0].numel()
+        for start in range(0, destination.numel(), piece):
+            length = min(piece, destination.numel() - start)
+            buffer = self.buffers[self.turn][:length]
+            if self.copied[self.turn] is not None:
+                self.copied[self.turn].synchronize()  # the buffer's last copy has left it
+            read_piece(memoryview(buffer.numpy()), start)
+            if self.stream is None:
+                destination[start : start + length].copy_(buffer)
+            else:
+                with torch.cuda.stream(self.stream):
+                    destination[start : start + length].copy_(buffer, non_blocking=True)
+                    self.copied[self.turn] = self.stream.record_event()
+            self.turn ^= 1
+
+    def finish(self) -> None:
+        """Wait for every copy: the tensors are complete when the load returns."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def _runs_of_equal_bytes(jobs: list, nbytes, count: int) -> list[list]:
@@ -263,18 +335,26 @@ def _runs_of_equal_bytes(jobs: list, nbytes, count: int) -> list[list]:
     return [run for run in runs if run] or [[]]
 
 
-def _read_entry(fd: int, read: _InPlace) -> bool:
-    """Read the entry's data into the target if it is laid out as the target is; False when it is not."""
+def _read_entry(fd: int, read: _InPlace, staging: Optional[_DeviceStaging] = None) -> bool:
+    """Read the entry's data into the target if it is laid out as the target is; False when it is not.
+    A target off the host goes through ``staging``."""
     entry, target = read.entry, read.target
     head = os.pread(fd, min(_ENTRY_HEAD, entry.length), entry.offset)
     offset = _data_offset(head, target, read.lengths)
     if offset is None or offset + target.nbytes > entry.length:
         return False
-    destination = memoryview(target.view(-1).view(torch.uint8).numpy())
-    if offset + target.nbytes <= len(head):
-        destination[:] = head[offset : offset + target.nbytes]
+
+    def read_piece(destination: memoryview, start: int) -> None:
+        begin = offset + start
+        if begin + destination.nbytes <= len(head):
+            destination[:] = head[begin : begin + destination.nbytes]
+        else:
+            _read_exactly(fd, destination, entry.offset + begin)
+
+    if staging is None:
+        read_piece(memoryview(target.view(-1).view(torch.uint8).numpy()), 0)
     else:
-        _read_exactly(fd, destination, entry.offset + offset)
+        staging.fill(target, read_piece)
     return True
 
 
