@@ -135,7 +135,7 @@ def _saved_name_of(held: nn.Module):
     if not hasattr(held, "config") or not hasattr(held, "save_pretrained"):
         return lambda name: name
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+    from transformers.core_model_loading import PrefixChange, WeightRenaming
 
     conversions = getattr(held, "_weight_conversions", None) or [
         conversion
@@ -149,7 +149,14 @@ def _saved_name_of(held: nn.Module):
             f"{type(held).__name__} converts tensors when it loads ({type(converting[0]).__name__} of "
             f"{converting[0].source_patterns}); loading it shard by shard copies tensors as they are saved"
         )
-    return lambda name: apply_renamings(name, reversed_)
+
+    def saved_name(name: str) -> str:
+        # Each renaming in turn (what transformers' own ``apply_renamings`` does; that helper is newer than 5.17).
+        for renaming in reversed_:
+            name, _ = renaming.rename_source_key(name)
+        return name
+
+    return saved_name
 
 
 def untied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
