@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -522,3 +523,19 @@ def test_gpu_script_names_each_failed_check(capsys):
     assert "FAILED benchmark rms_norm triton: ValueError: boom (at test_kernels.py:" in printed
     assert "FAILED correctness swiglu triton bfloat16 (3, 77): max error 0.5 > allowed 0.01" in printed
     assert report.failures == ["benchmark rms_norm triton", "correctness swiglu triton bfloat16 (3, 77)"]
+
+
+def test_the_gpu_runner_keeps_each_parts_output_and_cuts_a_part_at_its_cap(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_run_all", REPO / "benchmarks" / "gpu" / "run_all.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    quick = [sys.executable, "-c", "print('quick part'); raise SystemExit(3)"]
+    assert runner.run_part(quick, 30, tmp_path / "quick.log") == 3
+    hung = [sys.executable, "-c", "import time; print('before the hang', flush=True); time.sleep(60)"]
+    started = time.monotonic()
+    assert runner.run_part(hung, 1.5, tmp_path / "hung.log") == 124
+    assert time.monotonic() - started < 10
+    assert (tmp_path / "quick.log").read_text() == "quick part\n"
+    assert (tmp_path / "hung.log").read_text().startswith("before the hang\n\n--- cut at its cap of 2 s ---")
+    assert "quick part" in capsys.readouterr().out  # shown as it comes, too
+    assert set(runner.parts(tmp_path)) == {"gpu-tests", "checkpoint", "kernels", "strategies", "rl", "video"}

@@ -215,6 +215,7 @@ def main() -> int:
                 rows.append([model, variant, f"{result['samples/s']:.1f}", tokens, f"{result['samples/s'] / baseline:.2f}",
                              f"{result['mfu']:.1%}" if on_gpu else "n/a", f"{result['step ms']:.1f}",
                              f"{result['peak GiB']:.1f}" if on_gpu else "n/a"])  # fmt: skip
+                print("done:", " | ".join(rows[-1]), flush=True)  # a run cut short still shows its rows
     print_table(
         f"{device}, {'fp32' if device == 'cpu' else 'bf16-mixed'}, median step after warm-up; MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s",
         ["model", "variant", "samples/s", "tokens/s", "vs baseline", "MFU", "step ms", "peak GiB"],
