@@ -6,9 +6,11 @@ was saved whole, as it is now)."""
 import json
 import math
 import os
+import random
 import runpy
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import forked_cli
@@ -19,7 +21,7 @@ from suite import free_port
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from uma_lightning.checkpoint import CheckpointWriter, step_dirname
+from uma_lightning.checkpoint import CheckpointWriter, crc, step_dirname
 from uma_lightning.checkpoint.manifest import file_checksum, read_manifest, verify
 from uma_lightning.checkpoint.staging import HostCopies
 from uma_lightning.checkpoint.state import encode_parts, load_module, model_and_optimizer
@@ -59,6 +61,18 @@ def test_checksums_taken_while_writing_match_the_bytes_on_disk(tmp_path, async_s
         "commit",
     } <= writer.last_profile.keys()
     assert torch.serialization.get_crc32_options()  # the process-wide zip CRC setting is given back
+
+
+@pytest.mark.parametrize("length", [0, 1, 4095, 4096 * 2, 4096 * 7 + 13])
+def test_a_crc_computed_in_pieces_on_several_threads_is_zlibs(length, monkeypatch):
+    monkeypatch.setattr(crc, "PIECE", 4096)  # many pieces and joins at a small size
+    data = random.Random(length).randbytes(length)
+    ints = torch.arange(length // 4 + 1, dtype=torch.int32).numpy()  # a buffer of 4-byte items
+    for start in (0, 0xDEADBEEF):
+        assert crc.crc32(data, start) == zlib.crc32(data, start)
+        assert crc.crc32(memoryview(ints), start) == zlib.crc32(ints.tobytes(), start)
+    middle = length // 3
+    assert crc.join(zlib.crc32(data[:middle]), zlib.crc32(data[middle:]), length - middle) == zlib.crc32(data)
 
 
 def test_a_flipped_byte_in_a_file_written_with_a_running_checksum_is_caught(tmp_path):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from contextlib import nullcontext
 from pathlib import Path
 
+from uma_lightning.checkpoint.crc import crc32
 from uma_lightning.progress import Progress
 
 MANIFEST = "manifest.json"
@@ -36,7 +36,7 @@ def file_checksum(path: str | Path, progress: Progress | None = None) -> str:
     crc = 0
     with open(path, "rb") as file:
         while chunk := file.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             if progress is not None:
                 progress.advance(len(chunk))
     return f"{crc:08x}"

@@ -36,7 +36,6 @@ import sys
 import threading
 import time
 import warnings
-import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -58,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
+from uma_lightning.checkpoint.crc import crc32
 from uma_lightning.checkpoint.manifest import CheckpointError
 
 # A single process saves and loads without a process group on purpose.
@@ -460,7 +460,7 @@ class _ChecksummedFile:
     def write(self, data) -> int:
         view = memoryview(data)
         started = time.perf_counter()
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)  # a large buffer in pieces on several threads (crc.py)
         checksummed = time.perf_counter()
         self._file.write(view)
         self.size += view.nbytes
