@@ -167,11 +167,15 @@ def test_each_fault_is_named_on_every_rank_and_the_reruns_end_as_the_uninterrupt
         assert run.data.tags["fault"] == named[0], context
 
         # The checkpoints before the fault verify, and the newest is where the rerun resumes: the one of the
-        # step the fault hit if its background write was committed, else the one before.
+        # step the fault hit if its background write was committed, else the one before. A loader worker's
+        # death surfaces when training needs a batch the worker had not made yet: the batches it had queued
+        # (prefetch_factor 2, and the one in flight) are trained on first, their checkpoints saved too.
+        surfaced = int(re.search(r"failed at step (\d+)", named[0])[1]) if kind == "worker_segfault" else step
+        assert step <= surfaced <= step + 3, context
         saved = committed(run_dir / "checkpoints")
         assert saved and all(verify(path) == [] for _, path in saved), context
         resumable = saved[-1][1]
-        assert 0 <= step - saved[-1][0] <= EVERY_N_STEPS + 1, context
+        assert 0 <= surfaced - saved[-1][0] <= EVERY_N_STEPS + 1, context
 
     codes, _, logs = run_job(write_recipe(tmp_path / "plain.yaml", mlflow_store), run_dir, tmp_path / "plain.log")
     assert codes == [0, 0] and f"resumed from {resumable}: step" in logs[0], logs
