@@ -138,6 +138,8 @@ class HoldUntilSignalled(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.at_step and not self._signalled.is_set():
+            # A test that waits for this line signals the run while it holds, after every earlier callback's hook.
+            print(f"HoldUntilSignalled: holding after step {self.at_step}", flush=True)
             deadline = time.monotonic() + self.timeout_s
             while not self._signalled.is_set() and time.monotonic() < deadline:
                 time.sleep(0.05)  # polled: the handler that sets the event runs on this thread
