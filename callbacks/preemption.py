@@ -116,14 +116,19 @@ class Preemption(Callback):
                 raise KeyboardInterrupt  # Ctrl+C twice: stop without waiting for the checkpoint
             return
         self._received = signum
+        # Said from another thread: this handler may have interrupted a write to the very stream the line
+        # goes to (a pipe's write retried after EINTR runs it), which refuses a reentrant write.
+        threading.Thread(target=self._announce, args=(signum,), name="preemption-notice", daemon=True).start()
+        self._timer = threading.Timer(self.grace_period_s, self._grace_period_over, args=(signum,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _announce(self, signum: int) -> None:
         log.info(
             "received %s: saving a checkpoint at the next step boundary, then exiting (grace period %.0f s)",
             signal.Signals(signum).name,
             self.grace_period_s,
         )
-        self._timer = threading.Timer(self.grace_period_s, self._grace_period_over, args=(signum,))
-        self._timer.daemon = True
-        self._timer.start()
 
     def _agreed_signal(self) -> int:
         """The signal any rank received (the same answer on every rank), or 0."""

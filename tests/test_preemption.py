@@ -1,6 +1,8 @@
 """Preemption: SIGTERM and SIGUSR1 save at the next step boundary and exit; Slurm's requeue is asked for;
 a step that does not end within the grace period does not keep the job alive."""
 
+import io
+import logging
 import os
 import signal
 import stat
@@ -15,6 +17,7 @@ from checkpoint_helpers import assert_bitwise_equal, checkpoint_tensors
 from checkpoint_modules import resume_recipe as deterministic_recipe
 from suite import RECIPE, TINY, free_port
 
+from uma_lightning.callbacks.preemption import Preemption
 from uma_lightning.checkpoint import committed, verify
 
 # Every test starts a training process and signals it.
@@ -263,3 +266,42 @@ def test_an_mlflow_run_stopped_by_a_signal_is_killed_and_a_failing_store_does_no
     assert f"could not mark MLflow run {run_id} as KILLED: API request failed: connection refused" in caplog.text
     with pytest.raises(MlflowException):  # a run that ends well still reports a store that fails
         logger.finalize("success")
+
+
+def test_a_signal_that_interrupts_a_log_write_is_still_announced():
+    """A handler run inside a write to the log's stream (a pipe's write retried after EINTR does that)
+    must not write to the same stream itself: like Python's buffered writers, the stream here refuses
+    a reentrant write, and the line would be lost to a logging error."""
+    preemption = Preemption(grace_period_s=60)
+
+    class Stream(io.StringIO):
+        writing = False
+
+        def write(self, text):
+            if self.writing:
+                raise RuntimeError("reentrant call inside the stream")
+            self.writing = True
+            try:
+                if "step 3/" in text:
+                    preemption._on_signal(signal.SIGTERM, None)  # the signal lands mid-write
+                return super().write(text)
+            finally:
+                self.writing = False
+
+    stream = Stream()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("uma_lightning")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info("step 3/12 | loss 1.0")
+        deadline = time.monotonic() + 10
+        while "received SIGTERM" not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        preemption._cancel_timer()
+    assert "step 3/12" in stream.getvalue()
+    assert "received SIGTERM: saving a checkpoint at the next step boundary" in stream.getvalue()
