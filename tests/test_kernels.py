@@ -103,6 +103,27 @@ def test_checks_catch_a_wrong_kernel(monkeypatch):
     assert all(check.ok for check in checks.check_swiglu((3, 77), torch.bfloat16, "cpu", "torch"))
 
 
+def test_the_cross_entropy_gradient_checks_catch_a_gradient_off_by_one_bf16_step(monkeypatch):
+    """Measured against max |G||W| rather than max |G W|, the d(hidden) check still fails a gradient
+    1 + 2^-8 times too large, in float32 and in float16, and passes the real one."""
+    fused = checks.linear_cross_entropy
+
+    def off_by_a_step(hidden, weight, targets, backend):
+        extra = hidden * 2**-8
+        return fused(hidden + extra - extra.detach(), weight, targets, backend=backend)
+
+    for dtype in (torch.float32, torch.float16):
+        assert all(check.ok for check in checks.check_linear_cross_entropy(45, 24, 300, dtype, "cpu", "torch"))
+        monkeypatch.setattr(checks, "linear_cross_entropy", off_by_a_step)
+        failed = [
+            check.name
+            for check in checks.check_linear_cross_entropy(45, 24, 300, dtype, "cpu", "torch")
+            if not check.ok
+        ]
+        assert failed == [f"linear_cross_entropy torch {checks._dtype(dtype)} rows=45 dim=24 vocab=300 dhidden"]
+        monkeypatch.undo()
+
+
 @needs_triton
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_linear_cross_entropy_edge_cases(backend):
