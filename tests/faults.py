@@ -229,8 +229,8 @@ def _failing_open(code: int):
         def write(self, data):
             fail(self.raw.name)
 
-    def open_full(path, mode="r", buffering=-1):
-        return FullDisk(io.FileIO(path, mode))
+    def open_full(path, mode="r", buffering=-1, opener=None):
+        return FullDisk(io.FileIO(path, mode, opener=opener))
 
     return open_full
 

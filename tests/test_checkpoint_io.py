@@ -3,10 +3,12 @@ reports where its time went, a background save copies to host memory it keeps, a
 tensors straight into their destination when it can (without DCP's planning when a tensor or shard
 was saved whole, as it is now)."""
 
+import errno
+import fcntl
+import io
 import json
 import math
 import os
-import random
 import runpy
 import sys
 import time
@@ -18,11 +20,11 @@ import pytest
 import torch
 from checkpoint_helpers import assert_bitwise_equal, backbone, full_state, optimizer_for, train_step
 from suite import free_port
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from uma_lightning.checkpoint import CheckpointWriter, crc, step_dirname
-from uma_lightning.checkpoint.manifest import file_checksum, read_manifest, verify
+from uma_lightning.checkpoint import CheckpointWriter, step_dirname, storage
+from uma_lightning.checkpoint.manifest import CheckpointError, file_checksum, read_manifest, verify
 from uma_lightning.checkpoint.staging import HostCopies
 from uma_lightning.checkpoint.state import encode_parts, load_module, model_and_optimizer
 from uma_lightning.checkpoint.storage import (
@@ -37,8 +39,8 @@ from uma_lightning.checkpoint.storage import (
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_checksums_taken_while_writing_match_the_bytes_on_disk(tmp_path, async_save, monkeypatch):
-    # Writeback every 4 KiB, so that the small files of this test cross many steps of it.
-    monkeypatch.setattr("uma_lightning.checkpoint.storage._WRITEBACK_STEP", 4096)
+    # Blocks of 8 KiB, so that the small files of this test cross many of them.
+    monkeypatch.setattr("uma_lightning.checkpoint.storage._BLOCK", 8192)
     model = backbone()
     optimizer = optimizer_for(model)
     train_step(model, optimizer)
@@ -51,6 +53,8 @@ def test_checksums_taken_while_writing_match_the_bytes_on_disk(tmp_path, async_s
     assert "__0_0.distcp" in files and files["__0_0.distcp"]["bytes"] > 3 * 4096
     for name, entry in files.items():
         assert entry == {"bytes": (checkpoint / name).stat().st_size, "crc32": file_checksum(checkpoint / name)}
+        # zlib's CRC-32, as every checkpoint's manifest has recorded it
+        assert entry["crc32"] == f"{zlib.crc32((checkpoint / name).read_bytes()):08x}"
     assert verify(checkpoint) == []
     assert {
         "write",
@@ -63,16 +67,92 @@ def test_checksums_taken_while_writing_match_the_bytes_on_disk(tmp_path, async_s
     assert torch.serialization.get_crc32_options()  # the process-wide zip CRC setting is given back
 
 
-@pytest.mark.parametrize("length", [0, 1, 4095, 4096 * 2, 4096 * 7 + 13])
-def test_a_crc_computed_in_pieces_on_several_threads_is_zlibs(length, monkeypatch):
-    monkeypatch.setattr(crc, "PIECE", 4096)  # many pieces and joins at a small size
-    data = random.Random(length).randbytes(length)
-    ints = torch.arange(length // 4 + 1, dtype=torch.int32).numpy()  # a buffer of 4-byte items
-    for start in (0, 0xDEADBEEF):
-        assert crc.crc32(data, start) == zlib.crc32(data, start)
-        assert crc.crc32(memoryview(ints), start) == zlib.crc32(ints.tobytes(), start)
-    middle = length // 3
-    assert crc.join(zlib.crc32(data[:middle]), zlib.crc32(data[middle:]), length - middle) == zlib.crc32(data)
+class _RecordingFile(io.FileIO):
+    """A checkpoint file that records, at each write, whether it was opened for O_DIRECT, and can refuse
+    O_DIRECT writes (as a file system with a larger alignment does) or run out of space after some writes."""
+
+    def __init__(self, path, mode, opener, log, refuse_direct=False, space_for=None):
+        super().__init__(path, mode, opener=opener)
+        self.log, self.refuse_direct, self.space_for = log, refuse_direct, space_for
+
+    def write(self, data):
+        direct = bool(fcntl.fcntl(self.fileno(), fcntl.F_GETFL) & os.O_DIRECT)
+        self.log.append(direct)
+        if direct and self.refuse_direct:
+            raise OSError(errno.EINVAL, "Invalid argument", self.name)
+        if self.space_for is not None and len(self.log) > self.space_for:
+            raise OSError(errno.ENOSPC, "No space left on device", self.name)
+        return super().write(data)
+
+
+def _tensors_of_odd_sizes() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {f"t{n}": torch.randn(n, generator=generator) for n in (1, 1000, 4093, 20000, 3)} | {
+        "half": torch.randn(777, generator=generator).half()
+    }
+
+
+def _dcp_reference(tensors: dict, directory: Path) -> bytes:
+    """The data file DCP's own writer makes of ``tensors`` (without torch.save's zip CRC, as our saves)."""
+    writer = FileSystemWriter(directory, single_file_per_rank=True)
+    with storage._without_zip_crc():
+        torch.distributed.checkpoint.save(tensors, storage_writer=writer, no_dist=True)
+    return (directory / "__0_0.distcp").read_bytes()
+
+
+@pytest.mark.parametrize("file_system", ["takes O_DIRECT", "refuses it at the open", "refuses it at a write"])
+def test_files_hold_the_bytes_dcp_writes_across_blocks_written_directly_or_not(tmp_path, monkeypatch, file_system):
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        pytest.skip("the file system under the test's folder refuses O_DIRECT")
+    monkeypatch.setattr(storage, "_BLOCK", 8192)  # the 90 KB file crosses many blocks
+    log: list[bool] = []
+    refuse = file_system == "refuses it at a write"
+    monkeypatch.setattr(
+        storage,
+        "open",
+        lambda path, mode, buffering=-1, opener=None: _RecordingFile(path, mode, opener, log, refuse),
+        raising=False,
+    )
+    if file_system == "refuses it at the open":
+
+        def refuse_direct(path, flags):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+
+        monkeypatch.setattr(storage, "_direct_opener", refuse_direct)
+    tensors = _tensors_of_odd_sizes()
+    written = save_tensors(tensors, tmp_path / "ours", None)
+    data = (tmp_path / "ours" / "__0_0.distcp").read_bytes()
+    assert data == _dcp_reference(tensors, tmp_path / "dcp") and len(data) > 10 * 8192 and len(data) % 4096
+    assert written["__0_0.distcp"] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    expected = {"takes O_DIRECT": [True], "refuses it at the open": [False], "refuses it at a write": [True, False]}
+    assert sorted(set(log), reverse=True) == expected[file_system]
+    assert log[0] == (file_system != "refuses it at the open")  # refused at a write: the first, then buffered
+    loaded = {key: torch.empty_like(value) for key, value in tensors.items()}
+    load_tensors(loaded, tmp_path / "ours", None)
+    assert_bitwise_equal(loaded, tensors)
+
+
+def test_a_block_that_fails_to_write_fails_the_save_and_the_next_save_is_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_BLOCK", 8192)
+    log: list[bool] = []
+    monkeypatch.setattr(
+        storage,
+        "open",
+        lambda path, mode, buffering=-1, opener=None: _RecordingFile(path, mode, opener, log, space_for=3),
+        raising=False,
+    )
+    tensors = _tensors_of_odd_sizes()
+    with pytest.raises(CheckpointError, match=r"No space left on device.*__0_0\.distcp"):
+        save_tensors(tensors, tmp_path / "full", None)
+    assert len(log) == 4  # the failed write is the last: nothing more is written after it
+    monkeypatch.setattr(storage, "open", open, raising=False)
+    # Every block went back to the pool once: a block handed out twice would mix two files' bytes.
+    assert len({id(block) for block in storage._free_blocks}) == len(storage._free_blocks)
+    save_tensors(tensors, tmp_path / "next", None)
+    assert (tmp_path / "next" / "__0_0.distcp").read_bytes() == _dcp_reference(tensors, tmp_path / "dcp")
 
 
 def test_a_flipped_byte_in_a_file_written_with_a_running_checksum_is_caught(tmp_path):

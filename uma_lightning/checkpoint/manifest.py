@@ -13,7 +13,8 @@ import os
 from contextlib import nullcontext
 from pathlib import Path
 
-from uma_lightning.checkpoint.crc import crc32
+from zlib_ng.zlib_ng import crc32
+
 from uma_lightning.progress import Progress
 
 MANIFEST = "manifest.json"

@@ -4,9 +4,9 @@ DCP writes one ``__<rank>_<n>.distcp`` file per rank and a ``.metadata`` index; 
 (DTensors of FSDP2 or tensor parallelism) load into any other sharding or into plain tensors, which is
 what makes a checkpoint loadable under another strategy or world size.
 
-Saving checksums every file while its bytes are written (no second pass reading them back), starts
-the disk writing each 64 MiB as soon as it is written, so the final fsync has little left to wait for,
-and records where the time went (``SaveProfile``).
+Saving checksums every file while its bytes are written (no second pass reading them back), writes
+it in 64 MiB blocks past the page cache (``O_DIRECT``) on a thread of its own while the next block
+fills, and records where the time went (``SaveProfile``).
 
 Loading reads each tensor's bytes straight into the tensor it loads into, one large read per tensor,
 where the bytes on disk are laid out as that tensor is (same dtype, contiguous). A tensor, or DTensor
@@ -27,8 +27,11 @@ writes there, and an entry stored as pickled bytes is refused instead of being l
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import functools
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -36,12 +39,13 @@ import sys
 import threading
 import time
 import warnings
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -56,8 +60,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from zlib_ng.zlib_ng import crc32
 
-from uma_lightning.checkpoint.crc import crc32
 from uma_lightning.checkpoint.manifest import CheckpointError
 
 # A single process saves and loads without a process group on purpose.
@@ -415,8 +419,12 @@ def tensor_metadata(directory: str | Path) -> dict[str, TensorStorageMetadata]:
     return entries
 
 
-# Dirty pages are handed to the disk in steps of this many bytes while the file is still being written.
-_WRITEBACK_STEP = 64 * 2**20
+# A file is written in blocks of this many bytes, 4 KiB-aligned, a thread writing one while the next fills.
+# Fewer, larger writes keep the disk busier: 64 MiB blocks saved the `small` model in 0.82 s (median of 5),
+# 32 MiB in 0.92 s and 16 MiB in 1.02 s, the raw write taking 0.69 s. Two blocks, kept from save to save.
+_BLOCK = 64 * 2**20
+_BLOCKS = 2
+_ALIGN = 4096  # what O_DIRECT asks of a write's buffer, length and file offset on common disks
 # torch.save's zip records carry their own CRC-32, computed in a second pass over every byte (2.5 GB/s
 # on one core); the manifest's checksum already covers every byte, so our saves turn it off. The
 # setting is process-wide: a lock keeps it off for as long as any of our saves runs and restores it after.
@@ -446,35 +454,94 @@ class SaveProfile:
 
 
 class _ChecksummedFile:
-    """A file being written: CRC-32 and size of the bytes as they pass, writeback started every
-    ``_WRITEBACK_STEP`` bytes, and an fsync when closed. Only appends, as DCP's writer does."""
+    """A file being written: CRC-32 and size of the bytes as they pass, gathered into aligned blocks that a
+    thread of its own writes while the next block fills, and an fsync when closed. Only appends, as DCP's
+    writer does.
 
-    def __init__(self, file, profile: SaveProfile):
-        self._file = file
+    The file is opened with ``O_DIRECT`` where the file system allows: the blocks go from our buffers to the
+    disk, past the page cache. Buffered, a save's writes first fill gigabytes of the page cache, and
+    allocating those pages can cost more than the disk itself on a virtual machine (1.3 GB written
+    buffered took 0.6 to 3.8 s from run to run, the same bytes written directly 0.4 to 0.9 s); the cache
+    also evicts what training reads. The last block is padded to the alignment and the file truncated
+    back to its size. Where the file system refuses ``O_DIRECT``, the file is written buffered.
+    """
+
+    def __init__(self, path: Path, profile: SaveProfile):
+        try:
+            self._file = open(path, "wb", buffering=0, opener=_direct_opener)
+            self._direct = True
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # the file system refuses O_DIRECT: buffered, as any file
+                raise
+            self._file = open(path, "wb", buffering=0)
+            self._direct = False
         self._profile = profile
         self.size = 0
         self.crc = 0
-        self._written_back = 0
+        self._free = [_take_block() for _ in range(_BLOCKS)]
+        self._filling = self._free.pop()
+        self._filling_bytes = np.frombuffer(self._filling, np.uint8)
+        self._filled = 0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-file")
+        self._in_flight: deque[tuple[Future, mmap.mmap]] = deque()
+        self._failure: Optional[BaseException] = None  # a write that failed fails every later one
         self._seconds = {"checksum": 0.0, "write": 0.0}
 
     def write(self, data) -> int:
-        view = memoryview(data)
+        if self._failure is not None:  # as a failing disk would: torch.save's closing records must not land
+            raise self._failure
+        view = memoryview(data).cast("B")
         started = time.perf_counter()
-        self.crc = crc32(view, self.crc)  # a large buffer in pieces on several threads (crc.py)
+        # zlib-ng's CRC lets go of the GIL: it runs while the file's thread writes the last full block.
+        self.crc = crc32(view, self.crc)
         checksummed = time.perf_counter()
-        self._file.write(view)
-        self.size += view.nbytes
-        if self.size - self._written_back >= _WRITEBACK_STEP:
-            self._file.flush()
-            # Starts writeback of the range's dirty pages without waiting for it (and drops them from
-            # the cache once clean): the disk works while the rest is serialised.
-            os.posix_fadvise(
-                self._file.fileno(), self._written_back, self.size - self._written_back, os.POSIX_FADV_DONTNEED
-            )
-            self._written_back = self.size
+        copied = 0
+        while copied < len(view):
+            count = min(_BLOCK - self._filled, len(view) - copied)
+            # numpy's copy lets go of the GIL, which training needs while a background save writes
+            self._filling_bytes[self._filled : self._filled + count] = np.frombuffer(view, np.uint8, count, copied)
+            self._filled += count
+            copied += count
+            if self._filled == _BLOCK:
+                self._send_block(_BLOCK)
+        self.size += len(view)
         self._seconds["checksum"] += checksummed - started
         self._seconds["write"] += time.perf_counter() - checksummed
-        return view.nbytes
+        return len(view)
+
+    def _send_block(self, length: int) -> None:
+        """Queue the filling block for the file's thread and fill a free one, waiting for one if none is.
+        Each block is in one place at any time: filling, in flight or free."""
+        block, self._filling = self._filling, None
+        self._in_flight.append((self._writer.submit(self._write_block, memoryview(block)[:length]), block))
+        if not self._free:
+            self._wait_for_oldest_write()
+        self._filling = self._free.pop()
+        self._filling_bytes = np.frombuffer(self._filling, np.uint8)
+        self._filled = 0
+
+    def _wait_for_oldest_write(self) -> None:
+        writing, block = self._in_flight.popleft()
+        self._free.append(block)
+        writing.result()
+
+    def _write_block(self, block: memoryview) -> None:
+        if self._failure is not None:
+            raise self._failure
+        while len(block):
+            try:
+                block = block[self._file.write(block) :]
+            except OSError as err:
+                if err.errno != errno.EINVAL or not self._direct:
+                    self._failure = err
+                    raise
+                # Opened with O_DIRECT, refused at the write (an alignment this file system finds too
+                # small): the rest is written buffered.
+                flags = fcntl.fcntl(self._file.fileno(), fcntl.F_GETFL)
+                fcntl.fcntl(self._file.fileno(), fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                self._direct = False
+        if not self._direct:  # start writeback now, so that the fsync has little left to wait for
+            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def tell(self) -> int:
         return self.size
@@ -486,21 +553,72 @@ class _ChecksummedFile:
         return self._file.fileno()
 
     def flush(self) -> None:
-        self._file.flush()
+        """Nothing: the bytes reach the file in whole blocks, and all of them at ``close``."""
 
     @property
     def closed(self) -> bool:
         return self._file.closed
 
     def close(self) -> None:
+        """Write what is left, then fsync and close."""
         if self._file.closed:
             return
-        with self._profile.timed("fsync"):
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            with self._profile.timed("fsync"):
+                if self._filled:
+                    padded = -(-self._filled // _ALIGN) * _ALIGN
+                    self._filling[self._filled : padded] = bytes(padded - self._filled)
+                    self._send_block(padded)
+                while self._in_flight:
+                    self._wait_for_oldest_write()
+                if self._file.seek(0, os.SEEK_END) != self.size:
+                    os.ftruncate(self._file.fileno(), self.size)
+                os.fsync(self._file.fileno())
+        finally:
+            self._release()
         for phase, seconds in self._seconds.items():
             self._profile.add(phase, seconds)
+
+    def abandon(self) -> Optional[BaseException]:
+        """Close without writing more, after a failure: the file is left as it is, never committed.
+        Returns the error a write of this file failed with, if one did."""
+        while self._in_flight:
+            with suppress(Exception):
+                self._wait_for_oldest_write()
+        self._release()
+        return self._failure
+
+    def _release(self) -> None:
+        self._writer.shutdown(wait=True)  # no write is under way after this
+        self._file.close()
+        blocks = [*self._free, *(block for _, block in self._in_flight)]
+        for block in blocks if self._filling is None else [self._filling, *blocks]:
+            _give_back_block(block)
+        self._free, self._in_flight, self._filling = [], deque(), None
+
+
+def _direct_opener(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_DIRECT)
+
+
+# Aligned blocks (anonymous mmaps are page-aligned) kept from file to file: allocating and first touching
+# 128 MiB for every save would cost more than the copies into them.
+_free_blocks: list[mmap.mmap] = []
+_free_blocks_lock = threading.Lock()
+
+
+def _take_block() -> mmap.mmap:
+    with _free_blocks_lock:
+        while _free_blocks:
+            block = _free_blocks.pop()
+            if len(block) == _BLOCK:  # not one made under another block size (tests change it)
+                return block
+    return mmap.mmap(-1, _BLOCK)
+
+
+def _give_back_block(block: mmap.mmap) -> None:
+    with _free_blocks_lock:
+        _free_blocks.append(block)
 
 
 class _ChecksummingFileSystem(FileSystem):
@@ -518,10 +636,15 @@ class _ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         path = Path(path)
-        with open(path, "wb", buffering=_WRITEBACK_STEP // 8) as file:
-            stream = _ChecksummedFile(file, self.profile)
+        stream = _ChecksummedFile(path, self.profile)
+        try:
             yield stream
-            stream.close()
+        except BaseException:
+            failure = stream.abandon()
+            if failure is not None:  # the disk's own error, not what torch.save made of it ("unexpected pos")
+                raise failure from None
+            raise
+        stream.close()
         self.written[path.name] = {"bytes": stream.size, "crc32": f"{stream.crc:08x}"}
 
 
