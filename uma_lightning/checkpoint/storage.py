@@ -467,14 +467,7 @@ class _ChecksummedFile:
     """
 
     def __init__(self, path: Path, profile: SaveProfile):
-        try:
-            self._file = open(path, "wb", buffering=0, opener=_direct_opener)
-            self._direct = True
-        except OSError as err:
-            if err.errno != errno.EINVAL:  # the file system refuses O_DIRECT: buffered, as any file
-                raise
-            self._file = open(path, "wb", buffering=0)
-            self._direct = False
+        self._file, self._direct = _open_for_writing(path)
         self._profile = profile
         self.size = 0
         self.crc = 0
@@ -595,6 +588,18 @@ class _ChecksummedFile:
         for block in blocks if self._filling is None else [self._filling, *blocks]:
             _give_back_block(block)
         self._free, self._in_flight, self._filling = [], deque(), None
+
+
+def _open_for_writing(path: Path) -> tuple[io.RawIOBase, bool]:
+    """The file, unbuffered, and whether it takes O_DIRECT writes: where the platform and the file system
+    allow (a file system that refuses it fails the open with EINVAL), else written through the page cache."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return open(path, "wb", buffering=0, opener=_direct_opener), True
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+    return open(path, "wb", buffering=0), False
 
 
 def _direct_opener(path: str, flags: int) -> int:
