@@ -105,8 +105,12 @@ def run_job(
             process.join()
     logs = [forked_cli.rank_log(log, rank).read_text() for rank in range(world_size)]
     assert None not in exited_at, "a rank did not exit:\n" + "\n".join(log[-3000:] for log in logs)
+    statuses = [p.exitcode for p in ranks]
+    assert marker is None or marker.exists(), f"the job ended (exit statuses {statuses}) before its fault:\n" + (
+        "\n".join(log[-3000:] for log in logs)
+    )
     started = json.loads(marker.read_text())["time"] if marker else None
-    return [p.exitcode for p in ranks], [t - started if started else None for t in exited_at], logs
+    return statuses, [t - started if started else None for t in exited_at], logs
 
 
 @pytest.fixture(scope="module")
