@@ -78,7 +78,12 @@ def test_built_wheel_ships_and_imports_callbacks_kernels_and_configs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "uma_lightning/callbacks/throughput.py" in names
     assert "uma_lightning/kernels/attention.py" in names
-    assert "uma_lightning/configs/model/tiny.yaml" in names
+    shipped_configs = {
+        f"uma_lightning/configs/{path.relative_to(REPO / 'configs')}"
+        for path in (REPO / "configs").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    assert shipped_configs - set(names) == set()  # every fragment and launch template, each folder of configs/
     assert not any(n.startswith(("callbacks/", "kernels/", "configs/")) for n in names)
     # Import from the unpacked wheel alone, with the repository out of the way.
     site = tmp_path / "site"
