@@ -118,7 +118,7 @@ def escape(text: str) -> str:
 
 def help_text(argv: list[str]) -> str:
     """What ``uma ARGV`` prints (``--help``, say), at a fixed width so a page does not depend on the terminal."""
-    from uma_lightning.cli import main
+    from uma_lightning.command import main
 
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"
@@ -141,7 +141,7 @@ def subcommands_of(help_output: str) -> list[str]:
 
 
 def cli_page() -> str:
-    from uma_lightning.cli import TOOLS
+    from uma_lightning.subcommands import TOOLS
 
     out = [
         "# The uma command",

@@ -3,7 +3,7 @@ imported everything once.
 
 Starting Python and importing torch, Lightning and MLflow is most of a short run's time. Tests that
 start many runs (and kill them) fork each one from a multiprocessing forkserver that has those
-imports preloaded. Each run is still a process of its own executing ``uma_lightning.cli.main(argv)``,
+imports preloaded. Each run is still a process of its own executing ``uma_lightning.command.main(argv)``,
 the function behind the ``uma`` command, with its output in a log file and this process's
 environment, as a subprocess would have. Use it wherever a test starts ``uma`` (or its ranks) only
 to get fresh processes; start a real interpreter only where the test is about one (the console
@@ -38,7 +38,7 @@ def _main(argv: list[str], log_path: str, cwd: str, env: dict, process_group: in
     os.dup2(log, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    from uma_lightning.cli import main
+    from uma_lightning.command import main
 
     main(argv)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from uma_lightning.cli import main
+from uma_lightning.command import main
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models import RobotModelConfig, RobotTransformer, load_size
 from uma_lightning.ports import free_port  # noqa: F401  (the tests import it from here)

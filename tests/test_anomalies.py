@@ -17,7 +17,8 @@ from mlflow import MlflowClient
 from suite import QUICK, RECIPE
 
 from uma_lightning.callbacks.anomalies import RollingZScore
-from uma_lightning.cli import UmaCLI, main
+from uma_lightning.cli import UmaCLI
+from uma_lightning.command import main
 from uma_lightning.parallel.grad_norm import clip_grad_norm, gradient_norms
 from uma_lightning.tracking.mlflow_logger import local_store_uri
 

@@ -25,7 +25,7 @@ from uma_lightning.checkpoint import (
 from uma_lightning.checkpoint.codec import decode, encode
 from uma_lightning.checkpoint.state import load_module
 from uma_lightning.checkpoint.storage import tensor_metadata
-from uma_lightning.cli import main
+from uma_lightning.command import main
 
 
 def trained(seed: int = 0, steps: int = 2):

@@ -16,7 +16,8 @@ from suite import QUICK, RECIPE
 
 from uma_lightning.callbacks import ShardedCheckpoint
 from uma_lightning.checkpoint.manifest import MANIFEST, describe_files, read_manifest, write_json_durably
-from uma_lightning.cli import UmaCLI, main
+from uma_lightning.cli import UmaCLI
+from uma_lightning.command import main
 
 
 class NotesSteps(LinearRegression):

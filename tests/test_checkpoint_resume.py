@@ -12,7 +12,8 @@ from checkpoint_modules import resume_recipe as write_recipe
 from safetensors.torch import load_file
 from suite import recipe
 
-from uma_lightning.cli import UmaCLI, main
+from uma_lightning.cli import UmaCLI
+from uma_lightning.command import main
 from uma_lightning.data.spec import DataSpec
 from uma_lightning.models import RobotModelConfig, RobotTransformer, VisionConfig, load_size
 

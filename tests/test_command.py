@@ -3,17 +3,20 @@ driven in real bash and zsh, a distributed run's output, and run names."""
 
 import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import lightning
 import pytest
 import torch
 from suite import run_main
 
-from uma_lightning.cli import TOOLS, TRAINING
 from uma_lightning.parallel.strategy import PRESETS
+from uma_lightning.subcommands import TOOLS, TRAINING
 from uma_lightning.tools.completion import script, uma_commands
 from uma_lightning.tracking.run_name import MAX_NAME_LENGTH, changed_settings, describe_overrides, run_name
 
@@ -44,6 +47,25 @@ def test_version_names_the_package_torch_and_lightning(capsys):
     assert code == 0
     assert out.startswith(f"uma-lightning {importlib.metadata.version('uma-lightning')} ")
     assert f"torch {torch.__version__}" in out and f"lightning {lightning.__version__}" in out
+
+
+@pytest.mark.slow  # new interpreters
+def test_the_command_hands_over_without_importing_what_the_subcommand_does_not_need():
+    """The console script as installed: its help and the tools that need no model start without
+    Lightning (five seconds of imports) or torch; `uma ckpt` without Lightning; `uma fit` with it."""
+    uma = Path(sys.executable).with_name("uma")
+    expected = {("--help",): set(), ("report", "--help"): set(), ("data", "--help"): set(),
+                ("ckpt", "--help"): {"torch"}, ("fit", "--help"): {"torch", "lightning"}}  # fmt: skip
+    for argv, heavy in expected.items():
+        result = subprocess.run(
+            [uma, *argv], capture_output=True, text=True, env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        imported = {
+            line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+        }
+        assert imported & {"torch", "lightning", "mlflow"} == heavy, argv
+        assert result.stdout.startswith("usage: uma"), result.stdout[:200]
 
 
 @pytest.mark.parametrize("tool", ["data", "ckpt", "rl", "plan", "parity", "report", "completion"])

@@ -150,11 +150,11 @@ def small_uma(bin_dir, training: list[str]) -> None:
     script = bin_dir / "uma"
     script.write_text(
         "#!/bin/sh\n"
-        f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(training)};;\n'
-        f'  plan) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_DATA)};;\n'
-        f'  parity) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_PARITY)};;\n'
-        f'  rl) exec {sys.executable} -m uma_lightning.cli "$@" {shlex.join(SMALL_RL)};; esac\n'
-        f'exec {sys.executable} -m uma_lightning.cli "$@"\n'
+        f'case "$1" in {"|".join(TRAINING_COMMANDS)}) exec {sys.executable} -m uma_lightning.command "$@" {shlex.join(training)};;\n'
+        f'  plan) exec {sys.executable} -m uma_lightning.command "$@" {shlex.join(SMALL_DATA)};;\n'
+        f'  parity) exec {sys.executable} -m uma_lightning.command "$@" {shlex.join(SMALL_PARITY)};;\n'
+        f'  rl) exec {sys.executable} -m uma_lightning.command "$@" {shlex.join(SMALL_RL)};; esac\n'
+        f'exec {sys.executable} -m uma_lightning.command "$@"\n'
     )
     script.chmod(0o755)
 

@@ -248,7 +248,7 @@ def test_a_dataset_broken_at_normalisation_is_one_error_line(tmp_path):
     # abort the exit with "terminate called without an active exception".
     script = (
         "import atexit, os, sys\n"
-        "from uma_lightning.cli import main\n"
+        "from uma_lightning.command import main\n"
         "threads = lambda: len(os.listdir('/proc/self/task'))\n"
         "started = threads()\n"
         "atexit.register(lambda: print('native threads started:', threads() - started))\n"

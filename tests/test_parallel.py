@@ -972,7 +972,7 @@ def test_launch_templates_are_valid():
     assert job["kind"] == "PyTorchJob"
     for role in ("Master", "Worker"):
         command = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"][0]["command"]
-        assert command[:4] == ["torchrun", "-m", "uma_lightning.cli", "fit"]
+        assert command[:4] == ["torchrun", "-m", "uma_lightning.command", "fit"]
         for config in (command[i + 1] for i, a in enumerate(command) if a == "--config"):
             assert (REPO / config).is_file(), config
 

@@ -3,7 +3,7 @@ size: pretrain (1 process, the session's ``pretrained`` run) -> midtrain (2 proc
 posttrain (2 processes, FSDP), each stage starting from the previous stage's checkpoint; then the
 post-trained checkpoint in a Policy, test, predict, and a mismatched checkpoint.
 
-One-process commands run in this process (``uma_lightning.cli.main``), which saves the seconds each
+One-process commands run in this process (``uma_lightning.command.main``), which saves the seconds each
 new Python process spends importing; the two ranks of the multi-process commands are forked (``forked_cli``)."""
 
 import logging
@@ -19,7 +19,7 @@ from suite import STAGE_DATA, recipe
 
 from uma_lightning import Policy
 from uma_lightning.checkpoint.weights import read_checkpoint
-from uma_lightning.cli import main
+from uma_lightning.command import main
 
 
 def uma_here(*args, caplog, expect: int = 0) -> str:

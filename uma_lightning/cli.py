@@ -1,4 +1,5 @@
-"""The ``uma`` command: LightningCLI subcommands (fit, validate, test, predict) over recipes, plus tools.
+"""``uma``'s training subcommands (fit, validate, test, predict): LightningCLI over recipes. The command
+itself, its help and its tools, is ``uma_lightning.command``.
 
 A recipe is a LightningCLI config that may list fragments to compose, first to last, before its
 own keys:
@@ -18,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import importlib.metadata
 import logging
 import os
-import platform
 import re
 import sys
 import typing
-import warnings
 from argparse import SUPPRESS, ArgumentError
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +56,7 @@ from uma_lightning.models.sizes import ModelSize
 from uma_lightning.modules import StageModule
 from uma_lightning.parallel import MeshStrategy, register_strategies
 from uma_lightning.parallel.strategy import PRESETS
+from uma_lightning.subcommands import TOOLS
 from uma_lightning.tracking import MLflowLogger, RecordRunConfig
 from uma_lightning.tracking.run_name import changed_settings, describe_overrides, run_name
 
@@ -68,31 +66,6 @@ log = logging.getLogger("uma_lightning")
 _LINK_FAILURE = re.compile(r"Call to compute_fn of link '[^']*' with args")
 
 register_type(ModelSize, serializer=ModelSize.to_dict, deserializer=ModelSize)
-
-# LightningCLI's subcommands, each with the line `uma --help` shows for it.
-TRAINING: dict[str, str] = {
-    "fit": "train from a recipe, or resume its run: uma fit --config RECIPE",
-    "validate": "evaluate on the validation set (--ckpt_path: which weights)",
-    "test": "evaluate on the test set (--ckpt_path: which weights)",
-    "predict": "predict action chunks for the data (--ckpt_path: which weights)",
-}
-
-# Subcommands that are tools rather than training runs: name -> ("module:function(argv) -> exit code",
-# the line `uma --help` shows). Each tool parses its own arguments with the parser its module's
-# build_parser() returns (read by `uma completion` too); imported only when called, so `uma fit`
-# pays nothing for them.
-TOOLS: dict[str, tuple[str, str]] = {
-    "data": ("uma_lightning.tools.data:main", "look at, convert, cache and generate LeRobot datasets"),
-    "ckpt": ("uma_lightning.tools.ckpt:main", "inspect checkpoints, export their weights"),
-    "rl": ("uma_lightning.tools.rl:main", "train an RL learner in simulation: uma rl --config RECIPE"),
-    "plan": (
-        "uma_lightning.tools.planner.tool:main",
-        "rank a recipe's parallel layouts on a cluster",
-    ),
-    "parity": ("uma_lightning.tools.parity.cli:main", "check a recipe trains the same under each strategy"),
-    "report": ("uma_lightning.tools.report:main", "draw what a finished run logged: uma report steptime RUN_DIR"),
-    "completion": ("uma_lightning.tools.completion:main", "print the shell completion script for bash or zsh"),
-}
 
 
 class _ParserBuilt(Exception):
@@ -407,57 +380,8 @@ def bad_data_message(error: Exception) -> str:
     return last.removeprefix(f"{cls.__module__}.{cls.__qualname__}: ")
 
 
-def _quiet_library_noise() -> None:
-    """Drop messages that say nothing about the run: an advert, and a deprecation inside Lightning."""
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: "litlogger" not in record.getMessage()
-    )
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
-
-
-def command_parser() -> argparse.ArgumentParser:
-    """``uma`` before its subcommand: every subcommand with one line, and the versions. Each
-    subcommand's own parser takes over from there (LightningCLI's, or a tool's)."""
-    tools = {name: line for name, (_, line) in TOOLS.items()}
-    width = max(map(len, [*TRAINING, *tools]))
-
-    def table(commands: dict[str, str]) -> str:
-        return "\n".join(f"  {name:<{width}}  {line}" for name, line in commands.items())
-
-    parser = argparse.ArgumentParser(
-        prog="uma",
-        usage="uma [-h] [--version] COMMAND ...",
-        description="Train humanoid-robot foundation models, and the tools around training.",
-        epilog=f"training (LightningCLI):\n{table(TRAINING)}\n\ntools:\n{table(tools)}\n\n"
-        "`uma COMMAND --help` shows a command's own options; for training, every config key.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the tables' rows
-    )
-    parser.add_argument(
-        "--version", action="version", version=versions(), help="print the versions of uma, torch and Lightning"
-    )
-    parser.add_argument("command", choices=[*TRAINING, *tools], metavar="COMMAND", help=argparse.SUPPRESS)
-    return parser
-
-
-def versions() -> str:
-    """uma-lightning's version and those of the libraries that decide how it trains."""
-    import lightning
-
-    return (
-        f"uma-lightning {importlib.metadata.version('uma-lightning')} (torch {torch.__version__}, "
-        f"lightning {lightning.__version__}, Python {platform.python_version()})"
-    )
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "--version"):
-        command_parser().parse_args(args[:1])  # prints and exits
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    _quiet_library_noise()
-    if args[0] in TOOLS:
-        module, function = TOOLS[args[0]][0].split(":")
-        raise SystemExit(getattr(importlib.import_module(module), function)(args[1:]))
+def train(args: list[str]) -> None:
+    """Run a training subcommand (``uma fit ...``); a failure the user can fix ends with one line and status 2."""
     _threads_for_slurm_task()
     try:
         UmaCLI(args)
@@ -475,7 +399,3 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(3) from None
     except Preempted as stop:
         stop.finish()  # the trainer has torn down: requeue if asked, exit 128 + signal
-
-
-if __name__ == "__main__":
-    main()

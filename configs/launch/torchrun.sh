@@ -19,6 +19,6 @@ exec "${PYTHON:-python3}" -m torch.distributed.run \
   --rdzv-endpoint "$RDZV_ENDPOINT" \
   --rdzv-id "${RDZV_ID:-uma}" \
   --max-restarts "${MAX_RESTARTS:-0}" \
-  -m uma_lightning.cli fit "$@" \
+  -m uma_lightning.command fit "$@" \
   --trainer.num_nodes "$NNODES" \
   --trainer.devices "$NPROC_PER_NODE"

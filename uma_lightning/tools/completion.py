@@ -25,9 +25,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from uma_lightning.cli import TOOLS, UmaCLI, subcommand_parsers
+from uma_lightning.cli import UmaCLI, subcommand_parsers
 from uma_lightning.models.sizes import ModelSize, preset_names
 from uma_lightning.parallel.strategy import PRESETS
+from uma_lightning.subcommands import TOOLS
 
 # Tools that read a recipe and take its keys after their own options (parse_known_args).
 RECIPE_TOOLS = ("plan", "parity")
