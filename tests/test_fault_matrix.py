@@ -248,7 +248,10 @@ def test_a_run_waits_at_its_checkpoint_while_the_mlflow_server_is_away_and_loses
         assert finished.info.status == "FINISHED", output[-5000:]
         # Every step's loss arrived, each once (MLflow's steps count from 0).
         assert logged_steps(client, "train/loss") == list(range(OUTAGE_STEPS)), output[-5000:]
-        assert "Traceback" not in output and "Failed to log" not in output
+        # A server killed while answering a batch cuts that response: MLflow says "Failed to log run data",
+        # and the logger sends the batch again at the next checkpoint (each step above is stored once).
+        assert "Traceback" not in output
+        assert "Failed to log" not in output or "since the last flush were not stored" in output, output[-5000:]
     finally:
         if run.is_alive():
             run.kill()

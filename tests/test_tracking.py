@@ -1,9 +1,14 @@
 """MLflow tracking against a real `mlflow server` on 127.0.0.1, read back through the MLflow client."""
 
+import http.client
 import json
 import logging
 import random
 import re
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -281,6 +286,104 @@ def test_the_metrics_before_a_checkpoint_reach_the_store_when_it_is_saved(tmp_pa
     assert stored_steps() == [0, 1, 2]  # merging again until the next checkpoint
     logger.finalize("success")
     assert stored_steps() == [0, 1, 2, 3]
+
+
+def cutting_proxy(upstream: str, cuts: list[str]) -> tuple[ThreadingHTTPServer, str]:
+    """An HTTP proxy in front of a real MLflow server, on a free port of 127.0.0.1. Each ``log-batch``
+    request while ``cuts`` is not empty gets a response cut off after two bytes of its body (as from a
+    server killed while answering): ``"forwarded"`` once the server has stored the batch, ``"dropped"``
+    without passing it on. Returns the proxy (serving on a thread) and its URL."""
+    host, port = urllib.parse.urlsplit(upstream).netloc.split(":")
+
+    class Relay(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def relay(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            cut = cuts.pop(0) if self.path.endswith("/runs/log-batch") and cuts else None
+            if cut != "dropped":
+                upstream_connection = http.client.HTTPConnection(host, int(port), timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                upstream_connection.request(self.command, self.path, body, headers)
+                response = upstream_connection.getresponse()
+                status, data, content_type = response.status, response.read(), response.getheader("Content-Type")
+                upstream_connection.close()
+            if cut:
+                status, content_type, data = 200, "application/json", b"{}" + b" " * 62
+            self.send_response(status)
+            self.send_header("Content-Type", content_type or "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[:2] if cut else data)
+            self.close_connection = bool(cut)
+
+        do_GET = do_POST = do_PATCH = do_DELETE = relay
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    return proxy, f"http://127.0.0.1:{proxy.server_address[1]}"
+
+
+@pytest.mark.slow  # a server process
+def test_a_batch_whose_response_was_cut_is_sent_again_and_stored_once(mlflow_server, tmp_path, monkeypatch, caplog):
+    """MLflow's client retries a request it could not send, not one whose response was cut: its async
+    queue logs the failure and drops the batch, stored or not. The logger sends such batches again at the
+    next flush (each checkpoint), and says so; without a cut it says nothing."""
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "0")  # a request per batch
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a resend that fails, at once
+    caplog.set_level(logging.WARNING)
+    cuts: list[str] = []
+    proxy, url = cutting_proxy(mlflow_server, cuts)
+    logger = MLflowLogger(experiment_name="cut-responses", tracking_uri=url, store_dir=str(tmp_path / "unused"))
+    server = MlflowClient(mlflow_server)
+
+    def stored_steps() -> list[int]:
+        return sorted(m.step for m in server.get_metric_history(logger.run_id, "train/loss"))
+
+    def log_steps(steps) -> None:
+        for step in steps:
+            logger.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+            time.sleep(0.2)  # each batch on its own: the cut ones are the first ones
+
+    try:
+        logger.log_metrics({"train/loss": 2.0}, step=0)  # opens the run
+        logger.flush()
+        cuts += ["dropped", "forwarded"]
+        log_steps(range(1, 6))
+        logger.flush()  # as at a checkpoint
+        assert stored_steps() == list(range(6))  # each step once: the forwarded batch is not doubled
+        resent = [r.getMessage() for r in caplog.records if "sending all" in r.getMessage()]
+        assert len(resent) == 1 and re.match(r"MLflow: 2 of 5 batches since the last flush were not stored", resent[0])
+
+        # Quiet when nothing fails.
+        caplog.clear()
+        log_steps(range(6, 9))
+        logger.flush()
+        assert stored_steps() == list(range(9)) and not [r for r in caplog.records if r.name.startswith("uma")]
+
+        # A resend that fails too waits for the next flush, and says which steps wait.
+        cuts += ["dropped", "dropped"]
+        log_steps([9])
+        logger.flush()
+        assert stored_steps() == list(range(9))
+        assert any("1 metric values of steps 9..9 are not stored yet" in r.getMessage() for r in caplog.records)
+        logger.flush()
+        assert stored_steps() == list(range(10))
+
+        # At the last flush, what cannot be stored is reported lost.
+        caplog.clear()
+        cuts += ["dropped"] * 2
+        log_steps([10])
+        logger.finalize("success")
+        assert stored_steps() == list(range(10))
+        assert any(
+            "1 metric values of steps 10..10 were not stored and are lost" in r.getMessage() for r in caplog.records
+        )
+    finally:
+        proxy.shutdown()
 
 
 def test_a_continued_run_keeps_its_params_when_the_resumed_config_changed(tmp_path, caplog):

@@ -107,6 +107,11 @@ def mlflow_client(logger: MLFlowLogger):
     return logger._mlflow_client
 
 
+def replace_mlflow_client(logger: MLFlowLogger, client) -> None:
+    """Have the logger talk to MLflow through ``client`` (a subclass of ``MlflowClient``)."""
+    logger._mlflow_client = client
+
+
 def mlflow_run_opened(logger: MLFlowLogger) -> bool:
     return logger._initialized
 

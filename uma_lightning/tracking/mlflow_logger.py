@@ -28,12 +28,16 @@ from uma_lightning.lightning_compat import (
     mlflow_run_opened,
     mlflow_tracking_uri,
     name_mlflow_run,
+    replace_mlflow_client,
 )
 
 log = logging.getLogger(__name__)
 
 ASYNC_BUFFERING_SECONDS = 5
 BUFFERING_VARIABLE = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"
+# Batches kept for sending again (resending_client.py) are confirmed at each flush (each checkpoint); a run
+# that saves none is flushed after this many, so that they do not pile up.
+MAX_UNCONFIRMED_BATCHES = 1000
 MAX_PARAM_LENGTH = 250  # Lightning's MLFlowLogger cuts longer param values to this length
 
 
@@ -100,6 +104,9 @@ class MLflowLogger(LightningMLFlowLogger):
                 run_id=run_id,
                 synchronous=synchronous,
             )
+        from uma_lightning.tracking.resending_client import ResendingClient
+
+        replace_mlflow_client(self, ResendingClient(uri))
         self.log_policy = log_policy or bool(register_model)
         self.register_model = register_model
         self.policy_weights = policy_weights
@@ -235,21 +242,22 @@ class MLflowLogger(LightningMLFlowLogger):
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
         self._metrics_logged = True
         super().log_metrics(metrics, step)
-        if self._flush_after_next_metrics:
+        if self._flush_after_next_metrics or mlflow_client(self).unconfirmed >= MAX_UNCONFIRMED_BATCHES:
             self._flush_after_next_metrics = False
             self._flush()
 
     def _finalize(self, status: str) -> None:
-        self._flush()  # before the run is marked finished
+        self._flush(last=True)  # before the run is marked finished
         super().finalize(status)
 
     def flush(self) -> None:
-        """Write out every metric still waiting in MLflow's async queue."""
+        """Write out every metric still waiting in MLflow's async queue (and again what it failed to store)."""
         self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
         if mlflow_run_opened(self):
             flush_async_logging(mlflow_tracking_uri(self))
+            mlflow_client(self).confirm(last)
 
 
 def flatten_params(params, prefix: str = "") -> dict[str, str]:
