@@ -66,6 +66,9 @@ def test_the_command_hands_over_without_importing_what_the_subcommand_does_not_n
         }
         assert imported & {"torch", "lightning", "mlflow"} == heavy, argv
         assert result.stdout.startswith("usage: uma"), result.stdout[:200]
+    # The module that was the command before says where the command is, instead of doing nothing.
+    old = subprocess.run([sys.executable, "-m", "uma_lightning.cli", "fit"], capture_output=True, text=True)
+    assert old.returncode == 1 and "python -m uma_lightning.command" in old.stderr, old.stderr[-2000:]
 
 
 @pytest.mark.parametrize("tool", ["data", "ckpt", "rl", "plan", "parity", "report", "completion"])

@@ -248,6 +248,7 @@ def test_a_dataset_broken_at_normalisation_is_one_error_line(tmp_path):
     # abort the exit with "terminate called without an active exception".
     script = (
         "import atexit, os, sys\n"
+        "import uma_lightning.cli  # what `uma fit` imports, before the count\n"
         "from uma_lightning.command import main\n"
         "threads = lambda: len(os.listdir('/proc/self/task'))\n"
         "started = threads()\n"

@@ -399,3 +399,7 @@ def train(args: list[str]) -> None:
         raise SystemExit(3) from None
     except Preempted as stop:
         stop.finish()  # the trainer has torn down: requeue if asked, exit 128 + signal
+
+
+if __name__ == "__main__":  # the command moved: say where, rather than import everything and do nothing
+    raise SystemExit("uma: run `uma ...` or `python -m uma_lightning.command ...`; uma_lightning.cli is not a command")
