@@ -211,8 +211,13 @@ class FaultAt(Callback):
 def _children(pid: int) -> list[int]:
     children = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(child) for child in f.read().split()]
+        # A thread may end between the listing and the read (a checkpoint file's writer thread lives for
+        # one file); it started no loader worker.
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return children
 
 
